@@ -1,0 +1,65 @@
+"""KV caches for FusedKV models and their measured size.
+
+The default cache is transformers' `DynamicCache`: the model writes only storage layers into it, so
+reconstruction layers' slots stay empty and the bytes held are exactly what the plan promises.
+`StaticKVCache` is a preallocated, fixed-shape cache (gpt-fast style) for storage layers only, for
+decode loops that want no allocation per step (and fixed shapes for torch.compile / CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_cache_nbytes(cache) -> int:
+    """Bytes of K/V tensors actually held by a cache (empty layers count zero)."""
+    if isinstance(cache, StaticKVCache):
+        return cache.nbytes()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+class StaticKVCache:
+    """Preallocated K/V for the storage layers of a plan: `[B, H_kv, max_len, D]` each.
+
+    `update` writes the new tokens in place and returns views of the filled prefix, so the model
+    code is the same as with `DynamicCache`. Only storage layers get buffers: the half-size cache
+    is allocated once, up front.
+    """
+
+    is_compileable = False  # the model builds its own masks; transformers must not pre-build 4-D ones
+
+    def __init__(self, config, batch_size: int, max_len: int, dtype=torch.float32, device=None):
+        if max_len > config.max_position_embeddings:
+            raise ValueError(
+                f"StaticKVCache max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}"
+            )
+        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.max_len = max_len
+        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
+        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
+        self._length = 0
+        self._first = min(self.keys)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
+        start, t = self._length, k.shape[2]
+        if start + t > self.max_len:
+            raise ValueError(f"StaticKVCache is full: {start} + {t} tokens exceed max_len={self.max_len}")
+        self.keys[layer_idx][:, :, start : start + t] = k
+        self.values[layer_idx][:, :, start : start + t] = v
+        if layer_idx == max(self.keys):
+            self._length += t  # the last storage layer of this forward has written: advance
+        return self.keys[layer_idx][:, :, : start + t], self.values[layer_idx][:, :, : start + t]
+
+    def reset(self) -> None:
+        self._length = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())

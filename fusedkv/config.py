@@ -1,0 +1,167 @@
+"""`FusedKVConfig`: a Qwen3-style decoder configuration plus the KV-sharing plan.
+
+Field names follow transformers' `Qwen3Config` so converted checkpoints and tools that read Qwen3
+configs keep working. The plan is given by name (`kv_sharing`) or by a custom 1-based source map
+(`kv_source_map`); `config.plan` turns either into a validated `KVSharingPlan`.
+
+Every invalid combination raises `ValueError` naming the field and the fix, at construction time, so
+bad configs never reach torch.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+from .plan import ATTENTION_TYPES, FULL, PLAN_NAMES, KVSharingPlan, build_plan, custom_plan
+
+FUSION_INITS = ("equivalent", "normal", "iterative")
+
+
+@strict
+class FusedKVConfig(PreTrainedConfig):
+    r"""Configuration of a FusedKV decoder.
+
+    Architecture fields are Qwen3's. FusedKV fields:
+        kv_sharing: plan name (vanilla, gqa, cla, yoco, fusedkv-lite, fusedkv, fusedkv-dense) or "custom".
+        kv_source_map: for "custom": list of {"layers": [first, last], "k": [..], "v": [..],
+            "k_fusion": "reuse"|"channel"|"scalar", "v_fusion": ...}, 1-based layer numbers.
+        shared_attention_types: which attention types the upper half reconstructs (SWA hybrids: the
+            paper's "+W" shares only sliding layers, "+WF" shares both). None = all.
+        fusion_init: "equivalent" (default; the unrolled iterative recurrence), "normal" (weights drawn
+            like other parameters) or "iterative" (the iterative architecture with its carried K/V).
+        fusion_iterative_init: (carry, fixed) initial coefficients of the iterative recurrence
+            K^i = carry * K^{i-1} + fixed * K^1, which "equivalent" unrolls.
+        tie_rope_pairs: tie key fusion weights across each RoPE rotation pair (SPEC section 2). Only
+            switch off to demonstrate why it is needed.
+    """
+
+    model_type = "fusedkv"
+    keys_to_ignore_at_inference = ["cache"]
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    kv_sharing: str = "fusedkv"
+    kv_source_map: list[dict] | None = None
+    shared_attention_types: list[str] | None = None
+    fusion_init: str = "equivalent"
+    fusion_iterative_init: list[float] | None = None
+    tie_rope_pairs: bool = True
+
+    def __post_init__(self, **kwargs):
+        # transformers-4 style `rope_theta=` is accepted and stored the transformers-5 way.
+        rope_theta = kwargs.pop("rope_theta", None)
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta or 10000.0)}
+        elif rope_theta is not None:
+            self.rope_parameters = {**self.rope_parameters, "rope_theta": float(rope_theta)}
+        if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            # GQA's default in the paper: two query heads per KV head.
+            gqa = self.kv_sharing == "gqa" and self.num_attention_heads % 2 == 0
+            self.num_key_value_heads = self.num_attention_heads // 2 if gqa else self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        if self.fusion_iterative_init is None:
+            self.fusion_iterative_init = [0.5, 0.5]
+        super().__post_init__(**kwargs)
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError naming the offending field and the fix."""
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(msg)
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, f"{name}={v!r}: must be a positive integer")
+        need(
+            self.head_dim is not None,
+            f"head_dim is unset and hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+            f"{self.num_attention_heads}; set head_dim explicitly",
+        )
+        need(
+            self.head_dim > 0 and self.head_dim % 2 == 0,
+            f"head_dim={self.head_dim}: RoPE rotates channel pairs, so head_dim must be a positive even number",
+        )
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads={self.num_attention_heads} is not divisible by num_key_value_heads="
+            f"{self.num_key_value_heads}; each KV head must serve the same number of query heads",
+        )
+        need(
+            self.kv_sharing in (*PLAN_NAMES, "custom"),
+            f"kv_sharing={self.kv_sharing!r}: unknown plan; choose one of {', '.join(PLAN_NAMES)} or 'custom' "
+            "with a kv_source_map",
+        )
+        need(
+            (self.kv_sharing == "custom") == (self.kv_source_map is not None),
+            "kv_source_map is given only with kv_sharing='custom' (and kv_sharing='custom' needs a kv_source_map)",
+        )
+        need(self.fusion_init in FUSION_INITS, f"fusion_init={self.fusion_init!r}: choose one of {FUSION_INITS}")
+        need(
+            len(self.layer_types) == self.num_hidden_layers,
+            f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}",
+        )
+        need(
+            all(t in ATTENTION_TYPES for t in self.layer_types),
+            f"layer_types: entries must be in {ATTENTION_TYPES}",
+        )
+        need(
+            "sliding_attention" not in self.layer_types or (self.sliding_window or 0) > 0,
+            "layer_types has sliding_attention layers but sliding_window is not a positive integer",
+        )
+        need(
+            len(self.fusion_iterative_init) == 2,
+            "fusion_iterative_init must be [carry, fixed], the two coefficients of the iterative recurrence",
+        )
+        plan = self.plan  # builds and validates the source map
+        if self.fusion_init == "iterative":
+            for layer in plan.layers:
+                if not layer.stores:
+                    need(
+                        layer.k_fusion == layer.v_fusion == "channel" and len(layer.k_sources) == 2
+                        and len(layer.v_sources) == 2,
+                        f"fusion_init='iterative' needs two-source channel fusion in every reconstruction layer; "
+                        f"layer {layer.index + 1} is not (use kv_sharing='fusedkv')",
+                    )
+
+    @property
+    def plan(self) -> KVSharingPlan:
+        """The validated plan (recomputed on access: it is cheap, and configs must stay JSON-serialisable)."""
+        if self.kv_sharing == "custom":
+            return custom_plan(self.num_hidden_layers, self.kv_source_map, self.layer_types)
+        return build_plan(self.kv_sharing, self.num_hidden_layers, self.layer_types, self.shared_attention_types)
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        """Bytes of KV cache one token occupies, per sequence (SPEC: 2 * L * H_kv * D for vanilla)."""
+        return self.plan.cache_elements_per_token() * self.num_key_value_heads * self.head_dim * bytes_per_element
+
+
+__all__ = ["FusedKVConfig"]

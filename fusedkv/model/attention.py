@@ -1,0 +1,106 @@
+"""Self-attention for both kinds of layer, and the per-forward record of K/V that layers share.
+
+A storage layer projects its own K/V, applies QK-norm and RoPE, appends to the cache and attends.
+A reconstruction layer has only a query projection: it reads its source layers' post-RoPE K/V from
+`KVState` (filled by the storage layers earlier in the same forward) and attends over their fusion.
+Which sources and which fusion is the plan's business (`LayerKV`); this module just follows it.
+
+Two interchangeable attention paths (`fusedkv.kernels.reference`):
+  * materialized: build fused K/V, then SDPA. Compute-efficient for long query blocks (training,
+    full-sequence scoring) and the plain reference that tests compare against.
+  * factored: move key weights onto the query and value weights onto the output, so no fused tensor
+    is ever written. Used for short query blocks (decode, the last prompt position in prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..kernels.reference import factored_attention, materialized_attention
+from ..plan import LayerKV
+from .fusion import KVFusion
+from .layers import RMSNorm, apply_rope
+
+ATTENTION_PATHS = ("auto", "materialized", "factored")
+# Query blocks up to this length take the factored path under "auto" (measured: benchmarks/README).
+FACTORED_MAX_QUERY = 16
+
+
+@dataclass
+class KVState:
+    """K/V of the storage layers for the current forward (past + new tokens), keyed by layer index,
+    plus the carried K/V of the iterative-fusion variant. Lives for one forward only; the persistent
+    part is the transformers `Cache`, which holds storage layers alone."""
+
+    cache: object | None = None
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    carry: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer: LayerKV):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.iterative = config.fusion_init == "iterative" and not layer.stores
+        self.path = "auto"
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if layer.stores:
+            self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+            self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, cos, sin, mask, kv: KVState) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+
+        if self.layer.stores:
+            k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+            v = self._heads(self.v_proj(x), self.num_kv_heads)
+            if kv.cache is not None:
+                k, v = kv.cache.update(k, v, self.layer.index)
+            kv.layers[self.layer.index] = (k, v)
+            k_src, k_w, v_src, v_w = [k], [None], [v], [None]
+        elif self.iterative:
+            k_src, k_w, v_src, v_w = self._iterative_sources(kv)
+        else:
+            k_src = [kv.layers[s][0] for s in self.layer.k_sources]
+            v_src = [kv.layers[s][1] for s in self.layer.v_sources]
+            k_w, v_w = self.fusion.key_weights(), self.fusion.value_weights()
+
+        path = self.path
+        if path == "auto":
+            weighted = any(w is not None for w in k_w + v_w)
+            # Factored pays off for short query blocks at inference; training keeps SDPA's fused kernels.
+            short = t <= FACTORED_MAX_QUERY and not (torch.is_grad_enabled() and q.requires_grad)
+            path = "factored" if weighted and short else "materialized"
+        attend = factored_attention if path == "factored" else materialized_attention
+        out = attend(q, k_src, k_w, v_src, v_w, mask=mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def _iterative_sources(self, kv: KVState):
+        """The iterative variant: fuse the fixed first source with the K/V carried up from the
+        previous reconstruction layer (initially the second source), and carry the result on."""
+        first, second = self.layer.k_sources
+        chain = self.layer.k_sources
+        carry_k, carry_v = kv.carry.get(chain, kv.layers[second])
+        k1, v1 = kv.layers[first]
+        (a_fixed, a_carry), (b_fixed, b_carry) = self.fusion.key_weights(), self.fusion.value_weights()
+        k = a_fixed[None, :, None, :] * k1 + a_carry[None, :, None, :] * carry_k
+        v = b_fixed[None, :, None, :] * v1 + b_carry[None, :, None, :] * carry_v
+        kv.carry[chain] = (k, v)
+        return [k], [None], [v], [None]

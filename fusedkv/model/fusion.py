@@ -1,0 +1,88 @@
+"""Learned cross-layer fusion weights of one reconstruction layer (SPEC sections 1, 2 and 5).
+
+    K^i = sum_s a_{i,s} (.) K^s        V^i = sum_s b_{i,s} (.) V^s
+
+`a` and `b` are per-(kv head, channel) vectors ("channel" mode) or one scalar per source ("scalar"
+mode, the dense-fusion exploration of Fig. 2); a "reuse" side has no weights at all.
+
+Key weights are tied across each RoPE rotation pair: the fusion acts on post-RoPE keys, and only
+equal weights on both coordinates of a rotation commute with it, leaving attention scores a function
+of relative position (SPEC section 2). With the rotate-half layout, channel j pairs with j + D/2, so
+the key parameter stores D/2 values per head and is expanded as [w, w]. The tie is therefore
+structural: training cannot break it.
+
+Initialisation (SPEC section 5, Table 5):
+  * "iterative": layer i fuses the previous reconstruction layer's K (a carry, starting at the
+    second source K^n) with the fixed first source K^1: K^i = c_i (.) K^{i-1} + f_i (.) K^1.
+    Weights start at (f, c) = `fusion_iterative_init`.
+  * "equivalent": the same recurrence unrolled into two-source coefficients, so the untrained model
+    equals the iterative one; afterwards every layer's weights train freely.
+  * "normal": drawn like every other weight, N(0, initializer_range).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as hf_init
+
+from ..plan import LayerKV
+
+
+class KVFusion(nn.Module):
+    def __init__(self, layer: LayerKV, num_kv_heads: int, head_dim: int, tie_rope_pairs: bool = True):
+        super().__init__()
+        self.layer = layer
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.tie_rope_pairs = tie_rope_pairs
+        self.k_weight = self._make(layer.k_fusion, len(layer.k_sources), head_dim // 2 if tie_rope_pairs else head_dim)
+        self.v_weight = self._make(layer.v_fusion, len(layer.v_sources), head_dim)
+
+    def _make(self, mode: str, num_sources: int, width: int) -> nn.Parameter | None:
+        if mode == "reuse":
+            return None
+        shape = (num_sources, self.num_kv_heads, width) if mode == "channel" else (num_sources,)
+        return nn.Parameter(torch.ones(shape))
+
+    # ---- the weights the attention kernels take: one [H_kv, D] tensor (or None) per source -------
+    def key_weights(self) -> list[torch.Tensor | None]:
+        w = self.k_weight
+        if w is None:
+            return [None]
+        if w.dim() == 1:
+            return [x.expand(self.num_kv_heads, self.head_dim) for x in w]
+        if self.tie_rope_pairs:
+            w = torch.cat((w, w), dim=-1)
+        return list(w.unbind(0))
+
+    def value_weights(self) -> list[torch.Tensor | None]:
+        w = self.v_weight
+        if w is None:
+            return [None]
+        if w.dim() == 1:
+            return [x.expand(self.num_kv_heads, self.head_dim) for x in w]
+        return list(w.unbind(0))
+
+    # ---- initialisation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, init: str, depth: int, iterative_init: tuple[float, float], std: float) -> None:
+        """`depth`: this layer's step in the iterative recurrence (1 for the first reconstruction layer).
+
+        Uses transformers' guarded init functions, so weights loaded from a checkpoint are never
+        overwritten by `from_pretrained`'s initialisation of missing weights."""
+        carry, fixed = iterative_init
+        for w in (self.k_weight, self.v_weight):
+            if w is None:
+                continue
+            if init == "normal":
+                hf_init.normal_(w, mean=0.0, std=std)
+                continue
+            if w.shape[0] == 2 and init == "iterative":
+                coeffs = (fixed, carry)  # on K^1 (fixed source), on the carried K^{i-1}
+            elif w.shape[0] == 2:  # equivalent: unroll to  f * sum_{j<d} c^j K^1 + c^d K^n
+                coeffs = (fixed * sum(carry**j for j in range(depth)), carry**depth)
+            else:
+                # Single-source scaling starts as plain reuse; many sources start as their average.
+                coeffs = (1.0 / w.shape[0],) * w.shape[0]
+            value = torch.tensor(coeffs, dtype=w.dtype, device=w.device).view(-1, *([1] * (w.dim() - 1)))
+            hf_init.copy_(w, value.expand_as(w))

@@ -1,0 +1,226 @@
+"""`FusedKVModel` and `FusedKVForCausalLM`: a Qwen3-style decoder whose layers follow a KV-sharing plan.
+
+The model is a transformers `PreTrainedModel`: `save_pretrained` / `from_pretrained` (safetensors),
+`AutoModelForCausalLM` after `import fusedkv`, and `generate()` all work. The cache is transformers'
+`DynamicCache`: only storage layers ever write to it, so reconstruction layers hold nothing and the
+cache is exactly as large as the plan says (`fusedkv.cache.kv_cache_nbytes`).
+
+Prefill skipping (SPEC section 3): once every remaining layer is a reconstruction layer, their K/V no
+longer depend on their own hidden states, so when only the last `logits_to_keep` positions' outputs
+are wanted (as in `generate`) only those positions continue through the upper layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import initialization as hf_init
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..config import FusedKVConfig
+from .attention import ATTENTION_PATHS, Attention, KVState
+from .fusion import KVFusion
+from .layers import RMSNorm, SwiGLU, rope_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: FusedKVConfig, layer_kv):
+        super().__init__()
+        self.self_attn = Attention(config, layer_kv)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv: KVState):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class FusedKVPreTrainedModel(PreTrainedModel):
+    config_class = FusedKVConfig
+    config: FusedKVConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            hf_init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                hf_init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            hf_init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            hf_init.ones_(module.weight)
+        elif isinstance(module, KVFusion):
+            # transformers' generic init would leave these at whatever torch.empty held: the fusion
+            # initialisation is the paper's Table 5 choice and must be applied explicitly.
+            module.reset_parameters(self.config.fusion_init, _recurrence_depth(self.config.plan, module.layer),
+                                    tuple(self.config.fusion_iterative_init), std)
+
+
+def _recurrence_depth(plan, layer) -> int:
+    """1 + the number of earlier reconstruction layers reading the same sources (the iterative chain)."""
+    return 1 + sum(1 for other in plan.layers[: layer.index] if not other.stores and other.k_sources == layer.k_sources)
+
+
+class FusedKVModel(FusedKVPreTrainedModel):
+    def __init__(self, config: FusedKVConfig):
+        super().__init__(config)
+        if "sliding_attention" in config.layer_types:
+            raise ValueError(
+                "layer_types: sliding-window layers are understood by the KV-sharing plan but the model does "
+                "not implement windowed attention yet; use full_attention layers"
+            )
+        self.plan = config.plan
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, layer_kv) for layer_kv in self.plan.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def set_attention_path(self, path: str) -> None:
+        """"auto" (default), "materialized" (the reference) or "factored" for every layer."""
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
+        for layer in self.layers:
+            layer.self_attn.path = path
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        keep_last: int = 0,
+        output_hidden_states: bool | None = None,
+        past_key_values=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if past_key_values is not None and cache is None:
+            cache = past_key_values  # transformers-4 name
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, q_len = x.shape[:2]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None and not self.training:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        if past + q_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"the input is {past + q_len} tokens long ({past} cached + {q_len} new) but the model's "
+                f"max_position_embeddings is {self.config.max_position_embeddings}; shorten the prompt or the "
+                "number of new tokens, or continue training at a longer context"
+            )
+
+        mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+
+        skip_from = self.plan.first_skippable_layer
+        if not (0 < keep_last < q_len) or output_hidden_states:
+            skip_from = len(self.layers)
+        kv = KVState(cache=cache)
+        hidden_states = (x,) if output_hidden_states else None
+        for i, layer in enumerate(self.layers):
+            if i == skip_from:
+                x, cos, sin = x[:, -keep_last:], cos[:, -keep_last:], sin[:, -keep_last:]
+                mask = mask[:, :, -keep_last:] if mask is not None else None
+            if self.gradient_checkpointing and self.training:
+                x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, mask, kv)
+            else:
+                x = layer(x, cos, sin, mask, kv)
+            if output_hidden_states:
+                hidden_states += (x,)
+        x = self.norm(x)
+        return BaseModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None,
+                                       hidden_states=hidden_states)
+
+
+def _mask_and_positions(attention_mask, position_ids, batch, past, q_len, device):
+    """Boolean attention mask [B, 1, T, past+T] (True = attend; None when nothing is masked) and RoPE
+    positions [B, T]. With a 2-D padding mask, positions count real tokens only, so a left-padded
+    sequence gets the same positions as the unpadded one."""
+    total = past + q_len
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch, total):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; expected [batch, cached + new tokens] = "
+                f"[{batch}, {total}]"
+            )
+        valid = attention_mask.bool()
+        if position_ids is None:
+            position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+    if position_ids is None:
+        position_ids = torch.arange(past, total, device=device).unsqueeze(0).expand(batch, q_len)
+    if attention_mask is None and q_len == 1:
+        return None, position_ids
+    q_pos = torch.arange(past, total, device=device)
+    mask = torch.arange(total, device=device)[None, :] <= q_pos[:, None]  # [T, S] causal
+    mask = mask[None, None]
+    if attention_mask is not None:
+        mask = mask & valid[:, None, None, :]
+    return mask, position_ids
+
+
+class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: FusedKVConfig):
+        super().__init__(config)
+        self.model = FusedKVModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @property
+    def plan(self):
+        return self.model.plan
+
+    def set_attention_path(self, path: str) -> None:
+        self.model.set_attention_path(path)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        from ..checkpoints import check_checkpoint_dir
+
+        check_checkpoint_dir(pretrained_model_name_or_path, kwargs.get("config"))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        past_key_values=None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        keep_last = logits_to_keep if isinstance(logits_to_keep, int) and labels is None else 0
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, keep_last=keep_last,
+            output_hidden_states=output_hidden_states, past_key_values=past_key_values,
+        )
+        h = out.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            # transformers convention: labels are the input ids; the shift happens here.
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache,
+                                      hidden_states=out.hidden_states)

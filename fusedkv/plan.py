@@ -1,0 +1,290 @@
+"""The KV-sharing plan: which layers store a KV cache and where every other layer reads its K and V.
+
+This is the one place that knows what "vanilla", "cla", "yoco", "fusedkv-lite" and "fusedkv" mean
+(SPEC section 1). Everything else (the model, the cache, the benchmarks, the CLI table) asks the
+plan instead of testing plan names. A plan is a pure, immutable value: a tuple of `LayerKV`, one per
+layer, built from a plan name or a custom source map and validated once.
+
+Layer indices are 0-based in code. The paper and the user-facing custom source maps are 1-based
+("K from layer 8, V from layer 1"); `custom_plan` converts at the boundary.
+
+Attention types: every layer has one ("full_attention" or "sliding_attention", Qwen3's names). A
+reconstruction layer must read sources of its own type (SPEC section 7, SWA hybrids): a window layer
+must not read a full-length source through a window mask, nor a full layer a truncated window cache.
+The named plans pick "first" and "middle" sources per attention type, so hybrids need no new code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+ATTENTION_TYPES = (FULL, SLIDING)
+
+# How a reconstruction layer combines its sources (per side, K and V separately):
+#   "reuse"   one source, taken as it is (YOCO, Lite, CLA)
+#   "channel" learned per-(kv head, channel) vectors, one per source (FusedKV, eq. 4-5)
+#   "scalar"  one learned scalar per source (the paper's dense-fusion exploration, Fig. 2)
+FUSION_MODES = ("reuse", "channel", "scalar")
+
+PLAN_NAMES = ("vanilla", "gqa", "cla", "yoco", "fusedkv-lite", "fusedkv", "fusedkv-dense")
+
+PLAN_DESCRIPTIONS = {
+    "vanilla": "every layer stores its own K/V",
+    "gqa": "every layer stores its own K/V, with half as many KV heads",
+    "cla": "adjacent pairs share: layer 2j reads layer 2j-1",
+    "yoco": "upper layers reuse K^n, V^n (the middle layer)",
+    "fusedkv-lite": "upper layers reuse K^n and V^1",
+    "fusedkv": "upper layers fuse K^1,K^n and V^1,V^n with learned channel weights",
+    "fusedkv-dense": "upper layers fuse every lower layer with learned scalars (Fig. 2 analysis)",
+}
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Where one layer's K and V come from.
+
+    A storage layer reads its own K/V (`k_sources == v_sources == (index,)`, mode "reuse").
+    """
+
+    index: int
+    attention_type: str
+    k_sources: tuple[int, ...]
+    v_sources: tuple[int, ...]
+    k_fusion: str = "reuse"
+    v_fusion: str = "reuse"
+
+    @property
+    def stores(self) -> bool:
+        return self.k_sources == (self.index,) and self.v_sources == (self.index,)
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """Every storage layer this layer reads, in first-use order."""
+        return tuple(dict.fromkeys(self.k_sources + self.v_sources))
+
+
+@dataclass(frozen=True)
+class KVSharingPlan:
+    name: str
+    layers: tuple[LayerKV, ...]
+
+    def __post_init__(self):
+        for layer in self.layers:
+            for side, srcs, mode in (("K", layer.k_sources, layer.k_fusion), ("V", layer.v_sources, layer.v_fusion)):
+                if mode not in FUSION_MODES:
+                    raise ValueError(f"layer {layer.index + 1}: unknown {side} fusion mode {mode!r}; use one of {FUSION_MODES}")
+                if not srcs:
+                    raise ValueError(f"layer {layer.index + 1}: no {side} source")
+                if mode == "reuse" and len(srcs) != 1:
+                    raise ValueError(
+                        f"layer {layer.index + 1}: {side} reads {len(srcs)} sources without fusion; "
+                        "set the fusion mode to 'channel' or 'scalar' to combine several sources"
+                    )
+                if len(set(srcs)) != len(srcs):
+                    raise ValueError(f"layer {layer.index + 1}: {side} sources repeat a layer: {[s + 1 for s in srcs]}")
+                for s in srcs:
+                    if not 0 <= s < len(self.layers):
+                        raise ValueError(
+                            f"layer {layer.index + 1}: {side} source layer {s + 1} does not exist "
+                            f"(the model has {len(self.layers)} layers, numbered from 1)"
+                        )
+                    if s != layer.index and not self.layers[s].stores:
+                        raise ValueError(
+                            f"layer {layer.index + 1}: {side} source layer {s + 1} is not a storage layer "
+                            f"(storage layers: {[i + 1 for i in self.storage_layers]}); a reconstruction layer "
+                            "can only read layers that keep their own K/V cache"
+                        )
+                    if s > layer.index:
+                        raise ValueError(
+                            f"layer {layer.index + 1}: {side} source layer {s + 1} comes after it; sources must be "
+                            "earlier layers so their K/V exist when this layer runs"
+                        )
+                    if self.layers[s].attention_type != layer.attention_type:
+                        raise ValueError(
+                            f"layer {layer.index + 1} ({layer.attention_type}) reads {side} from layer {s + 1} "
+                            f"({self.layers[s].attention_type}); a reconstruction layer must take sources of its "
+                            "own attention type"
+                        )
+            if not layer.stores and layer.index in (layer.k_sources + layer.v_sources):
+                raise ValueError(
+                    f"layer {layer.index + 1} reads itself for one side and another layer for the other; "
+                    "a layer either stores both K and V or neither"
+                )
+
+    # ---- structure -------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def storage_layers(self) -> tuple[int, ...]:
+        return tuple(layer.index for layer in self.layers if layer.stores)
+
+    @property
+    def reconstruction_layers(self) -> tuple[int, ...]:
+        return tuple(layer.index for layer in self.layers if not layer.stores)
+
+    @property
+    def first_skippable_layer(self) -> int:
+        """Layers from here on store nothing, so during prefill only the positions whose outputs are
+        wanted need to pass through them (SPEC section 3). Equals num_layers when none can be skipped."""
+        return max(self.storage_layers) + 1
+
+    # ---- capacity and I/O, in elements per token per (kv head x head_dim) -------------------------
+    def cache_elements_per_token(self) -> int:
+        """K and V vectors held per token (multiply by H_kv * D * bytes for bytes)."""
+        return 2 * len(self.storage_layers)
+
+    def elements_read_per_token(self) -> int:
+        """K and V vectors read per cached token in one decode step: each layer reads every source
+        of each side once (a fused layer reads 2 K + 2 V tensors, SPEC Table 1)."""
+        return sum(len(layer.k_sources) + len(layer.v_sources) for layer in self.layers)
+
+    def describe(self) -> list[str]:
+        """One line per layer, 1-based, for `fusedkv plans` and error messages."""
+        lines = []
+        for layer in self.layers:
+            tag = "" if layer.attention_type == FULL else " [window]"
+            if layer.stores:
+                lines.append(f"layer {layer.index + 1:>3}{tag}: stores K/V")
+            else:
+                k = _side_text("K", layer.k_sources, layer.k_fusion)
+                v = _side_text("V", layer.v_sources, layer.v_fusion)
+                lines.append(f"layer {layer.index + 1:>3}{tag}: {k}; {v}")
+        return lines
+
+
+def _side_text(side: str, sources: tuple[int, ...], mode: str) -> str:
+    terms = [f"{side}^{s + 1}" for s in sources]
+    if mode == "reuse":
+        return f"{side} = {terms[0]}"
+    weight = "a" if side == "K" else "b"
+    op = "(.)" if mode == "channel" else "*"
+    return f"{side} = " + " + ".join(f"{weight}{s + 1}{op}{t}" for s, t in zip(sources, terms))
+
+
+# ---- builders ------------------------------------------------------------------------------------
+def _storage(index: int, attention_type: str) -> LayerKV:
+    return LayerKV(index, attention_type, (index,), (index,))
+
+
+def _split_point(num_layers: int, plan: str) -> int:
+    if num_layers < 2 or num_layers % 2:
+        raise ValueError(
+            f"num_hidden_layers={num_layers}: plan {plan!r} splits the model into a lower half that stores "
+            "K/V and an upper half that reconstructs it, so it needs an even number of layers >= 2"
+        )
+    return num_layers // 2
+
+
+def build_plan(
+    name: str,
+    num_layers: int,
+    layer_types: Sequence[str] | None = None,
+    shared_types: Sequence[str] | None = None,
+) -> KVSharingPlan:
+    """A named plan for `num_layers` layers.
+
+    `layer_types[i]` is layer i's attention type (default all full). `shared_types` restricts which
+    attention types the upper half reconstructs (default: all); upper layers of other types keep their
+    own cache. This gives the SWA hybrids of SPEC section 7: `shared_types=["sliding_attention"]` is
+    "+W", the default is "+WF".
+    """
+    if name not in PLAN_NAMES:
+        raise ValueError(f"unknown kv_sharing plan {name!r}; choose one of {', '.join(PLAN_NAMES)} or give a custom source map")
+    types = list(layer_types) if layer_types is not None else [FULL] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={num_layers}; give one per layer")
+    for t in types:
+        if t not in ATTENTION_TYPES:
+            raise ValueError(f"layer_types: unknown attention type {t!r}; use {ATTENTION_TYPES}")
+    shared = set(shared_types) if shared_types is not None else set(ATTENTION_TYPES)
+
+    if name in ("vanilla", "gqa"):
+        return KVSharingPlan(name, tuple(_storage(i, t) for i, t in enumerate(types)))
+
+    if name == "cla":
+        if num_layers % 2:
+            raise ValueError(f"num_hidden_layers={num_layers}: plan 'cla' pairs adjacent layers and needs an even count")
+        layers = []
+        for i, t in enumerate(types):
+            if i % 2 == 1 and t in shared and types[i - 1] == t:
+                layers.append(LayerKV(i, t, (i - 1,), (i - 1,)))
+            else:
+                layers.append(_storage(i, t))
+        return KVSharingPlan(name, tuple(layers))
+
+    n = _split_point(num_layers, name)
+    layers = [_storage(i, t) for i, t in enumerate(types[:n])]
+    for i in range(n, num_layers):
+        t = types[i]
+        lower = [j for j in range(n) if types[j] == t]
+        if t not in shared:
+            layers.append(_storage(i, t))
+            continue
+        if not lower:
+            raise ValueError(
+                f"layer {i + 1} is {t} but the lower half has no {t} layer to read; "
+                "a reconstruction layer must take sources of its own attention type"
+            )
+        first, middle = lower[0], lower[-1]
+        if name == "yoco":
+            layers.append(LayerKV(i, t, (middle,), (middle,)))
+        elif name == "fusedkv-lite":
+            layers.append(LayerKV(i, t, (middle,), (first,)))
+        elif name == "fusedkv":
+            srcs = (first, middle) if first != middle else (first,)
+            layers.append(LayerKV(i, t, srcs, srcs, "channel", "channel"))
+        else:  # fusedkv-dense
+            layers.append(LayerKV(i, t, tuple(lower), tuple(lower), "scalar", "scalar"))
+    return KVSharingPlan(name, tuple(layers))
+
+
+def custom_plan(num_layers: int, source_map: Sequence[dict], layer_types: Sequence[str] | None = None) -> KVSharingPlan:
+    """A plan from a user source map (1-based layer numbers, as in the paper).
+
+    Each entry: `{"layers": [9, 16] or 9, "k": [8] or 8, "v": [1], "k_fusion": "reuse"|"channel"|"scalar",
+    "v_fusion": ...}`. Layers not named store their own K/V. Fusion defaults to "channel" for two or more
+    sources and "reuse" for one. Examples (16 layers): the reversed plan is
+    `[{"layers": [9, 16], "k": 1, "v": 8}]`; single-source learnable scaling is
+    `[{"layers": [9, 16], "k": 8, "v": 1, "k_fusion": "channel", "v_fusion": "channel"}]`.
+    """
+    types = list(layer_types) if layer_types is not None else [FULL] * num_layers
+    targets: dict[int, LayerKV] = {}
+    for entry_no, entry in enumerate(source_map, start=1):
+        unknown = set(entry) - {"layers", "k", "v", "k_fusion", "v_fusion"}
+        if unknown or not {"layers", "k", "v"} <= set(entry):
+            raise ValueError(
+                f"kv_source_map entry {entry_no} {entry!r}: needs keys 'layers', 'k', 'v' "
+                f"(optional 'k_fusion', 'v_fusion'); unexpected: {sorted(unknown)}"
+            )
+        for i in _layer_range(entry["layers"], num_layers, entry_no):
+            k, v = _as_tuple(entry["k"]), _as_tuple(entry["v"])
+            kf = entry.get("k_fusion", "channel" if len(k) > 1 else "reuse")
+            vf = entry.get("v_fusion", "channel" if len(v) > 1 else "reuse")
+            for s in k + v:
+                if not 1 <= s <= num_layers:
+                    raise ValueError(f"kv_source_map entry {entry_no}: source layer {s} is outside 1..{num_layers}")
+            targets[i] = LayerKV(i, types[i], tuple(s - 1 for s in k), tuple(s - 1 for s in v), kf, vf)
+    layers = tuple(targets.get(i, _storage(i, t)) for i, t in enumerate(types))
+    return KVSharingPlan("custom", layers)
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    return tuple(int(v) for v in x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+def _layer_range(spec, num_layers: int, entry_no: int) -> range | tuple[int, ...]:
+    """`9` -> (8,), `[9, 16]` -> range(8, 16) (inclusive 1-based range)."""
+    if isinstance(spec, int):
+        lo = hi = spec
+    elif isinstance(spec, (list, tuple)) and len(spec) == 2:
+        lo, hi = int(spec[0]), int(spec[1])
+    else:
+        raise ValueError(f"kv_source_map entry {entry_no}: 'layers' must be a layer number or [first, last], got {spec!r}")
+    if not 1 <= lo <= hi <= num_layers:
+        raise ValueError(f"kv_source_map entry {entry_no}: layers {spec!r} outside 1..{num_layers}")
+    return range(lo - 1, hi)

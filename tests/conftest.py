@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny configs of every plan, with fusion weights randomised so that tests do not
+lean on the tidy initial values."""
+
+import pytest
+import torch
+
+import fusedkv  # noqa: F401  (registers the Auto classes)
+from fusedkv import FusedKVConfig, FusedKVForCausalLM
+
+PLAN_CONFIGS = {
+    "vanilla": dict(kv_sharing="vanilla"),
+    "gqa": dict(kv_sharing="gqa"),
+    "cla": dict(kv_sharing="cla"),
+    "yoco": dict(kv_sharing="yoco"),
+    "fusedkv-lite": dict(kv_sharing="fusedkv-lite"),
+    "fusedkv": dict(kv_sharing="fusedkv"),
+    "fusedkv-dense": dict(kv_sharing="fusedkv-dense"),
+    "fusedkv-iterative": dict(kv_sharing="fusedkv", fusion_init="iterative"),
+    "fusedkv-gqa": dict(kv_sharing="fusedkv", num_key_value_heads=2),
+    "reversed": dict(kv_sharing="custom", kv_source_map=[{"layers": [3, 4], "k": 1, "v": 2}]),
+    "single-source-scaling": dict(kv_sharing="custom", kv_source_map=[
+        {"layers": [3, 4], "k": 2, "v": 1, "k_fusion": "channel", "v_fusion": "channel"}]),
+}
+
+
+def tiny_config(**overrides) -> FusedKVConfig:
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                head_dim=16, max_position_embeddings=128, pad_token_id=0)
+    base.update(overrides)
+    return FusedKVConfig(**base)
+
+
+def randomize_fusion(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "fusion" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.7 + 0.3)
+
+
+def tiny_model(plan: str = "fusedkv", seed: int = 0, dtype=torch.float32, **overrides) -> FusedKVForCausalLM:
+    torch.manual_seed(seed)
+    cfg = tiny_config(**{**PLAN_CONFIGS.get(plan, dict(kv_sharing=plan)), **overrides})
+    model = FusedKVForCausalLM(cfg).to(dtype).eval()
+    if cfg.fusion_init != "iterative":
+        randomize_fusion(model, seed)
+    return model
+
+
+@pytest.fixture(params=list(PLAN_CONFIGS))
+def plan_name(request):
+    return request.param

@@ -1,0 +1,127 @@
+"""Incremental decode with the compact cache equals the full forward, for every plan (fp32, random
+weights, left-padded batches), and prefill skipping changes nothing but the work done."""
+
+import pytest
+import torch
+
+from fusedkv.cache import StaticKVCache, kv_cache_nbytes
+from tests.conftest import tiny_model
+
+NEW_TOKENS = 5
+
+
+def padded_batch(prompt_len: int, pad: int = 2, vocab: int = 97, seed: int = 1):
+    """Row 0: `pad` pad tokens then `prompt_len` real ones; row 1: prompt_len + pad real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    width = prompt_len + pad
+    ids = torch.randint(1, vocab, (2, width + NEW_TOKENS), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :pad], mask[0, :pad] = 0, 0
+    return ids, mask, width
+
+
+def incremental_logits(model, ids, mask, width, keep_last=0, cache=None):
+    """Prefill the prompt, then feed the continuation one token at a time."""
+    out = model(ids[:, :width], attention_mask=mask[:, :width], use_cache=True, logits_to_keep=keep_last,
+                cache=cache)
+    cache, steps = out.cache, [out.logits]
+    for t in range(width, ids.shape[1]):
+        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
+        cache = out.cache
+        steps.append(out.logits)
+    return steps, cache
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 33])
+@pytest.mark.parametrize("path", ["auto", "materialized", "factored"])
+def test_incremental_decode_matches_full_forward(plan_name, prompt_len, path):
+    model = tiny_model(plan_name)
+    model.set_attention_path(path)
+    ids, mask, width = padded_batch(prompt_len)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        steps, _ = incremental_logits(model, ids, mask, width)
+    valid = mask[:, :width].bool()
+    assert (steps[0] - full[:, :width])[valid].abs().max() < 1e-4
+    for k, step in enumerate(steps[1:]):
+        assert (step[:, 0] - full[:, width + k]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 33])
+def test_prefill_skipping_gives_full_forward_last_logits(plan_name, prompt_len):
+    model = tiny_model(plan_name)
+    ids, mask, width = padded_batch(prompt_len)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        steps, _ = incremental_logits(model, ids, mask, width, keep_last=1)
+    assert steps[0].shape[1] == 1
+    assert (steps[0][:, 0] - full[:, width - 1]).abs().max() < 1e-4
+    for k, step in enumerate(steps[1:]):  # decoding after a skipped prefill is unaffected
+        assert (step[:, 0] - full[:, width + k]).abs().max() < 1e-4
+
+
+def test_prefill_skipping_really_skips_upper_layers():
+    model = tiny_model("fusedkv")
+    seen = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1])) for layer in model.model.layers]
+    ids = torch.randint(1, 97, (1, 20))
+    with torch.no_grad():
+        model(ids, use_cache=True, logits_to_keep=1)
+    for h in hooks:
+        h.remove()
+    assert seen == [20, 20, 1, 1]  # lower half over the prompt, upper half only for the last position
+
+
+def test_static_cache_matches_dynamic():
+    model = tiny_model("fusedkv")
+    ids, mask, width = padded_batch(7)
+    cache = StaticKVCache(model.config, batch_size=2, max_len=64)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        steps, cache = incremental_logits(model, ids, mask, width, keep_last=1, cache=cache)
+    for k, step in enumerate(steps[1:]):
+        assert (step[:, 0] - full[:, width + k]).abs().max() < 1e-4
+    assert cache.get_seq_length() == ids.shape[1]
+    assert kv_cache_nbytes(cache) == 2 * 2 * 2 * 4 * 64 * 16 * 4  # storage layers x K,V x B x H x S x D x fp32
+
+
+def test_generate_greedy_equals_manual_loop_and_sampling_runs():
+    model = tiny_model("fusedkv")
+    ids = torch.randint(1, 97, (1, 6))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        manual = ids
+        for _ in range(8):
+            nxt = model(manual, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            manual = torch.cat([manual, nxt], dim=1)
+        assert torch.equal(out, manual)
+        torch.manual_seed(0)
+        sampled = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=20, temperature=0.8, pad_token_id=0)
+    assert sampled.shape == (1, 14)
+
+
+def test_generate_left_padded_batch_matches_unpadded():
+    model = tiny_model("fusedkv-lite")
+    ids, mask, width = padded_batch(7)
+    with torch.no_grad():
+        batch_out = model.generate(ids[:, :width], attention_mask=mask[:, :width], max_new_tokens=6,
+                                   do_sample=False, pad_token_id=0)
+        alone = model.generate(ids[:1, 2:width], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(batch_out[0, 2:], alone[0])
+
+
+PLAN_HALF = ["cla", "yoco", "fusedkv-lite", "fusedkv", "fusedkv-dense", "reversed"]
+
+
+def test_measured_cache_bytes():
+    sizes = {}
+    ids = torch.randint(1, 97, (2, 10))
+    for plan in ["vanilla", "gqa", *PLAN_HALF]:
+        model = tiny_model(plan)
+        with torch.no_grad():
+            _, cache = incremental_logits(model, torch.cat([ids, ids[:, :5]], 1), torch.ones(2, 15, dtype=torch.long), 10)
+        sizes[plan] = kv_cache_nbytes(cache)
+    vanilla = sizes["vanilla"]
+    assert vanilla == 2 * 4 * 2 * 4 * 15 * 16 * 4  # K,V x layers x B x H x S x D x fp32 bytes
+    for plan in ["gqa", *PLAN_HALF]:
+        assert sizes[plan] / vanilla == 0.5, plan

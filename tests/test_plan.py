@@ -1,0 +1,81 @@
+"""The KV-sharing plan: structure, capacity and I/O (SPEC Table 1), custom maps and their errors."""
+
+import pytest
+
+from fusedkv.plan import FULL, SLIDING, build_plan, custom_plan
+
+
+def ratios(name, layers=16):
+    plan, vanilla = build_plan(name, layers), build_plan("vanilla", layers)
+    return (plan.cache_elements_per_token() / vanilla.cache_elements_per_token(),
+            plan.elements_read_per_token() / vanilla.elements_read_per_token())
+
+
+def test_spec_table_capacity_and_io():
+    assert ratios("vanilla") == (1.0, 1.0)
+    assert ratios("yoco") == (0.5, 1.0)
+    assert ratios("fusedkv-lite") == (0.5, 1.0)
+    assert ratios("fusedkv") == (0.5, 1.5)
+    assert ratios("cla")[0] == 0.5
+
+
+def test_named_plans_sources_are_paper_layers():
+    lite = build_plan("fusedkv-lite", 16)
+    assert lite.storage_layers == tuple(range(8))
+    for i in range(8, 16):  # K^8, V^1 in the paper's 1-based numbering
+        assert lite.layers[i].k_sources == (7,) and lite.layers[i].v_sources == (0,)
+    fused = build_plan("fusedkv", 16)
+    assert all(fused.layers[i].k_sources == (0, 7) and fused.layers[i].k_fusion == "channel" for i in range(8, 16))
+    yoco = build_plan("yoco", 8)
+    assert all(yoco.layers[i].k_sources == yoco.layers[i].v_sources == (3,) for i in range(4, 8))
+    cla = build_plan("cla", 6)
+    assert cla.storage_layers == (0, 2, 4) and cla.layers[5].k_sources == (4,)
+    assert build_plan("fusedkv", 8).first_skippable_layer == 4
+    assert build_plan("cla", 8).first_skippable_layer == 7
+    assert build_plan("vanilla", 8).first_skippable_layer == 8
+
+
+def test_custom_maps_for_the_ablations():
+    # Table 17: K source 5, V source 1 on a 16-layer model; reversed Lite K^1, V^8; single-source scaling.
+    p = custom_plan(16, [{"layers": [9, 16], "k": 5, "v": 1}])
+    assert p.layers[8].k_sources == (4,) and p.layers[15].v_sources == (0,) and p.storage_layers == tuple(range(8))
+    rev = custom_plan(16, [{"layers": [9, 16], "k": 1, "v": 8}])
+    assert rev.layers[10].k_sources == (0,) and rev.layers[10].v_sources == (7,)
+    scaled = custom_plan(16, [{"layers": [9, 16], "k": 8, "v": 1, "k_fusion": "channel", "v_fusion": "channel"}])
+    assert scaled.layers[9].k_fusion == "channel" and len(scaled.layers[9].k_sources) == 1
+    fused = custom_plan(8, [{"layers": [5, 8], "k": [1, 4], "v": [1, 4]}])
+    assert fused.layers[5].k_fusion == "channel"
+    assert fused == custom_plan(8, [{"layers": [5, 8], "k": [1, 4], "v": [1, 4], "k_fusion": "channel",
+                                     "v_fusion": "channel"}])
+
+
+@pytest.mark.parametrize("source_map, match", [
+    ([{"layers": [5, 8], "k": 6, "v": 1}], "not a storage layer"),
+    ([{"layers": [5, 8], "k": 9, "v": 1}], "outside 1..8"),
+    ([{"layers": [5, 8], "k": [1, 2], "v": 1, "k_fusion": "reuse"}], "without fusion"),
+    ([{"layers": [5, 8], "k": 1}], "needs keys"),
+    ([{"layers": [3, 3], "k": 4, "v": 4}], "comes after"),
+])
+def test_custom_map_errors(source_map, match):
+    with pytest.raises(ValueError, match=match):
+        custom_plan(8, source_map)
+
+
+def test_odd_layers_and_unknown_plan():
+    with pytest.raises(ValueError, match="even number of layers"):
+        build_plan("fusedkv", 7)
+    with pytest.raises(ValueError, match="unknown kv_sharing plan"):
+        build_plan("mqa", 8)
+
+
+def test_hybrid_window_plans_take_sources_of_their_own_type():
+    # SPEC section 7: groups of four, three window layers then one full layer.
+    types = [SLIDING, SLIDING, SLIDING, FULL] * 4
+    wf = build_plan("fusedkv", 16, types)
+    for layer in wf.layers[8:]:
+        assert all(types[s] == layer.attention_type for s in layer.k_sources + layer.v_sources)
+    assert wf.layers[11].k_sources == (3, 7)  # full layers fuse the lower full layers 4 and 8
+    w_only = build_plan("fusedkv", 16, types, shared_types=[SLIDING])
+    assert w_only.layers[11].stores and not w_only.layers[8].stores
+    with pytest.raises(ValueError, match="own attention type"):
+        custom_plan(16, [{"layers": [12, 12], "k": 1, "v": 1}], types)
