@@ -75,7 +75,9 @@ class KVSharingPlan:
         for layer in self.layers:
             for side, srcs, mode in (("K", layer.k_sources, layer.k_fusion), ("V", layer.v_sources, layer.v_fusion)):
                 if mode not in FUSION_MODES:
-                    raise ValueError(f"layer {layer.index + 1}: unknown {side} fusion mode {mode!r}; use one of {FUSION_MODES}")
+                    raise ValueError(
+                        f"layer {layer.index + 1}: unknown {side} fusion mode {mode!r}; use one of {FUSION_MODES}"
+                    )
                 if not srcs:
                     raise ValueError(f"layer {layer.index + 1}: no {side} source")
                 if mode == "reuse" and len(srcs) != 1:
@@ -194,7 +196,9 @@ def build_plan(
     "+W", the default is "+WF".
     """
     if name not in PLAN_NAMES:
-        raise ValueError(f"unknown kv_sharing plan {name!r}; choose one of {', '.join(PLAN_NAMES)} or give a custom source map")
+        raise ValueError(
+            f"unknown kv_sharing plan {name!r}; choose one of {', '.join(PLAN_NAMES)} or give a custom source map"
+        )
     types = list(layer_types) if layer_types is not None else [FULL] * num_layers
     if len(types) != num_layers:
         raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={num_layers}; give one per layer")
@@ -208,7 +212,7 @@ def build_plan(
 
     if name == "cla":
         if num_layers % 2:
-            raise ValueError(f"num_hidden_layers={num_layers}: plan 'cla' pairs adjacent layers and needs an even count")
+            raise ValueError(f"num_hidden_layers={num_layers}: plan 'cla' pairs adjacent layers; use an even count")
         layers = []
         for i, t in enumerate(types):
             if i % 2 == 1 and t in shared and types[i - 1] == t:
@@ -284,7 +288,7 @@ def _layer_range(spec, num_layers: int, entry_no: int) -> range | tuple[int, ...
     elif isinstance(spec, (list, tuple)) and len(spec) == 2:
         lo, hi = int(spec[0]), int(spec[1])
     else:
-        raise ValueError(f"kv_source_map entry {entry_no}: 'layers' must be a layer number or [first, last], got {spec!r}")
+        raise ValueError(f"kv_source_map entry {entry_no}: 'layers' must be N or [first, last], got {spec!r}")
     if not 1 <= lo <= hi <= num_layers:
         raise ValueError(f"kv_source_map entry {entry_no}: layers {spec!r} outside 1..{num_layers}")
     return range(lo - 1, hi)

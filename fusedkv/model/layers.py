@@ -29,7 +29,8 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype:
     Computed on the fly from the positions (D/2 frequencies): cheap next to the projections, and it
     keeps the model free of non-persistent buffers that checkpoint loading would have to rebuild.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim))
+    channels = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64)
+    inv_freq = 1.0 / (theta ** (channels / head_dim))
     freqs = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -63,7 +63,8 @@ def test_prefill_skipping_gives_full_forward_last_logits(plan_name, prompt_len):
 def test_prefill_skipping_really_skips_upper_layers():
     model = tiny_model("fusedkv")
     seen = []
-    hooks = [layer.mlp.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1])) for layer in model.model.layers]
+    hooks = [layer.mlp.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+             for layer in model.model.layers]
     ids = torch.randint(1, 97, (1, 20))
     with torch.no_grad():
         model(ids, use_cache=True, logits_to_keep=1)
@@ -119,7 +120,8 @@ def test_measured_cache_bytes():
     for plan in ["vanilla", "gqa", *PLAN_HALF]:
         model = tiny_model(plan)
         with torch.no_grad():
-            _, cache = incremental_logits(model, torch.cat([ids, ids[:, :5]], 1), torch.ones(2, 15, dtype=torch.long), 10)
+            seq = torch.cat([ids, ids[:, :5]], 1)
+            _, cache = incremental_logits(model, seq, torch.ones(2, 15, dtype=torch.long), 10)
         sizes[plan] = kv_cache_nbytes(cache)
     vanilla = sizes["vanilla"]
     assert vanilla == 2 * 4 * 2 * 4 * 15 * 16 * 4  # K,V x layers x B x H x S x D x fp32 bytes

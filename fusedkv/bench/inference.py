@@ -1,0 +1,180 @@
+"""Inference benchmark: cache bytes, TTFT, TPOT and decode throughput of every plan, and of
+transformers' own `Qwen3ForCausalLM` on the same vanilla weights.
+
+Everything is measured interleaved in one process (round-robin over plans inside each repeat), and
+each figure is a median, so ratios to vanilla stay fair on a noisy shared machine. The FusedKV TPOT
+target is judged against its byte floor: (weights + KV bytes FusedKV reads per step) / (weights + KV
+bytes vanilla reads per step), which this module computes from the plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
+
+from ..config import FusedKVConfig
+from ..convert import from_qwen3_state, qwen3_to_fusedkv_config
+from ..generation import generate
+from ..model import FusedKVForCausalLM
+
+HF = "hf-qwen3"  # transformers' Qwen3ForCausalLM.generate on the vanilla weights
+
+
+@dataclass
+class BenchShape:
+    num_hidden_layers: int = 8
+    hidden_size: int = 512
+    intermediate_size: int = 1536
+    num_attention_heads: int = 8
+    head_dim: int = 64
+    vocab_size: int = 8192
+
+
+class _StepTimer(LogitsProcessor):
+    """Timestamps every call transformers' generate makes to its logits processors: once per token."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def build_models(shape: BenchShape, plans: list[str], max_len: int, device: str, dtype: torch.dtype,
+                 include_hf: bool = True) -> dict[str, torch.nn.Module]:
+    """One model per plan; vanilla is converted from a random Qwen3 so the HF comparison uses the
+    very same weights."""
+    torch.manual_seed(0)
+    qcfg = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                       intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+                       num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_attention_heads,
+                       head_dim=shape.head_dim, max_position_embeddings=max_len, tie_word_embeddings=False)
+    hf = Qwen3ForCausalLM(qcfg).eval()
+    qwen3 = qcfg.to_dict()
+    models: dict[str, torch.nn.Module] = {}
+    for plan in plans:
+        # The same weights for every plan whose shapes allow it (upper layers drop K/V projections);
+        # GQA has other K/V shapes and gets fresh weights (speed does not depend on their values).
+        model = (_fresh(shape, plan, max_len) if plan == "gqa"
+                 else from_qwen3_state(hf.state_dict(), qwen3_to_fusedkv_config(qwen3, plan)))
+        models[plan] = model.to(device, dtype).eval()
+    if include_hf:
+        models[HF] = hf.to(device, dtype)
+    return models
+
+
+def _fresh(shape: BenchShape, plan: str, max_len: int) -> FusedKVForCausalLM:
+    return FusedKVForCausalLM(FusedKVConfig(**vars(shape), max_position_embeddings=max_len, kv_sharing=plan))
+
+
+def _measure(model, name: str, ids: torch.Tensor, new_tokens: int) -> dict:
+    if name == HF:
+        timer = _StepTimer()
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           logits_processor=LogitsProcessorList([timer]), pad_token_id=0)
+        stamps = [start, *timer.stamps]
+        steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+        return dict(ttft=stamps[1] - start, tpot=statistics.median(steps), cache_bytes=None)
+    r = generate(model, ids, new_tokens)
+    return dict(ttft=r.ttft_s, tpot=r.tpot_s, cache_bytes=r.cache_bytes)
+
+
+def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: int, batch: int) -> float:
+    """(weights + KV read per decode step) of `model` over the same for vanilla."""
+    def per_step(m):
+        c = m.config
+        weights = sum(p.numel() * p.element_size() for p in m.parameters())
+        kv = c.plan.elements_read_per_token() * c.num_key_value_heads * c.head_dim * context * batch
+        return weights + kv * next(m.parameters()).element_size()
+    return per_step(model) / per_step(vanilla)
+
+
+def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[int], batch_sizes: list[int],
+                        new_tokens: int = 16, repeats: int = 3, include_hf: bool = True, device: str = "cpu",
+                        dtype: torch.dtype = torch.float32, progress=None) -> list[dict]:
+    if "vanilla" not in plans:
+        plans = ["vanilla", *plans]
+    max_len = max(prompt_lens) + new_tokens + 8
+    models = build_models(shape, plans, max_len, device, dtype, include_hf)
+    names = list(models)
+    samples: dict[tuple, list[dict]] = {}
+    gen = torch.Generator().manual_seed(0)
+    for name in names:  # warm-up: first calls allocate and tune
+        _measure(models[name], name, torch.randint(1, shape.vocab_size, (1, 32), generator=gen).to(device), 4)
+    jobs = [(r, b, s) for r in range(repeats) for b in batch_sizes for s in prompt_lens]
+    for r, b, s in jobs:
+        ids = torch.randint(1, shape.vocab_size, (b, s), generator=gen).to(device)
+        for name in names:  # interleaved: every plan sees the same machine state within a repeat
+            samples.setdefault((name, b, s), []).append(_measure(models[name], name, ids, new_tokens))
+            if progress:
+                progress(f"repeat {r + 1}/{repeats} batch {b} prompt {s} {name}")
+    rows = []
+    for (name, b, s), runs in samples.items():
+        ttft = statistics.median(x["ttft"] for x in runs)
+        tpot = statistics.median(x["tpot"] for x in runs)
+        rows.append(dict(plan=name, batch=b, prompt=s, ttft_s=ttft, tpot_s=tpot, decode_tok_s=b / tpot,
+                         cache_bytes=runs[0]["cache_bytes"]))
+    by_key = {(r["plan"], r["batch"], r["prompt"]): r for r in rows}
+    for r in rows:
+        base = by_key[("vanilla", r["batch"], r["prompt"])]
+        r["ttft_ratio"] = r["ttft_s"] / base["ttft_s"]
+        r["tpot_ratio"] = r["tpot_s"] / base["tpot_s"]
+        r["cache_ratio"] = r["cache_bytes"] / base["cache_bytes"] if r["cache_bytes"] is not None else None
+        if r["plan"] != HF:
+            context = r["prompt"] + new_tokens
+            r["tpot_byte_floor"] = byte_floor(models[r["plan"]], models["vanilla"], context, r["batch"])
+            bytes_per_token = r["cache_bytes"] / (r["batch"] * (r["prompt"] + new_tokens))
+            r["cache_bytes_per_token"] = bytes_per_token
+    for r in rows:  # longest context inside a fixed cache budget, relative to vanilla
+        if r["plan"] != HF:
+            r["context_at_budget_ratio"] = (by_key[("vanilla", r["batch"], r["prompt"])]["cache_bytes_per_token"]
+                                            / r["cache_bytes_per_token"])
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| plan | batch | prompt | cache bytes | cache vs vanilla | context at fixed budget | TTFT ms | "
+            "TTFT vs vanilla | TPOT ms | TPOT vs vanilla | TPOT byte floor | decode tok/s |")
+    lines = [head, "|---" * 12 + "|"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["prompt"])):
+        cache = f"{r['cache_bytes']:,}" if r["cache_bytes"] is not None else "n/a"
+        cratio = f"{r['cache_ratio']:.2f}" if r["cache_ratio"] is not None else "n/a"
+        budget = f"{r['context_at_budget_ratio']:.2f}x" if "context_at_budget_ratio" in r else "n/a"
+        floor = f"{r['tpot_byte_floor']:.2f}" if "tpot_byte_floor" in r else "n/a"
+        lines.append(
+            f"| {r['plan']} | {r['batch']} | {r['prompt']} | {cache} | {cratio} | {budget} | {r['ttft_s'] * 1e3:.1f} | "
+            f"{r['ttft_ratio']:.2f} | {r['tpot_s'] * 1e3:.2f} | {r['tpot_ratio']:.2f} | {floor} | "
+            f"{r['decode_tok_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """TTFT and TPOT against prompt length, one line per plan (the paper's Fig. 4/5), batch 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = min(r["batch"] for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "ttft_ratio", "TTFT / vanilla"), (axes[1], "tpot_ratio", "TPOT / vanilla")):
+        for plan in dict.fromkeys(r["plan"] for r in rows):
+            pts = sorted((r["prompt"], r[key]) for r in rows if r["plan"] == plan and r["batch"] == batch)
+            ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=plan)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_title(f"{title} (batch {batch}, lower is better)")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,204 @@
+"""The `fusedkv` command line: one subcommand per job, each a thin layer over the library.
+
+    fusedkv plans      the KV-sharing plans with their cache capacity and I/O for a model shape
+    fusedkv train      train a model (default: a tiny FusedKV model on the built-in corpus)
+    fusedkv generate   sample text from a checkpoint
+    fusedkv convert    import a Hugging Face Qwen3 checkpoint
+    fusedkv eval       validation loss, perplexity, lm-eval tasks, RULER-style long-context tasks
+    fusedkv compare    train and evaluate several plans under one budget (the paper's tables)
+    fusedkv bench      inference speed and memory: TTFT, TPOT, cache bytes
+    fusedkv analyze    the paper's analyses as pictures (dense-fusion heat maps, gradient norms)
+
+Errors the user can fix (bad configs, missing files, prompts too long) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommands whose implementation lives in a subpackage: module path -> exposes register(subparsers).
+_SUBCOMMAND_MODULES = (
+    "fusedkv.train.command",
+    "fusedkv.eval.command",
+    "fusedkv.experiments.command",
+    "fusedkv.bench.command",
+    "fusedkv.analysis.command",
+)
+
+
+def _add_plans(sub):
+    p = sub.add_parser("plans", help="print the KV-sharing plans with cache capacity and I/O",
+                       description="Cache capacity and per-step cache I/O of every plan, relative to vanilla "
+                       "multi-head attention with the same number of query heads (SPEC Table 1).")
+    p.add_argument("--layers", type=int, default=16, help="num_hidden_layers (default 16)")
+    p.add_argument("--heads", type=int, default=16, help="num_attention_heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads for non-GQA plans (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
+    p.add_argument("--seq-len", type=int, default=8192, help="context length for the bytes column (default 8192)")
+    p.add_argument("--bytes", type=int, default=2, help="bytes per element (2 for bf16/fp16)")
+    p.add_argument("--layout", action="store_true", help="also print each plan's per-layer source map")
+    p.set_defaults(func=_run_plans)
+
+
+def plans_table(layers: int, heads: int, kv_heads: int | None, head_dim: int, seq_len: int, nbytes: int) -> str:
+    from .config import FusedKVConfig
+    from .plan import PLAN_DESCRIPTIONS, PLAN_NAMES
+
+    def cfg(plan):
+        return FusedKVConfig(num_hidden_layers=layers, num_attention_heads=heads, head_dim=head_dim,
+                             hidden_size=heads * head_dim, kv_sharing=plan,
+                             num_key_value_heads=None if plan == "gqa" else (kv_heads or heads))
+
+    mha_bytes = 2 * layers * heads * head_dim * nbytes  # vanilla multi-head attention, per token
+    rows = ["| plan | storage layers | KV heads | cache vs MHA | cache I/O vs MHA | bytes/token | "
+            f"cache at {seq_len} tokens | what it does |", "|---|---|---|---|---|---|---|---|"]
+    for name in PLAN_NAMES:
+        c = cfg(name)
+        plan = c.plan
+        per_token = c.kv_cache_bytes_per_token(nbytes)
+        io = plan.elements_read_per_token() * c.num_key_value_heads / (2 * layers * heads)
+        rows.append(
+            f"| {name} | {len(plan.storage_layers)}/{layers} | {c.num_key_value_heads} | "
+            f"{per_token / mha_bytes:.3g} | {io:.3g} | {per_token:,} | {_human(per_token * seq_len)} | "
+            f"{PLAN_DESCRIPTIONS[name]} |"
+        )
+    return "\n".join(rows)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _run_plans(args) -> None:
+    from .plan import PLAN_NAMES, build_plan
+
+    print(plans_table(args.layers, args.heads, args.kv_heads, args.head_dim, args.seq_len, args.bytes))
+    if args.layout:
+        for name in PLAN_NAMES:
+            print(f"\n{name}:")
+            for line in build_plan(name, args.layers).describe():
+                print("  " + line)
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="sample text from a checkpoint",
+                       description="Generate text with the compact KV cache from a checkpoint directory "
+                       "(e.g. runs/tiny-fusedkv/final).")
+    p.add_argument("checkpoint", help="checkpoint directory holding config.json, weights and tokenizer")
+    p.add_argument("--prompt", default="ROMEO:", help="prompt text (default 'ROMEO:')")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> None:
+    import time
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from .cache import kv_cache_nbytes
+    from .model import FusedKVForCausalLM
+
+    model = FusedKVForCausalLM.from_pretrained(args.checkpoint).to(args.device).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(args.checkpoint)
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure means the same thing to the user
+        raise ValueError(f"{args.checkpoint} has no usable tokenizer ({e}); train or copy one into it") from e
+    if len(tok) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer in {args.checkpoint} has {len(tok)} tokens but the model's vocab_size="
+                         f"{model.config.vocab_size}; use the tokenizer the model was trained with")
+    ids = tok([args.prompt] * args.num_samples, return_tensors="pt").input_ids.to(args.device)
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
+    torch.manual_seed(args.seed)
+    sampling = dict(do_sample=False) if args.greedy else dict(
+        do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or 0,
+                             return_dict_in_generate=True, **sampling)
+    elapsed = time.perf_counter() - start
+    for row in out.sequences:
+        print(tok.decode(row, skip_special_tokens=True))
+        print("-" * 40)
+    new = out.sequences.shape[1] - ids.shape[1]
+    print(f"plan {model.config.kv_sharing}: {new} new tokens x {ids.shape[0]} in {elapsed:.2f}s "
+          f"({new * ids.shape[0] / elapsed:.1f} tok/s); KV cache held {kv_cache_nbytes(out.past_key_values):,} bytes",
+          file=sys.stderr)
+
+
+def _add_convert(sub):
+    p = sub.add_parser("convert", help="import a Hugging Face Qwen3 checkpoint",
+                       description="Convert a Qwen3 checkpoint directory (model_type qwen3) to FusedKV. With "
+                       "--kv-sharing vanilla the result gives transformers' logits; other plans drop the upper "
+                       "layers' K/V projections and start their fusion from --fusion-init, ready for training.")
+    p.add_argument("src", help="Qwen3 checkpoint directory")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--kv-sharing", default="vanilla", help="plan (default vanilla)")
+    p.add_argument("--fusion-init", default="equivalent", choices=["equivalent", "normal", "iterative"])
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args) -> None:
+    from .convert import convert_qwen3
+
+    model = convert_qwen3(args.src, args.dst, kv_sharing=args.kv_sharing, fusion_init=args.fusion_init)
+    plan = model.plan
+    print(f"wrote {args.dst}: plan {args.kv_sharing}, storage layers {[i + 1 for i in plan.storage_layers]}, "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fusedkv", description="Train, evaluate and serve decoder LMs with half-size KV caches (FusedKV).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Start with `fusedkv train` (a tiny model on the built-in corpus), then "
+               "`fusedkv generate runs/tiny-fusedkv/final`.")
+    parser.add_argument("--version", action="version", version="fusedkv 0.1.0")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_plans(sub)
+    for module in _SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):  # that subpackage is not part of this build
+                continue
+            raise
+        mod.register(sub)
+    _add_generate(sub)
+    _add_convert(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        result = args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fusedkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fusedkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

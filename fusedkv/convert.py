@@ -1,0 +1,100 @@
+"""Import a Hugging Face Qwen3 checkpoint as a FusedKV model.
+
+FusedKV's module names are Qwen3's, so conversion is a renaming-free copy: every weight keeps its
+name, reconstruction layers drop their K/V projections and K-norm, and their fusion weights start
+from the configured initialisation (SPEC section 5). With `kv_sharing="vanilla"` the result computes
+exactly what transformers' `Qwen3ForCausalLM` computes; with another plan it is a starting point for
+continued training (the paper trains from scratch; a converted model must be trained to recover).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .config import FusedKVConfig
+from .model import FusedKVForCausalLM
+
+# Qwen3 config fields carried over verbatim.
+_QWEN3_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range",
+    "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides) -> FusedKVConfig:
+    if qwen3.get("model_type") != "qwen3":
+        got = qwen3.get("model_type")
+        raise ValueError(f"expected a Qwen3 checkpoint (model_type 'qwen3'), got model_type {got!r}")
+    if qwen3.get("use_sliding_window"):
+        raise ValueError("Qwen3 checkpoints with use_sliding_window=true are not supported yet")
+    rope = qwen3.get("rope_parameters") or {"rope_type": "default", "rope_theta": qwen3.get("rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; only the default RoPE is")
+    fields = {k: qwen3[k] for k in _QWEN3_FIELDS if k in qwen3}
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope["rope_theta"])}
+    return FusedKVConfig(**fields, kv_sharing=kv_sharing, **overrides)
+
+
+def load_state_dict(src: Path) -> dict[str, torch.Tensor]:
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [src / s for s in shards]
+    else:
+        files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{src} has no *.safetensors weights to convert")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, origin: str = "state dict"):
+    """A FusedKV model of `config` holding the Qwen3 weights `state` (reconstruction layers drop their
+    K/V projections; fusion weights keep their configured initialisation)."""
+    state = dict(state)
+    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied checkpoints store one copy
+    model = FusedKVForCausalLM(config)
+    expected = model.state_dict()
+    allowed_drop = {f"model.layers.{i}.self_attn.{n}" for i in config.plan.reconstruction_layers
+                    for n in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "k_norm.weight")}
+    unexpected = [k for k in state if k not in expected and k not in allowed_drop]
+    if unexpected:
+        raise ValueError(f"{origin}: weights that a Qwen3 model of this config should not have: {unexpected[:5]}")
+    for k, v in state.items():
+        if k in expected and v.shape != expected[k].shape:
+            raise ValueError(f"{origin}: {k} has shape {tuple(v.shape)}, config implies {tuple(expected[k].shape)}")
+    missing = model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False).missing_keys
+    not_fusion = [k for k in missing if ".fusion." not in k]
+    if not_fusion:
+        raise ValueError(f"{origin}: checkpoint lacks weights {not_fusion[:5]}")
+    return model
+
+
+def convert_qwen3(src, dst, kv_sharing: str = "vanilla", dtype: torch.dtype | None = None,
+                  **overrides) -> FusedKVForCausalLM:
+    """Convert the Qwen3 checkpoint directory `src` into a FusedKV checkpoint at `dst`; returns the model."""
+    src, dst = Path(src), Path(dst)
+    cfg_file = src / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{src} has no config.json; pass a Hugging Face Qwen3 checkpoint directory")
+    config = qwen3_to_fusedkv_config(json.loads(cfg_file.read_text()), kv_sharing, **overrides)
+    model = from_qwen3_state(load_state_dict(src), config, origin=str(src))
+    if dtype is not None:
+        model = model.to(dtype)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    for name in _TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    return model

@@ -1,0 +1,440 @@
+"""Token shards: documents -> flat memory-mapped token files, with a train/validation split.
+
+On-disk layout written by :func:`prepare_dataset` into ``out_dir``::
+
+    tokenizer/         the tokenizer (``AutoTokenizer.from_pretrained`` loads it)
+    train.bin          all training tokens, one flat array (uint16 if vocab < 65536 else uint32)
+    train.meta.json    dtype, num_tokens, vocab_size, eos_id, tokenizer hash, document count
+    val.bin            held-out tokens (whole documents), same format
+    val.meta.json
+    meta.json          the request that produced the above + a summary; written last
+
+Every document is followed by the EOS token, so a window sampled from the flat array sees document
+boundaries exactly as the model will at inference. A flat uint16 file is the cheapest possible
+format to sample random windows from (one memmap slice per sequence, no padding, no index).
+
+Robustness: every file is written to a temporary name and moved into place with ``os.replace``;
+``meta.json`` goes last and is deleted first when a rebuild starts, so a killed run never leaves
+outputs that look finished. A second call with the same request finds ``meta.json`` matching and
+returns at once. :class:`TokenShard` checks the file size against its metadata, so a truncated
+or foreign file fails loudly instead of training on garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .sources import BuiltinSource, Source, resolve_source
+from .tokenizer import eos_token_id, load_tokenizer, save_tokenizer, tokenizer_sha256, train_bpe_tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+# Whole works/books held out from the built-in corpus (~4.8% of its text): a tragedy, a comedy and
+# the poems from Shakespeare; narrative, prophecy, gospel and epistle from the Bible. Whole
+# documents, so validation measures generalisation to unseen text, not to unseen lines of seen text.
+BUILTIN_VAL_DOCS = (
+    "shakespeare/macbeth",
+    "shakespeare/tempest",
+    "shakespeare/sonnets",
+    "kjv/Ruth",
+    "kjv/Jonah",
+    "kjv/Mark",
+    "kjv/Romans",
+)
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 halves disk and page-cache use whenever every id fits; uint32 otherwise."""
+    return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.uint32)
+
+
+def meta_path_for(bin_path: str | Path) -> Path:
+    """``train.bin`` -> ``train.meta.json``."""
+    p = Path(bin_path)
+    return p.with_name(p.stem + ".meta.json")
+
+
+def _atomic_write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Append token arrays to ``path`` (via a temp file); :meth:`close` publishes bin + metadata."""
+
+    def __init__(self, path: str | Path, vocab_size: int, eos_id: int, **extra_meta):
+        self.path = Path(path)
+        self.dtype = dtype_for_vocab(vocab_size)
+        self.vocab_size, self.eos_id, self.extra_meta = int(vocab_size), int(eos_id), extra_meta
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.file = open(self.tmp, "wb")
+        self.num_tokens = 0
+        self.num_documents = 0
+
+    def write(self, tokens, documents: int = 0) -> None:
+        arr = np.asarray(tokens)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.vocab_size}) while writing {self.path}")
+        self.file.write(arr.astype(self.dtype, copy=False).tobytes())
+        self.num_tokens += int(arr.size)
+        self.num_documents += documents
+
+    def close(self) -> dict:
+        self.file.close()
+        meta = {
+            "format": FORMAT_VERSION,
+            "dtype": self.dtype.name,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            **self.extra_meta,
+        }
+        # Remove a stale sidecar first: a new .bin next to an old meta must never look valid.
+        meta_path_for(self.path).unlink(missing_ok=True)
+        os.replace(self.tmp, self.path)
+        _atomic_write_json(meta_path_for(self.path), meta)
+        return meta
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class TokenShard:
+    """A read-only ``np.memmap`` view of a ``.bin`` token file, validated against its metadata."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        mpath = meta_path_for(self.path)
+        if not self.path.is_file():
+            raise ValueError(f"token shard {self.path} does not exist; create it with "
+                             f"fusedkv.data.prepare_dataset(...).")
+        if not mpath.is_file():
+            raise ValueError(f"token shard {self.path} has no metadata file {mpath.name} next to it, so "
+                             f"its dtype and length are unknown (an interrupted or foreign file?). "
+                             f"Re-run prepare_dataset to rebuild it.")
+        try:
+            self.meta = json.loads(mpath.read_text())
+            self.dtype = np.dtype(self.meta["dtype"])
+            self.num_tokens = int(self.meta["num_tokens"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"corrupt metadata {mpath}: {e}. Re-run prepare_dataset to rebuild it.") from e
+        expected = self.num_tokens * self.dtype.itemsize
+        actual = self.path.stat().st_size
+        if actual != expected:
+            raise ValueError(
+                f"token shard {self.path} is {actual} bytes but its metadata says {self.num_tokens} "
+                f"{self.dtype.name} tokens = {expected} bytes: the file is truncated or corrupt. "
+                f"Delete {self.path.parent} (or the shard) and re-run prepare_dataset."
+            )
+        # np.memmap cannot map an empty file; an empty array behaves the same for every caller.
+        self.tokens = (np.memmap(self.path, dtype=self.dtype, mode="r") if self.num_tokens
+                       else np.empty(0, dtype=self.dtype))
+
+    vocab_size = property(lambda self: int(self.meta["vocab_size"]))
+    eos_id = property(lambda self: int(self.meta["eos_id"]))
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, idx):
+        return self.tokens[idx]
+
+    def __repr__(self) -> str:
+        return f"TokenShard({str(self.path)!r}, num_tokens={self.num_tokens}, dtype={self.dtype.name})"
+
+
+@dataclass
+class PreparedDataset:
+    """What :func:`prepare_dataset` produced: the shards, the tokenizer directory and the metadata."""
+
+    out_dir: Path
+    train: TokenShard
+    val: TokenShard
+    meta: dict
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.out_dir / "tokenizer"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.meta["eos_id"])
+
+    def load_tokenizer(self):
+        return load_tokenizer(self.tokenizer_dir)
+
+
+def load_prepared_dataset(out_dir: str | Path) -> PreparedDataset:
+    """Open a finished :func:`prepare_dataset` output (e.g. on ranks > 0 after rank 0 prepared it)."""
+    out_dir = Path(out_dir)
+    mpath = out_dir / "meta.json"
+    if not mpath.is_file():
+        raise ValueError(f"{out_dir} holds no finished dataset (no meta.json); run "
+                         f"fusedkv.data.prepare_dataset(source, {str(out_dir)!r}) first.")
+    meta = json.loads(mpath.read_text())
+    train, val = TokenShard(out_dir / "train.bin"), TokenShard(out_dir / "val.bin")
+    for shard in (train, val):
+        if shard.meta.get("tokenizer_sha256") != meta["tokenizer_sha256"]:
+            raise ValueError(f"{shard.path} was made with a different tokenizer than {mpath} records; "
+                             f"re-run prepare_dataset.")
+    return PreparedDataset(out_dir, train, val, meta)
+
+
+# ----------------------------------------------------------------------------- tokenisation workers
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
+    # Each worker loads the raw `tokenizers` object from tokenizer.json: fast, and the same file in
+    # every process, so 1 or N processes give byte-identical output.
+    from tokenizers import Tokenizer
+
+    _WORKER.update(tok=Tokenizer.from_file(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype))
+
+
+def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+    tok, eos, dtype = _WORKER["tok"], _WORKER["eos"], _WORKER["dtype"]
+    # add_special_tokens=False: no tokenizer-specific BOS/post-processing; we add exactly one EOS.
+    out = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        arr = np.empty(len(enc.ids) + 1, dtype=dtype)
+        arr[:-1] = enc.ids
+        arr[-1] = eos
+        out.append(arr)
+    return out
+
+
+def _chunks(named_docs, is_val, max_chars: int = 1 << 20, max_docs: int = 512):
+    """Group documents so each worker task is big enough to amortise inter-process overhead."""
+    flags, texts, size = [], [], 0
+    for name, text in named_docs:
+        flags.append(is_val(name))
+        texts.append(text)
+        size += len(text)
+        if size >= max_chars or len(texts) >= max_docs:
+            yield flags, texts
+            flags, texts, size = [], [], 0
+    if texts:
+        yield flags, texts
+
+
+def _encode_all(chunks, num_proc: int, init_args: tuple):
+    """Yield (flags, arrays) per chunk, in input order, with ``num_proc`` processes.
+
+    Uses apply_async with a bounded window instead of Pool.imap because imap drains its input
+    iterator eagerly, which would pull a whole streamed (HF) corpus into memory.
+    """
+    if num_proc <= 1:
+        _init_worker(*init_args)
+        for flags, texts in chunks:
+            yield flags, _encode_chunk(texts)
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    # The parent may have used tokenizers' thread pool (tokenizer training); this env var, read at
+    # fork, makes the children run single-threaded quietly instead of printing a fork warning.
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = ctx.Pool(num_proc, initializer=_init_worker, initargs=init_args)
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    with pool:
+        pending: deque = deque()
+        for flags, texts in chunks:
+            pending.append((flags, pool.apply_async(_encode_chunk, (texts,))))
+            if len(pending) >= 4 * num_proc:
+                f, res = pending.popleft()
+                yield f, res.get()
+        while pending:
+            f, res = pending.popleft()
+            yield f, res.get()
+
+
+def _limited(named_docs, max_documents: int | None):
+    for i, item in enumerate(named_docs):
+        if max_documents is not None and i >= max_documents:
+            return
+        yield item
+
+
+def _val_selector(val_docs, val_fraction: float, seed: int):
+    if val_docs is not None:
+        names = frozenset(val_docs)
+        return lambda name: name in names
+    # Hash of (seed, name): deterministic, independent of order and of num_proc, works on a stream.
+    threshold = int(val_fraction * 2**64)
+
+    def is_val(name: str) -> bool:
+        digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") < threshold
+
+    return is_val
+
+
+# ----------------------------------------------------------------------------- the whole pipeline
+def prepare_dataset(
+    source_spec: str | Path | Source,
+    out_dir: str | Path,
+    vocab_size: int = 8192,
+    tokenizer=None,
+    val_fraction: float = 0.05,
+    num_proc: int = 2,
+    seed: int = 0,
+    *,
+    val_docs="default",
+    text_field: str = "text",
+    max_documents: int | None = None,
+    tokenizer_max_chars: int | None = None,
+    overwrite: bool = False,
+) -> PreparedDataset:
+    """Tokenise a source into ``out_dir/{train,val}.bin`` (+ tokenizer, metadata); see module doc.
+
+    * ``tokenizer``: None trains a byte-level BPE of ``vocab_size`` on the *training* documents only
+      (so nothing about the held-out text leaks in); otherwise a tokenizer directory, hub name or
+      tokenizer object, copied into ``out_dir/tokenizer`` (``vocab_size`` is then ignored).
+    * Validation = whole documents. ``val_docs="default"``: the names in ``BUILTIN_VAL_DOCS`` for the
+      builtin corpus, else a ``val_fraction`` of documents chosen by a hash of (seed, name). A list of
+      names holds out exactly those (all must exist); None forces the fraction rule. If the fraction
+      rule picks no document (e.g. a single file), the last ``val_fraction`` of the training tokens
+      becomes the validation shard instead (``meta["val_split"] == "token_tail"``).
+    * Idempotent: returns the existing output when ``meta.json`` records the same request.
+    """
+    t0 = time.time()
+    src = resolve_source(source_spec, text_field)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+    if isinstance(val_docs, str) and val_docs == "default":
+        val_docs = BUILTIN_VAL_DOCS if isinstance(src, BuiltinSource) else None
+    val_names = None if val_docs is None else sorted(set(val_docs))
+
+    tok_obj = None
+    if tokenizer is not None:
+        tok_obj = load_tokenizer(tokenizer)
+        vocab_size = len(tok_obj)
+    request = {
+        "format": FORMAT_VERSION,
+        "source": src.fingerprint(),
+        "vocab_size": int(vocab_size),
+        "tokenizer": None if tok_obj is None else tokenizer_sha256(tok_obj),
+        "val_docs": val_names,
+        "val_fraction": None if val_names is not None else float(val_fraction),
+        "seed": None if val_names is not None else int(seed),
+        "max_documents": max_documents,
+        "tokenizer_max_chars": None if tok_obj is not None else tokenizer_max_chars,
+    }
+    meta_file = out_dir / "meta.json"
+    if meta_file.is_file() and not overwrite:
+        try:
+            done = load_prepared_dataset(out_dir)
+            if done.meta.get("request") == request:
+                log.info("reusing prepared dataset in %s", out_dir)
+                return done
+        except (ValueError, KeyError, json.JSONDecodeError):
+            pass  # stale or damaged: rebuild below
+    meta_file.unlink(missing_ok=True)  # from here on, nothing in out_dir may look finished
+
+    is_val = _val_selector(val_names, val_fraction, seed)
+    tok_dir = out_dir / "tokenizer"
+    if tok_obj is None:
+        log.info("training a %d-token byte-level BPE on %s", vocab_size, src.spec)
+        train_docs = (t for n, t in _limited(src.iter_named(), max_documents) if not is_val(n))
+        tok_obj = train_bpe_tokenizer(train_docs, vocab_size, tok_dir, max_chars=tokenizer_max_chars)
+    else:
+        save_tokenizer(tok_obj, tok_dir)
+    tok_hash = tokenizer_sha256(tok_obj)
+    vocab = len(tok_obj)
+    eos = eos_token_id(tok_obj)
+    common = {"tokenizer": "tokenizer", "tokenizer_sha256": tok_hash}
+
+    writers = {False: ShardWriter(out_dir / "train.bin", vocab, eos, split="train", **common),
+               True: ShardWriter(out_dir / "val.bin", vocab, eos, split="val", **common)}
+    seen_val: list[str] = []
+
+    def named_docs():
+        for name, text in _limited(src.iter_named(), max_documents):
+            if is_val(name):
+                seen_val.append(name)
+            yield name, text
+
+    try:
+        init = (str(tok_dir / "tokenizer.json"), eos, dtype_for_vocab(vocab).name)
+        for flags, arrays in _encode_all(_chunks(named_docs(), is_val), num_proc, init):
+            for flag, arr in zip(flags, arrays, strict=True):
+                writers[flag].write(arr, documents=1)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    if val_names is not None and set(seen_val) != set(val_names):
+        for w in writers.values():
+            w.abort()
+        missing = sorted(set(val_names) - set(seen_val))
+        raise ValueError(f"held-out document names not found in {src.spec!r}: {missing}. "
+                         f"Names look like {BUILTIN_VAL_DOCS[0]!r}; check the spelling.")
+    val_split = "documents"
+    if writers[False].num_documents == 0:
+        for w in writers.values():
+            w.abort()
+        raise ValueError(f"every document of {src.spec!r} was held out for validation; lower "
+                         f"val_fraction or hold out fewer val_docs.")
+    if writers[True].num_documents == 0:
+        val_split = "token_tail"
+        _move_tail(writers[False], writers[True], val_fraction)
+    train_meta, val_meta = writers[False].close(), writers[True].close()
+    meta = {
+        "format": FORMAT_VERSION,
+        "request": request,
+        "source_spec": src.spec,
+        "vocab_size": vocab,
+        "dtype": dtype_for_vocab(vocab).name,
+        "eos_id": eos,
+        "pad_id": tok_obj.pad_token_id,
+        **common,
+        "val_split": val_split,
+        "val_documents": sorted(seen_val)[:1000],  # capped: a huge corpus would bloat the file
+        "train": {k: train_meta[k] for k in ("num_tokens", "num_documents")},
+        "val": {k: val_meta[k] for k in ("num_tokens", "num_documents")},
+        "seconds": round(time.time() - t0, 2),
+    }
+    _atomic_write_json(meta_file, meta)
+    log.info("prepared %s: %d train / %d val tokens in %.1fs", out_dir,
+             train_meta["num_tokens"], val_meta["num_tokens"], meta["seconds"])
+    return load_prepared_dataset(out_dir)
+
+
+def _move_tail(train: ShardWriter, val: ShardWriter, fraction: float) -> None:
+    """Move the last ``fraction`` of the train tokens (at least 2) to ``val`` (fallback split)."""
+    train.file.flush()
+    n_val = max(2, int(np.ceil(train.num_tokens * fraction)))
+    if train.num_tokens - n_val < 2:
+        raise ValueError(f"only {train.num_tokens} tokens in total: too little text for a validation split.")
+    cut = train.num_tokens - n_val
+    tail = np.fromfile(train.tmp, dtype=train.dtype, offset=cut * train.dtype.itemsize)
+    train.file.truncate(cut * train.dtype.itemsize)
+    train.num_tokens = cut
+    val.write(tail, documents=0)

@@ -1,0 +1,93 @@
+"""A lean generation loop (gpt-fast style) that also times itself.
+
+`model.generate()` (transformers) works with every plan; this loop exists for speed and measurement:
+a preallocated `StaticKVCache` for the storage layers, prefill that asks only for the last position
+(so reconstruction layers skip the rest of the prompt), and one forward per new token with nothing
+else in the way. It records time-to-first-token and every decode step, which `fusedkv bench` reports.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import StaticKVCache, kv_cache_nbytes
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor  # [B, prompt + new]
+    ttft_s: float
+    step_s: list[float] = field(default_factory=list)
+    cache_bytes: int = 0
+
+    @property
+    def tpot_s(self) -> float:
+        """Median time per output token after the first (robust to a noisy machine)."""
+        steps = sorted(self.step_s)
+        return steps[len(steps) // 2] if steps else float("nan")
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, V] logits -> [B, 1] token ids; temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+             temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
+             eos_token_id: int | None = None, generator: torch.Generator | None = None) -> GenerationResult:
+    """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`)."""
+    batch, prompt_len = input_ids.shape
+    total = prompt_len + max_new_tokens
+    if total > model.config.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_position_embeddings={model.config.max_position_embeddings}; shorten one of them"
+        )
+    device = input_ids.device
+    dtype = next(model.parameters()).dtype
+    cache = StaticKVCache(model.config, batch, total, dtype, device) if static_cache else None
+    mask = attention_mask
+    if mask is not None:  # grow the padding mask in place instead of concatenating every step
+        mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
+        mask[:, :prompt_len] = attention_mask
+
+    _sync(device)
+    start = time.perf_counter()
+    out = model(input_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
+                use_cache=True, logits_to_keep=1)
+    cache = out.cache
+    token = sample_next(out.logits[:, -1], temperature, top_k, generator)
+    _sync(device)
+    ttft = time.perf_counter() - start
+
+    tokens = [token]
+    steps: list[float] = []
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for pos in range(prompt_len, total - 1):
+        if eos_token_id is not None:
+            done |= token[:, 0] == eos_token_id
+            if bool(done.all()):
+                break
+        t0 = time.perf_counter()
+        out = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache, use_cache=True)
+        token = sample_next(out.logits[:, -1], temperature, top_k, generator)
+        _sync(device)
+        steps.append(time.perf_counter() - t0)
+        tokens.append(token)
+    return GenerationResult(torch.cat([input_ids, *tokens], dim=1), ttft, steps, kv_cache_nbytes(cache))
