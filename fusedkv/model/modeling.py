@@ -120,18 +120,27 @@ class FusedKVModel(FusedKVPreTrainedModel):
                 "number of new tokens, or continue training at a longer context"
             )
 
-        mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-
         skip_from = self.plan.first_skippable_layer
         if not (0 < keep_last < q_len) or output_hidden_states:
             skip_from = len(self.layers)
-        kv = KVState(cache=cache)
+        causal = attention_mask is None and past == 0 and q_len > 1
+        if causal and (skip_from == len(self.layers) or keep_last == 1):
+            mask = None  # SDPA's causal flag; the skipped last row attends to every key anyway
+            position_ids = _default_positions(position_ids, batch, past, q_len, x.device)
+        else:
+            causal = False
+            mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        kv_start = None
+        if attention_mask is not None and q_len == 1:
+            kv_start = attention_mask.long().argmax(-1)  # left padding: index of the first real token
+        kv = KVState(cache=cache, causal=causal, kv_start=kv_start)
         hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.layers):
             if i == skip_from:
                 x, cos, sin = x[:, -keep_last:], cos[:, -keep_last:], sin[:, -keep_last:]
                 mask = mask[:, :, -keep_last:] if mask is not None else None
+                kv.causal = False  # only the last row(s) remain
             if self.gradient_checkpointing and self.training:
                 x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, mask, kv)
             else:
@@ -141,6 +150,12 @@ class FusedKVModel(FusedKVPreTrainedModel):
         x = self.norm(x)
         return BaseModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None,
                                        hidden_states=hidden_states)
+
+
+def _default_positions(position_ids, batch, past, q_len, device):
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(past, past + q_len, device=device).unsqueeze(0).expand(batch, q_len)
 
 
 def _mask_and_positions(attention_mask, position_ids, batch, past, q_len, device):
@@ -157,15 +172,18 @@ def _mask_and_positions(attention_mask, position_ids, batch, past, q_len, device
         valid = attention_mask.bool()
         if position_ids is None:
             position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
-    if position_ids is None:
-        position_ids = torch.arange(past, total, device=device).unsqueeze(0).expand(batch, q_len)
+    position_ids = _default_positions(position_ids, batch, past, q_len, device)
     if attention_mask is None and q_len == 1:
         return None, position_ids
     q_pos = torch.arange(past, total, device=device)
     mask = torch.arange(total, device=device)[None, :] <= q_pos[:, None]  # [T, S] causal
     mask = mask[None, None]
     if attention_mask is not None:
-        mask = mask & valid[:, None, None, :]
+        # A left-pad query row would attend to nothing (NaN in SDPA, and NaN values then leak into real
+        # rows through 0 * NaN). Letting every row see its own position keeps pad rows finite and
+        # changes no real row, which always sees itself.
+        diagonal = torch.arange(total, device=device)[None, :] == q_pos[:, None]
+        mask = (mask & valid[:, None, None, :]) | diagonal[None, None]
     return mask, position_ids
 
 

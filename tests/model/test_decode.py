@@ -127,3 +127,52 @@ def test_measured_cache_bytes():
     assert vanilla == 2 * 4 * 2 * 4 * 15 * 16 * 4  # K,V x layers x B x H x S x D x fp32 bytes
     for plan in ["gqa", *PLAN_HALF]:
         assert sizes[plan] / vanilla == 0.5, plan
+
+
+@pytest.mark.parametrize("prompt_len", [7, 33])
+def test_unpadded_prompt_paths_agree(plan_name, prompt_len):
+    """Without a padding mask the model uses SDPA's causal flag; every path must agree with it."""
+    model = tiny_model(plan_name)
+    ids = torch.randint(1, 97, (2, prompt_len + 3))
+    with torch.no_grad():
+        reference = model(ids, use_cache=False).logits
+        for path in ("factored", "auto"):
+            model.set_attention_path(path)
+            assert (model(ids, use_cache=False).logits - reference).abs().max() < 1e-4
+            out = model(ids[:, :prompt_len], use_cache=True, logits_to_keep=1)
+            cache = out.cache
+            for t in range(prompt_len, prompt_len + 3):
+                step = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits
+                assert (step[:, 0] - reference[:, t]).abs().max() < 1e-4
+
+
+TRITON_SCRIPT = """
+import torch
+from tests.conftest import tiny_model
+from tests.model.test_decode import padded_batch, incremental_logits
+for plan in ("fusedkv", "fusedkv-lite", "fusedkv-gqa"):
+    model = tiny_model(plan)
+    ids, mask, width = padded_batch(7)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        model.set_attention_path("triton")  # one-token decode steps run the Triton kernel
+        steps, _ = incremental_logits(model, ids[:, :width + 2], mask[:, :width + 2], width, keep_last=1)
+    for k, step in enumerate(steps[1:]):
+        err = (step[:, 0] - full[:, width + k]).abs().max().item()
+        assert err < 1e-4, (plan, err)
+print("ok")
+"""
+
+
+def test_triton_decode_path_in_the_model_under_the_interpreter():
+    import os
+    import subprocess
+    import sys
+
+    from fusedkv.kernels import is_triton_available
+
+    if not is_triton_available():
+        pytest.skip("triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -1,0 +1,178 @@
+"""Run an experiment: train and evaluate several plans under one budget, over several seeds.
+
+An experiment is a YAML file (the shipped ones sit beside this module: main, sources, reversed, init,
+dense): a shared `base` training config (or `extends: FILE` to share one), a list of `runs` (a name,
+a plan, model overrides such as a custom source map) and `seeds`. Every run trains with the same data,
+token budget, optimiser and seeds; only the plan differs. Results are written per run as they finish
+(`RUN/seedN/result.json`), so an interrupted comparison resumes where it stopped. The summary is a
+Table-2-style markdown table (mean +- std over seeds) and a learning-curve PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+from pathlib import Path
+
+import yaml
+
+EXPERIMENTS_DIR = Path(__file__).parent
+
+
+def load_experiment(name_or_path: str) -> dict:
+    """A shipped experiment by name (`main`) or a YAML path; resolves `extends`."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = EXPERIMENTS_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        shipped = sorted(p.stem for p in EXPERIMENTS_DIR.glob("[!_]*.yaml"))
+        raise ValueError(f"no experiment {name_or_path!r}; give a YAML file or one of {shipped}")
+    spec = yaml.safe_load(path.read_text()) or {}
+    if "extends" in spec:
+        parent = load_experiment(str(path.parent / f"{spec.pop('extends')}.yaml"))
+        spec["base"] = _merge(parent.get("base", {}), spec.get("base", {}))
+    if "runs" in spec and not spec["runs"]:
+        raise ValueError(f"{path}: 'runs' is empty; list at least one run")
+    for i, run in enumerate(spec.get("runs", [])):
+        if "name" not in run or "plan" not in run:
+            raise ValueError(f"{path}: run {i + 1} needs a 'name' and a 'plan'")
+    return spec
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-").lower()
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)  # atomic: a killed run never leaves a half result that looks finished
+
+
+def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: str | None = None,
+                   overrides: dict | None = None, task_limit: int | None = 40, progress: bool = True) -> list[dict]:
+    """Train and evaluate every (run, seed); returns one result dict per pair."""
+    from ..train import TrainConfig, train
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = {"preset": preset} if preset else dict(spec.get("base", {}))
+    base = _merge(base, overrides or {})
+    seeds = seeds if seeds is not None else list(spec.get("seeds", [0]))
+    results = []
+    total = len(spec["runs"]) * len(seeds)
+    for run in spec["runs"]:
+        for seed in seeds:
+            run_dir = out_dir / _slug(run["name"]) / f"seed{seed}"
+            done = run_dir / "result.json"
+            if done.exists():
+                results.append(json.loads(done.read_text()))
+                continue
+            if progress:
+                print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
+            fields = _merge(base, {k: v for k, v in run.items() if k != "name"})
+            # No result.json means the run did not finish: train it again from the start.
+            cfg = TrainConfig(**{**fields, "seed": seed, "out_dir": str(run_dir / "train"), "progress": False,
+                                 "overwrite": True})
+            res = train(cfg)
+            result = _summarise(run["name"], seed, res, task_limit)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(done, result)
+            results.append(result)
+    return results
+
+
+def _summarise(name: str, seed: int, res: dict, task_limit: int | None) -> dict:
+    from ..model import FusedKVForCausalLM
+
+    ckpt = res["checkpoint"]
+    model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
+    c = model.config
+    mha_bytes = 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+    out = dict(
+        name=name, seed=seed, plan=c.kv_sharing, checkpoint=str(ckpt),
+        val_loss=res["val_loss"], val_ppl=res.get("val_ppl", math.exp(res["val_loss"])),
+        cache=c.kv_cache_bytes_per_token(1) / mha_bytes,
+        curve=[(r["tokens"], r["val_loss"]) for r in res.get("history", []) if r.get("val_loss") is not None],
+        tokens_per_s=res.get("tokens_per_s"),
+    )
+    if task_limit:
+        out["tasks"] = _task_scores(model, ckpt, task_limit)
+    return out
+
+
+def _task_scores(model, ckpt, limit: int) -> dict:
+    """Accuracy on the shipped local lm-eval tasks (offline)."""
+    from transformers import AutoTokenizer
+
+    from ..eval.harness import LOCAL_TASKS, run_lm_eval
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    scores = run_lm_eval(model, tok, tasks=list(LOCAL_TASKS), limit=limit, num_fewshot=0)
+    return {task: round(acc, 4) for task, acc in scores.items()}
+
+
+def _mean_std(xs: list[float]) -> str:
+    if len(xs) == 1:
+        return f"{xs[0]:.4f}"
+    return f"{statistics.mean(xs):.4f} ± {statistics.stdev(xs):.4f}"
+
+
+def summary_table(results: list[dict]) -> str:
+    names = list(dict.fromkeys(r["name"] for r in results))
+    tasks = sorted({t for r in results for t in r.get("tasks", {})})
+    head = "| run | plan | cache | seeds | valid loss | perplexity | " + " | ".join(tasks) + (" |" if tasks else "")
+    if tasks:
+        head += " task avg |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for name in names:
+        rs = [r for r in results if r["name"] == name]
+        row = (f"| {name} | {rs[0]['plan']} | {rs[0]['cache']:.2g} | {len(rs)} | "
+               f"{_mean_std([r['val_loss'] for r in rs])} | {_mean_std([r['val_ppl'] for r in rs])} |")
+        if tasks:
+            per_task = [statistics.mean(r["tasks"][t] for r in rs) * 100 for t in tasks]
+            row += "".join(f" {v:.1f} |" for v in per_task) + f" {statistics.mean(per_task):.1f} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot_curves(results: list[dict], path, title: str) -> None:
+    """Validation loss against tokens, mean over seeds with a min-max band, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["name"] for r in results):
+        curves = [dict(r["curve"]) for r in results if r["name"] == name and r["curve"]]
+        if not curves:
+            continue
+        xs = sorted(set.intersection(*(set(c) for c in curves)))
+        ys = [[c[x] for c in curves] for x in xs]
+        mean = [statistics.mean(y) for y in ys]
+        line, = ax.plot(xs, mean, label=name)
+        if len(curves) > 1:
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    lo = min((v for r in results for _, v in r["curve"][len(r["curve"]) // 3:]), default=None)
+    if lo is not None:  # zoom on the part of the curves where plans differ
+        hi = max(v for r in results for _, v in r["curve"][len(r["curve"]) // 3:])
+        ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

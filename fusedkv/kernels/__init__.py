@@ -1,0 +1,149 @@
+"""Attention kernels for FusedKV reconstruction layers.
+
+Reconstruction layers attend over ``K = sum_s a_s (.) K_s``, ``V = sum_s b_s (.) V_s`` built from
+storage-layer caches.  Nothing here ever writes that fused K/V (SPEC section 3: "fuse on demand"):
+
+* :func:`factored_attention` (pure torch, any T_q, any number of sources): key fusion moved onto the
+  query, value fusion onto the output.  CPU path and fallback.
+* :func:`materialized_attention`: the explicit reference (builds K, V, calls SDPA).  Tests only.
+* :func:`fused_decode_attention` (Triton, T_q = 1): flash-decoding kernel, 1-2 K and 1-2 V sources.
+* :func:`decode_attention`: dispatcher for one decode step (Triton on CUDA when available, else torch).
+
+Triton is optional: it is imported only when a Triton path is actually requested, so this package
+imports on machines without Triton or without a GPU.  :func:`is_triton_available` says whether it can
+be imported; :func:`triton_usable_for` whether it can run on a given tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .reference import (
+    factored_attention,
+    kv_start_to_mask,
+    materialized_attention,
+    merge_duplicate_sources,
+    normalize_sources,
+)
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "factored_attention",
+    "materialized_attention",
+    "decode_attention",
+    "fused_decode_attention",
+    "is_triton_available",
+    "triton_usable_for",
+    "kv_start_to_mask",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def is_triton_available() -> bool:
+    """True if ``triton`` can be imported (it says nothing about a GPU being present)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception:  # a broken install must not break the CPU path
+        return False
+    return True
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_usable_for(t: Tensor) -> bool:
+    """Triton can launch on ``t``: it is a CUDA tensor (or the interpreter is on and it is on CPU)."""
+    if not is_triton_available():
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and _interpreter_on())
+
+
+def fused_decode_attention(*args, **kwargs) -> Tensor:
+    """Triton flash-decoding kernel; see :func:`fusedkv.kernels.triton_decode.fused_decode_attention`."""
+    if not is_triton_available():
+        raise RuntimeError("fused_decode_attention needs Triton (pip install 'fusedkv[triton]'); "
+                           "use factored_attention or decode_attention(backend='torch') instead")
+    q = args[0] if args else kwargs.get("q")
+    if isinstance(q, Tensor) and not triton_usable_for(q):
+        raise RuntimeError(f"Triton cannot run on a {q.device.type} tensor here: use CUDA tensors, or set "
+                           "TRITON_INTERPRET=1 before Python starts to run the kernel on CPU (slow)")
+    from .triton_decode import fused_decode_attention as impl  # lazy: imports triton
+
+    return impl(*args, **kwargs)
+
+
+def _triton_supports(q: Tensor, ks: list[Tensor], vs: list[Tensor]) -> bool:
+    d = q.shape[-1]
+    dtypes = {t.dtype for t in (*ks, *vs)}
+    return (
+        len(ks) <= 2
+        and len(vs) <= 2
+        and 16 <= d <= 256
+        and d & (d - 1) == 0
+        and len(dtypes) == 1
+        and dtypes <= {torch.float32, torch.float16, torch.bfloat16}
+        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
+
+
+def decode_attention(
+    q: Tensor,
+    k_sources: Tensor | Sequence[Tensor],
+    k_weights: Tensor | Sequence[Tensor | None] | None,
+    v_sources: Tensor | Sequence[Tensor],
+    v_weights: Tensor | Sequence[Tensor | None] | None,
+    kv_start: Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    *,
+    kv_end: Tensor | None = None,
+    **triton_kwargs,
+) -> Tensor:
+    """One decode step (one new query token) over fused KV sources.
+
+    ``q`` is ``[B, H_q, D]`` or ``[B, H_q, 1, D]``; the result has the same shape and q's dtype.
+    ``kv_start[b]``: first valid key position (left padding); ``kv_end[b]``: one past the last valid.
+
+    backend: ``"auto"`` uses Triton when the tensors are on CUDA, Triton imports and the case is
+    supported (<= 2 distinct sources per side, D a power of two in [16, 256]); otherwise
+    :func:`factored_attention`.  ``"triton"`` forces the kernel (error if unavailable; on CPU it needs
+    ``TRITON_INTERPRET=1``); ``"torch"`` forces the factored torch path.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    four_d = q.dim() == 4
+    if four_d:
+        if q.shape[2] != 1:
+            raise ValueError(f"decode_attention takes one query token, got T_q={q.shape[2]}")
+        q3 = q[:, :, 0, :]
+    elif q.dim() == 3:
+        q3 = q
+    else:
+        raise ValueError(f"q must be [B, H_q, D] or [B, H_q, 1, D], got {tuple(q.shape)}")
+
+    ks, kw = normalize_sources(k_sources, k_weights)
+    vs, vw = normalize_sources(v_sources, v_weights)
+    if backend == "auto":
+        mk, _ = merge_duplicate_sources(ks, kw)
+        mv, _ = merge_duplicate_sources(vs, vw)
+        use_triton = q.is_cuda and is_triton_available() and _triton_supports(q, mk, mv)
+    else:
+        use_triton = backend == "triton"
+
+    if use_triton:
+        out = fused_decode_attention(q3, ks, kw, vs, vw, kv_start, scale, kv_end=kv_end, **triton_kwargs)
+    else:
+        mask = kv_start_to_mask(kv_start, ks[0].shape[2], kv_end)
+        out = factored_attention(q3.unsqueeze(2), ks, kw, vs, vw, mask=mask, scale=scale)[:, :, 0, :]
+    return out.unsqueeze(2) if four_d else out

@@ -1,0 +1,433 @@
+"""Triton flash-decoding kernel for FusedKV reconstruction layers (one new token, T_q = 1).
+
+What it computes (per batch row ``b`` and query head ``h``, kv head ``j = h // G``)::
+
+    K = sum_s a_s (.) K_s,  V = sum_s b_s (.) V_s          (1 or 2 sources each, a/b optional)
+    out[b, h] = softmax(scale * q[b, h] . K[b, j, t]  over  kv_start[b] <= t < kv_end[b]) @ V[b, j]
+
+How, and why:
+
+* **No fused tensor.**  Key fusion is moved to the query, ``q . (a (.) k1 + c (.) kn) =
+  (a (.) q) . k1 + (c (.) q) . kn``: each program multiplies its queries by the key weights once, then
+  streams the raw caches.  Value fusion is moved to the output, ``sum_t p_t (b (.) v1_t + d (.) vn_t)
+  = b (.) (P V1) + d (.) (P Vn)``: each V source gets its own fp32 accumulator and the weights are
+  applied once to the partial output.  Decode is memory-bound, so the cost over a one-source kernel is
+  only the extra bytes of the extra sources (FusedKV reads 4 caches, Lite and MHA 2).
+* **Flash-decoding split.**  With T_q = 1 a (batch, kv head) grid has far fewer programs than the GPU
+  has SMs (e.g. B=1, H_kv=2), so the sequence is cut into ``num_splits`` chunks, one program per
+  (batch, kv head, split).  Each program keeps a running max / sum / accumulator in fp32 (online
+  softmax) and writes a partial output and its log-sum-exp; a second tiny kernel merges the splits.
+  With one split the first kernel writes the final output directly (no second launch).
+* **GQA in one program.**  A program handles all G query heads of its kv head, so every K/V element is
+  read once per program (not G times).  For G >= 5 the heads are padded to 16 rows and the two
+  products use ``tl.dot`` (tensor cores; the padding costs nothing in a memory-bound kernel); for
+  G <= 4 (incl. MHA) a broadcast-multiply-reduce avoids the 16-row minimum of ``tl.dot``.
+* Scale and ``log2(e)`` are folded into q so the softmax uses ``exp2``.  Keys outside
+  ``[kv_start, kv_end)`` are not loaded at all (left padding costs no bandwidth).  Batch offsets are
+  computed in int64: a [8, 16, 128k, 128] cache has more than 2^31 elements.
+
+This module imports Triton at import time; import it lazily (``fusedkv.kernels`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import merge_duplicate_sources, normalize_sources
+
+Tensor = torch.Tensor
+
+__all__ = ["fused_decode_attention", "choose_num_splits", "default_launch"]
+
+_LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _qk(qa, k, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr):
+    # qa: [BLOCK_G, D] fp32 (already scaled and key-weighted), k: [BLOCK_N, D] -> [BLOCK_G, BLOCK_N] fp32
+    if USE_DOT:
+        if DOT_PRECISION == "ieee":
+            s = tl.dot(qa, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(qa.to(k.dtype), tl.trans(k))
+    elif BLOCK_G == 1:
+        # MHA: plain 2-D multiply-reduce (a [1, N, D] broadcast compiles to more registers).
+        s = tl.expand_dims(tl.sum(qa * k.to(tl.float32), axis=1), 0)
+    else:
+        s = tl.sum(qa[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    return s
+
+
+@triton.jit
+def _pv(p, v, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr):
+    # p: [BLOCK_G, BLOCK_N] fp32, v: [BLOCK_N, D] -> [BLOCK_G, D] fp32
+    if USE_DOT:
+        if DOT_PRECISION == "ieee":
+            o = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            o = tl.dot(p.to(v.dtype), v)
+    elif BLOCK_G == 1:
+        o = tl.expand_dims(tl.sum(tl.trans(p) * v.to(tl.float32), axis=0), 0)
+    else:
+        o = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return o
+
+
+@triton.jit
+def _fused_decode_stage1(
+    Q, K1, K2, V1, V2, KW1, KW2, VW1, VW2, KV_START, KV_END,
+    O_PART, LSE_PART, OUT,
+    stride_qb, stride_qh,
+    stride_k1b, stride_k1h, stride_k1s,
+    stride_k2b, stride_k2h, stride_k2s,
+    stride_v1b, stride_v1h, stride_v1s,
+    stride_v2b, stride_v2h, stride_v2s,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    H_KV, S, G, CHUNK, qk_scale,
+    HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+    HAS_KW1: tl.constexpr, HAS_KW2: tl.constexpr, HAS_VW1: tl.constexpr, HAS_VW2: tl.constexpr,
+    HAS_KV_START: tl.constexpr, HAS_KV_END: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid_bh // H_KV).to(tl.int64)  # int64: b * stride_b can exceed 2^31
+    j = (pid_bh % H_KV).to(tl.int64)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    heads = j * G + offs_g  # query heads of kv head j
+
+    # ---- queries, with scale*log2(e) and the key weights folded in (query-side key fusion) --------
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    if HAS_KW1:
+        qa1 = q * tl.load(KW1 + j * D + offs_d)[None, :]
+    else:
+        qa1 = q
+    if HAS_K2:
+        if HAS_KW2:
+            qa2 = q * tl.load(KW2 + j * D + offs_d)[None, :]
+        else:
+            qa2 = q
+
+    if USE_DOT:
+        if DOT_PRECISION != "ieee":
+            # Tensor-core operands in the cache dtype; converted once here, not per key block.
+            qa1 = qa1.to(K1.dtype.element_ty)
+            if HAS_K2:
+                qa2 = qa2.to(K2.dtype.element_ty)
+
+    # ---- key range of this split, clipped to the valid window [kv_start, kv_end) ------------------
+    # Positions fit in int32; keeping the loop bounds int32 keeps the loop counter 32-bit.
+    kv_lo = 0
+    if HAS_KV_START:
+        kv_lo = tl.load(KV_START + b).to(tl.int32)
+    kv_hi = S
+    if HAS_KV_END:
+        kv_hi = tl.minimum(tl.load(KV_END + b).to(tl.int32), S)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, kv_hi)
+    # Skip whole blocks left of kv_start (left padding); keep block alignment of the loop.
+    lo = tl.maximum(lo, (kv_lo // BLOCK_N) * BLOCK_N)
+    # No valid key in this split (or the whole row masked: kv_start >= kv_end): run no iteration.
+    # Otherwise every visited block holds >= 1 valid key, which keeps the running max finite.
+    hi = tl.where(kv_lo < hi, hi, lo)
+
+    k1_base = K1 + b * stride_k1b + j * stride_k1h
+    v1_base = V1 + b * stride_v1b + j * stride_v1h
+    k2_base = K2 + b * stride_k2b + j * stride_k2h
+    v2_base = V2 + b * stride_v2b + j * stride_v2h
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, D], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, D], tl.float32)
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n >= kv_lo) & (offs_n < hi)
+        k1 = tl.load(k1_base + offs_n[:, None] * stride_k1s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        s = _qk(qa1, k1, USE_DOT, DOT_PRECISION, BLOCK_G)
+        if HAS_K2:
+            k2 = tl.load(k2_base + offs_n[:, None] * stride_k2s + offs_d[None, :],
+                         mask=n_ok[:, None], other=0.0)
+            s += _qk(qa2, k2, USE_DOT, DOT_PRECISION, BLOCK_G)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+
+        # Online softmax (base 2); m_new is finite (see the range clipping above).
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v1 = tl.load(v1_base + offs_n[:, None] * stride_v1s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc1 = acc1 * alpha[:, None] + _pv(p, v1, USE_DOT, DOT_PRECISION, BLOCK_G)
+        if HAS_V2:
+            v2 = tl.load(v2_base + offs_n[:, None] * stride_v2s + offs_d[None, :],
+                         mask=n_ok[:, None], other=0.0)
+            acc2 = acc2 * alpha[:, None] + _pv(p, v2, USE_DOT, DOT_PRECISION, BLOCK_G)
+        m_i = m_new
+
+    # ---- output-side value fusion: b1 (.) (P V1) + b2 (.) (P V2), once per program ---------------
+    if HAS_VW1:
+        o = acc1 * tl.load(VW1 + j * D + offs_d)[None, :]
+    else:
+        o = acc1
+    if HAS_V2:
+        if HAS_VW2:
+            o += acc2 * tl.load(VW2 + j * D + offs_d)[None, :]
+        else:
+            o += acc2
+
+    has_keys = l_i > 0.0  # False for an empty split or a fully masked row
+    o = o / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SINGLE_SPLIT:
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(O_PART + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+                 o, mask=g_ok[:, None])
+        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+
+
+@triton.jit
+def _fused_decode_combine(
+    O_PART, LSE_PART, OUT,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    H_Q, NUM_SPLITS,
+    BLOCK_S: tl.constexpr, D: tl.constexpr,
+):
+    # Merge split partials with their log-sum-exp (base 2): out = sum_i 2^(lse_i - M) o_i / sum_i 2^(...).
+    pid = tl.program_id(0)
+    b = (pid // H_Q).to(tl.int64)
+    h = (pid % H_Q).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    s_ok = offs_s < NUM_SPLITS
+    lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (fully masked row) -> output 0
+    w = tl.exp2(lse - m)
+    den = tl.sum(w, axis=0)
+    o = tl.load(O_PART + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch heuristics
+# --------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H100/H200; only matters for the interpreter, where any value is correct
+
+
+def default_launch(d: int, block_g: int, use_dot: bool, n_sources: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): keys per loop iteration and warps per program.
+
+    Untuned guesses (no GPU was available when this was written) picked from register counts of
+    offline sm_90 compiles, avoiding spills and keeping several programs per SM resident:
+    the broadcast (non-dot) path holds a [BLOCK_G, BLOCK_N, D] fp32 product per source in registers,
+    so its key block shrinks with G*D and the number of sources (MHA D=128: 64 keys, FusedKV: 32);
+    the dot path keeps 64 keys (32 with 4 sources and 64 padded heads) and uses 8 warps for 64 heads.
+    Override with ``block_n=`` / ``num_warps=`` (``gpu_suite --tune`` sweeps them).
+    """
+    if use_dot:
+        if block_g >= 64:
+            return (64 if n_sources <= 2 else 32), 8
+        return 64, 4
+    block_n = triton.next_power_of_2(max(1, 16384 // (block_g * d * n_sources)) + 1) // 2
+    return max(16, min(64, block_n)), 4
+
+
+def choose_num_splits(s: int, batch_heads: int, block_n: int, num_sms: int = 132,
+                      min_blocks_per_split: int = 2, max_splits: int = 128) -> int:
+    """Split the sequence so that ``batch_heads * num_splits`` fills about two waves of SMs.
+
+    Each split keeps at least ``min_blocks_per_split`` key blocks so its fixed cost (loading q,
+    writing a partial) stays small next to the streaming it does.
+    """
+    n_blocks = triton.cdiv(max(s, 1), block_n)
+    want = triton.cdiv(2 * num_sms, max(batch_heads, 1))
+    cap = max(1, n_blocks // min_blocks_per_split)
+    return int(max(1, min(want, cap, max_splits)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------------------------------
+def _prep_source(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _prep_weight(w: Tensor | None, ref: Tensor) -> Tensor | None:
+    # Weights are tiny ([H_kv, D]); fp32 and contiguous so the kernel can index j * D + d.
+    return None if w is None else w.to(device=ref.device, dtype=torch.float32).contiguous()
+
+
+def fused_decode_attention(
+    q: Tensor,
+    k_sources: Tensor | Sequence[Tensor],
+    k_weights: Tensor | Sequence[Tensor | None] | None,
+    v_sources: Tensor | Sequence[Tensor],
+    v_weights: Tensor | Sequence[Tensor | None] | None,
+    kv_start: Tensor | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    *,
+    kv_end: Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tensor:
+    """Decode attention of one new token over fused KV sources.
+
+    Args:
+        q: ``[B, H_q, D]`` (the single new query token).
+        k_sources, v_sources: 1 or 2 tensors ``[B, H_kv, S, D]`` each (a tensor listed twice is merged).
+        k_weights, v_weights: per source ``[H_kv, D]`` (or ``[D]``) weight or None (= plain reuse).
+        kv_start: LongTensor ``[B]``; keys at positions ``< kv_start[b]`` are masked (left padding).
+        scale: softmax scale, default ``1/sqrt(D)``.
+        num_splits: sequence splits (flash-decoding); None picks one from S and B*H_kv.
+        kv_end: optional LongTensor ``[B]``; keys at positions ``>= kv_end[b]`` are masked (e.g. a
+            pre-allocated cache that is only partly filled).
+        block_n, num_warps, num_stages: launch overrides for tuning.
+
+    Returns ``[B, H_q, D]`` in q's dtype.  A row with no key to attend to returns zeros.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H_q, D], got {tuple(q.shape)}")
+    ks, kw = normalize_sources(k_sources, k_weights)
+    vs, vw = normalize_sources(v_sources, v_weights)
+    ks, kw = merge_duplicate_sources(ks, kw)
+    vs, vw = merge_duplicate_sources(vs, vw)
+    if len(ks) > 2 or len(vs) > 2:
+        raise NotImplementedError("the Triton kernel takes at most 2 distinct K and 2 distinct V sources; "
+                                  "use fusedkv.kernels.factored_attention for more")
+    bsz, h_q, d = q.shape
+    b2, h_kv, s, d2 = ks[0].shape
+    if vs[0].shape != ks[0].shape or b2 != bsz or d2 != d:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, K {tuple(ks[0].shape)}, "
+                         f"V {tuple(vs[0].shape)}")
+    if h_q % h_kv:
+        raise ValueError(f"H_q={h_q} is not a multiple of H_kv={h_kv}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    for t in (q, *ks, *vs):
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported dtype {t.dtype}; use fp32, fp16 or bf16")
+    if len({t.dtype for t in (*ks, *vs)}) != 1:
+        raise TypeError("all K/V sources must share one dtype")
+    g = h_q // h_kv
+    device = q.device
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    ks = [_prep_source(x) for x in ks]
+    vs = [_prep_source(x) for x in vs]
+    kw = [_prep_weight(w, q) for w in kw]
+    vw = [_prep_weight(w, q) for w in vw]
+    if kv_start is not None:
+        kv_start = kv_start.to(device=device, dtype=torch.int64).reshape(bsz).contiguous()
+    if kv_end is not None:
+        kv_end = kv_end.to(device=device, dtype=torch.int64).reshape(bsz).contiguous()
+
+    use_dot = g > 4
+    # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error); fp16/bf16: tensor-core
+    # products in the input dtype.  The Triton 3.9 interpreter computes bf16 tl.dot wrongly (garbage
+    # values), so there bf16 operands are upcast and multiplied in fp32 too.
+    on_interpreter = q.device.type == "cpu"
+    exact = ks[0].dtype == torch.float32 or (on_interpreter and ks[0].dtype == torch.bfloat16)
+    dot_precision = "ieee" if exact else "default"
+    block_g = max(16, triton.next_power_of_2(g)) if use_dot else triton.next_power_of_2(g)
+    n_src = len(ks) + len(vs)
+    auto_n, auto_warps = default_launch(d, block_g, use_dot, n_src)
+    if use_dot and exact:
+        auto_n = max(16, auto_n // 2)  # fp32 tiles are twice as large (registers, shared memory)
+    block_n = auto_n if block_n is None else int(block_n)
+    if num_splits is None:
+        num_splits = choose_num_splits(s, bsz * h_kv, block_n, _num_sms(device))
+    num_splits = max(1, min(int(num_splits), triton.cdiv(max(s, 1), block_n)))
+    # Chunk per split, a multiple of block_n so that splits never share a block.
+    chunk = triton.cdiv(triton.cdiv(max(s, 1), num_splits), block_n) * block_n
+    if num_warps is None:
+        num_warps = auto_warps
+    if num_stages is None:
+        num_stages = 2
+
+    out = torch.empty(bsz, h_q, d, dtype=q.dtype, device=device)
+    single = num_splits == 1
+    if single:
+        o_part = out  # unused placeholders (the kernel writes OUT directly)
+        lse_part = out
+        sp = (0, 0, d)
+        sl = (0, 0)
+    else:
+        o_part = torch.empty(bsz, h_q, num_splits, d, dtype=torch.float32, device=device)
+        lse_part = torch.empty(bsz, h_q, num_splits, dtype=torch.float32, device=device)
+        sp = o_part.stride()[:3]
+        sl = lse_part.stride()[:2]
+
+    k1 = ks[0]
+    k2 = ks[1] if len(ks) > 1 else k1
+    v1 = vs[0]
+    v2 = vs[1] if len(vs) > 1 else v1
+    kw1 = kw[0]
+    kw2 = kw[1] if len(kw) > 1 else None
+    vw1 = vw[0]
+    vw2 = vw[1] if len(vw) > 1 else None
+    dummy = out  # any tensor: pointers of disabled features are never dereferenced
+
+    grid = (bsz * h_kv, num_splits)
+    _fused_decode_stage1[grid](
+        q, k1, k2, v1, v2,
+        kw1 if kw1 is not None else dummy, kw2 if kw2 is not None else dummy,
+        vw1 if vw1 is not None else dummy, vw2 if vw2 is not None else dummy,
+        kv_start if kv_start is not None else dummy, kv_end if kv_end is not None else dummy,
+        o_part, lse_part, out,
+        q.stride(0), q.stride(1),
+        k1.stride(0), k1.stride(1), k1.stride(2),
+        k2.stride(0), k2.stride(1), k2.stride(2),
+        v1.stride(0), v1.stride(1), v1.stride(2),
+        v2.stride(0), v2.stride(1), v2.stride(2),
+        sp[0], sp[1], sp[2],
+        sl[0], sl[1],
+        out.stride(0), out.stride(1),
+        h_kv, s, g, chunk, scale * _LOG2E,
+        HAS_K2=len(ks) > 1, HAS_V2=len(vs) > 1,
+        HAS_KW1=kw1 is not None, HAS_KW2=kw2 is not None,
+        HAS_VW1=vw1 is not None, HAS_VW2=vw2 is not None,
+        HAS_KV_START=kv_start is not None, HAS_KV_END=kv_end is not None, SINGLE_SPLIT=single,
+        USE_DOT=use_dot, DOT_PRECISION=dot_precision,
+        BLOCK_G=block_g, BLOCK_N=block_n, D=d,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _fused_decode_combine[(bsz * h_q,)](
+            o_part, lse_part, out,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            out.stride(0), out.stride(1),
+            h_q, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), D=d,
+            num_warps=4 if d >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,49 @@
+"""Triton decode kernel under the CPU interpreter, and the GPU suite's dry run.
+
+Both run in subprocesses with ``TRITON_INTERPRET=1`` in their environment from the start: the
+interpreter has to be on before Triton is first imported, and this (main) pytest process has
+already imported Triton without it (``import fusedkv`` -> transformers -> torch._dynamo -> triton).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO),
+           "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_triton_kernel_under_interpreter():
+    r = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+              str(HERE / "_triton_interpret_cases.py")], timeout=300)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+def test_gpu_suite_dry_run():
+    r = _run([sys.executable, "-m", "fusedkv.kernels.gpu_suite", "--dry-run", "--tune"], timeout=300)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "### Correctness" in out and "### Decode throughput" in out and "### Launch sweep" in out
+    assert "**NO**" not in out and "0 correctness failures" in out
+    assert "ours FusedKV" in out and "sdpa" in out
+
+
+def test_cpu_bench_quick():
+    r = _run([sys.executable, "-m", "fusedkv.kernels.bench_cpu", "--quick"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "speed-up" in r.stdout
