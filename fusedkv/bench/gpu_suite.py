@@ -1,0 +1,107 @@
+"""The one GPU script: kernel correctness and throughput, then model TTFT / TPOT at 8k-128k in bf16.
+
+    python -m fusedkv.bench.gpu_suite            # or: fusedkv bench --gpu-suite
+    python -m fusedkv.bench.gpu_suite --dry-run  # every code path, tiny sizes, on CPU
+
+Part 1 is `fusedkv.kernels.gpu_suite` (Triton kernel vs the reference in fp32 and bf16; decode kernel
+throughput against PyTorch's flash SDPA for MHA at the same context). Part 2 builds a ~1B-parameter
+model per plan (16 layers, d=2048, 16 heads of 128, bf16) and measures, with our lean generation loop
+and a static cache: TTFT at 8k/32k/128k prompts (prefill skipping for the half-cache plans) and TPOT
+(median of 32 decode steps), plus the paper's Fig. 5 GQA case (H_q=128, H_kv=2). Sized for < 8
+minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from ..config import FusedKVConfig
+from ..generation import generate
+from ..model import FusedKVForCausalLM
+
+
+def _model(plan: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_len: int,
+           device, dtype) -> FusedKVForCausalLM:
+    cfg = FusedKVConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                        max_position_embeddings=max_len, kv_sharing=plan)
+    with torch.device(device):
+        model = FusedKVForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def model_suite(device="cuda", dtype=torch.bfloat16, lengths=(8192, 32768, 131072), new_tokens=32,
+                layers=16, hidden=2048, heads=16, head_dim=128, gqa=(128, 2), gqa_length=32768) -> list[dict]:
+    rows = []
+    cases = [("mha", heads, heads, lengths), ("gqa", gqa[0], gqa[1], (gqa_length,))]
+    for case, h, kvh, lens in cases:
+        for plan in ("vanilla", "fusedkv-lite", "fusedkv"):
+            model = _model(plan, layers, hidden, h, kvh, head_dim, max(lens) + new_tokens, device, dtype)
+            generate(model, torch.randint(1, 32000, (1, 64), device=device), 4)  # warm-up
+            for s in lens:
+                ids = torch.randint(1, 32000, (1, s), device=device)
+                if device != "cpu":
+                    torch.cuda.reset_peak_memory_stats()
+                r = generate(model, ids, new_tokens)
+                peak = torch.cuda.max_memory_allocated() if device != "cpu" else None
+                rows.append(dict(case=case, plan=plan, heads=h, kv_heads=kvh, prompt=s, ttft_s=r.ttft_s,
+                                 tpot_s=r.tpot_s, cache_bytes=r.cache_bytes, peak_bytes=peak))
+                print(json.dumps(rows[-1]), flush=True)
+            del model
+            gc.collect()
+            if device != "cpu":
+                torch.cuda.empty_cache()
+    base = {(r["case"], r["prompt"]): r for r in rows if r["plan"] == "vanilla"}
+    for r in rows:
+        b = base[(r["case"], r["prompt"])]
+        r["ttft_ratio"], r["tpot_ratio"] = r["ttft_s"] / b["ttft_s"], r["tpot_s"] / b["tpot_s"]
+        r["cache_ratio"] = r["cache_bytes"] / b["cache_bytes"]
+    return rows
+
+
+def format_model_table(rows: list[dict]) -> str:
+    lines = ["| case | plan | prompt | cache GiB | cache vs vanilla | peak GiB | TTFT ms | TTFT vs vanilla | "
+             "TPOT ms | TPOT vs vanilla |", "|---" * 10 + "|"]
+    for r in rows:
+        peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "n/a"
+        lines.append(f"| {r['case']} H_q={r['heads']} H_kv={r['kv_heads']} | {r['plan']} | {r['prompt']} | "
+                     f"{r['cache_bytes'] / 2**30:.2f} | {r['cache_ratio']:.2f} | {peak} | {r['ttft_s'] * 1e3:.1f} | "
+                     f"{r['ttft_ratio']:.2f} | {r['tpot_s'] * 1e3:.2f} | {r['tpot_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: exercises every code path")
+    ap.add_argument("--skip-kernels", action="store_true")
+    args = ap.parse_args(argv)
+    start = time.time()
+    if args.dry_run:
+        rows = model_suite("cpu", torch.float32, lengths=(64, 128), new_tokens=4, layers=4, hidden=64, heads=4,
+                           head_dim=16, gqa=(8, 2), gqa_length=64)
+        print(format_model_table(rows))
+        return 0
+    if not torch.cuda.is_available():
+        print("the GPU suite needs CUDA; use --dry-run to exercise it on CPU", file=sys.stderr)
+        return 2
+    print(f"# GPU suite on {torch.cuda.get_device_name()}\n")
+    if not args.skip_kernels:
+        from ..kernels.gpu_suite import main as kernel_main
+
+        kernel_main([])
+        print(f"\n(kernels done in {time.time() - start:.0f}s)\n", flush=True)
+    rows = model_suite()
+    print("\n## Model TTFT / TPOT (bf16, batch 1, static cache, 32 decode steps)\n")
+    print(format_model_table(rows))
+    print(f"\ntotal {time.time() - start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

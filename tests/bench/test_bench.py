@@ -1,0 +1,35 @@
+"""The inference benchmark and the GPU suite run end to end at tiny sizes (correctness of the
+machinery, not speed: speed lives in docs/results.md)."""
+
+import json
+
+from fusedkv.bench.gpu_suite import main as gpu_suite_main
+from fusedkv.bench.inference import BenchShape, format_table, run_inference_bench
+from fusedkv.cli import main
+
+
+def test_inference_bench_rows_and_ratios(tmp_path):
+    shape = BenchShape(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                       vocab_size=128)
+    rows = run_inference_bench(shape, ["fusedkv-lite", "fusedkv", "gqa"], [32], [1], new_tokens=3, repeats=1)
+    by_plan = {r["plan"]: r for r in rows}
+    assert set(by_plan) == {"vanilla", "fusedkv-lite", "fusedkv", "gqa", "hf-qwen3"}
+    for plan in ("fusedkv-lite", "fusedkv", "gqa"):
+        assert by_plan[plan]["cache_ratio"] == 0.5
+        assert by_plan[plan]["context_at_budget_ratio"] == 2.0
+    assert by_plan["vanilla"]["ttft_ratio"] == 1.0
+    assert by_plan["fusedkv"]["tpot_byte_floor"] > by_plan["fusedkv-lite"]["tpot_byte_floor"]
+    assert "| fusedkv |" in format_table(rows)
+
+
+def test_bench_cli_writes_json_and_plot(tmp_path):
+    args = ["bench", "--plans", "fusedkv", "--prompt-lens", "16,32", "--batch-sizes", "1", "--new-tokens", "2",
+            "--repeats", "1", "--layers", "2", "--hidden", "32", "--heads", "2", "--head-dim", "16", "--vocab", "64",
+            "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]
+    assert main(args) == 0
+    assert len(json.loads((tmp_path / "b.json").read_text())) == 6  # 3 models x 2 lengths
+    assert (tmp_path / "b.png").exists()
+
+
+def test_gpu_suite_dry_run():
+    assert gpu_suite_main(["--dry-run"]) == 0
