@@ -43,7 +43,7 @@ class StaticKVCache:
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
         self._length = 0
-        self._first = min(self.keys)
+        self._last = max(self.keys)  # the last storage layer advances the length
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length
@@ -54,7 +54,7 @@ class StaticKVCache:
             raise ValueError(f"StaticKVCache is full: {start} + {t} tokens exceed max_len={self.max_len}")
         self.keys[layer_idx][:, :, start : start + t] = k
         self.values[layer_idx][:, :, start : start + t] = v
-        if layer_idx == max(self.keys):
+        if layer_idx == self._last:
             self._length += t  # the last storage layer of this forward has written: advance
         return self.keys[layer_idx][:, :, : start + t], self.values[layer_idx][:, :, : start + t]
 

@@ -28,6 +28,8 @@ def register(sub) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers Qwen3 baseline")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 avoids OpenMP stalls on a loaded machine)")
     p.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
     p.add_argument("--plot", default=None, help="PNG of TTFT/TPOT ratios against prompt length")
     p.add_argument("--gpu-suite", action="store_true",
@@ -43,6 +45,9 @@ def run(args) -> None:
 
         return gpu_main([])
     from .inference import BenchShape, format_table, plot, run_inference_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
     unknown = [p for p in plans if p not in PLAN_NAMES]
@@ -64,7 +69,8 @@ def run(args) -> None:
     rows = run_inference_bench(shape, plans, lens, batches, args.new_tokens, args.repeats, not args.no_hf,
                                args.device, getattr(torch, args.dtype), progress)
     bar.close()
-    print(f"\nmodel: {vars(shape)}, {args.dtype} on {args.device}, {args.new_tokens} decode steps, "
+    print(f"\nmodel: {vars(shape)}, {args.dtype} on {args.device} ({torch.get_num_threads()} threads), "
+          f"{args.new_tokens} decode steps, "
           f"median of {args.repeats} interleaved repeats\n")
     print(format_table(rows))
     if args.json_path:

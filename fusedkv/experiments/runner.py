@@ -118,8 +118,8 @@ def _task_scores(model, ckpt, limit: int) -> dict:
     from ..eval.harness import LOCAL_TASKS, run_lm_eval
 
     tok = AutoTokenizer.from_pretrained(ckpt)
-    scores = run_lm_eval(model, tok, tasks=list(LOCAL_TASKS), limit=limit, num_fewshot=0)
-    return {task: round(acc, 4) for task, acc in scores.items()}
+    results = run_lm_eval(model, tok, tasks=list(LOCAL_TASKS), limit=limit, num_fewshot=0)["results"]
+    return {task: round(results[task]["acc"], 4) for task in LOCAL_TASKS}
 
 
 def _mean_std(xs: list[float]) -> str:
