@@ -203,6 +203,20 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
     def set_attention_path(self, path: str) -> None:
         self.model.set_attention_path(path)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as usual, plus a two-line module and `auto_map` so that tools which never `import fusedkv`
+        (lm-eval's CLI, plain transformers) load the checkpoint with `trust_remote_code=True`, as long as
+        the fusedkv package is installed."""
+        from pathlib import Path
+
+        self.config.auto_map = {"AutoConfig": "fusedkv_remote.FusedKVConfig",
+                                "AutoModel": "fusedkv_remote.FusedKVModel",
+                                "AutoModelForCausalLM": "fusedkv_remote.FusedKVForCausalLM"}
+        super().save_pretrained(save_directory, *args, **kwargs)
+        Path(save_directory, "fusedkv_remote.py").write_text(
+            '"""Lets transformers load this checkpoint with trust_remote_code=True when fusedkv is installed."""\n'
+            "from fusedkv import FusedKVConfig, FusedKVForCausalLM, FusedKVModel  # noqa: F401\n")
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         from ..checkpoints import check_checkpoint_dir

@@ -148,3 +148,16 @@ def test_training_step_updates_fusion_weights():
     loss.backward()
     assert model.model.layers[3].self_attn.fusion.k_weight.grad.abs().sum() > 0
     assert model.model.layers[3].self_attn.fusion.v_weight.grad.abs().sum() > 0
+
+
+def test_checkpoint_loads_without_importing_fusedkv(tmp_path):
+    """Tools that never `import fusedkv` (lm-eval's CLI) load checkpoints with trust_remote_code=True."""
+    import subprocess
+    import sys
+
+    tiny_model("fusedkv").save_pretrained(tmp_path / "ckpt")
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True); "
+            "assert 'fusedkv' in type(m).__module__ and m.plan.storage_layers == (0, 1); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
