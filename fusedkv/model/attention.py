@@ -17,8 +17,6 @@ Interchangeable attention paths, all checked against each other by the tests:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,17 +32,23 @@ ATTENTION_PATHS = ("auto", "materialized", "factored", "triton")
 FACTORED_MAX_QUERY = 16
 
 
-@dataclass
 class KVState:
     """K/V of the storage layers for the current forward (past + new tokens), keyed by layer index,
     plus the carried K/V of the iterative-fusion variant. Lives for one forward only; the persistent
-    part is the transformers `Cache`, which holds storage layers alone."""
+    part is the transformers `Cache`, which holds storage layers alone.
 
-    cache: object | None = None
-    causal: bool = False  # no padding and no past: SDPA's causal flag replaces the mask
-    kv_start: torch.Tensor | None = None  # [B] first real key per row (left padding), for the Triton kernel
-    layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    carry: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    Deliberately a plain class, not a dataclass or a container pytree understands: wrappers such as
+    FSDP2 rebuild the dataclasses among a module's arguments, and layers must all see this one object.
+    """
+
+    __slots__ = ("cache", "causal", "kv_start", "layers", "carry")
+
+    def __init__(self, cache=None, causal: bool = False, kv_start: torch.Tensor | None = None):
+        self.cache = cache
+        self.causal = causal  # no padding and no past: SDPA's causal flag replaces the mask
+        self.kv_start = kv_start  # [B] first real key per row (left padding), for the Triton kernel
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.carry: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class Attention(nn.Module):

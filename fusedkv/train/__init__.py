@@ -1,0 +1,25 @@
+"""fusedkv.train: pre-training and continued training of FusedKV models (and every other KV plan).
+
+    from fusedkv.train import TrainConfig, train
+    result = train(TrainConfig(preset="nano", plan="fusedkv", out_dir="runs/nano", progress=False))
+    result["val_loss"], result["tokens_per_s"], result["curve"]
+
+Modules: :mod:`.config` (TrainConfig, presets, YAML / key=value overrides), :mod:`.trainer` (the loop),
+:mod:`.optim` (AdamW groups, warm-up + cosine), :mod:`.checkpoint` (atomic, verified checkpoints,
+RNG, stop signals), :mod:`.distributed` (torchrun, DDP, FSDP2), :mod:`.data` (data preparation and
+vocabulary checks), :mod:`.metrics` (CSV, TensorBoard, plots), :mod:`.command` (`fusedkv train`).
+"""
+
+from .config import PRESET_NAMES, PRESETS, TrainConfig, resolve_config
+from .trainer import TrainingDiverged, compute_loss, kv_cache_report, train
+
+__all__ = [
+    "PRESETS",
+    "PRESET_NAMES",
+    "TrainConfig",
+    "TrainingDiverged",
+    "compute_loss",
+    "kv_cache_report",
+    "resolve_config",
+    "train",
+]

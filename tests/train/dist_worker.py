@@ -1,0 +1,27 @@
+"""Run under `torchrun --nproc_per_node=2`: train the nano preset with DDP and then with FSDP2 in the
+same two processes (one process group, created here, so both runs share a single launch).
+
+usage: dist_worker.py DATA OUT_ROOT STEPS
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fusedkv.train import TrainConfig, train
+
+if __name__ == "__main__":
+    data, root, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for mode in ("ddp", "fsdp"):
+        # micro-batch 2: each rank accumulates 2 micro-batches (exercises no_sync / deferred sync).
+        cfg = TrainConfig(preset="nano", data=data, out_dir=str(root / mode), max_steps=steps,
+                          micro_batch_size=2, distributed=mode, progress=False)
+        res = train(cfg)
+        if dist.get_rank() == 0:
+            (root / mode / "losses.json").write_text(json.dumps([r["loss"] for r in res["curve"]]))
+    dist.destroy_process_group()
