@@ -1,0 +1,37 @@
+"""`fusedkv compare` on a nano budget: trains, evaluates, writes the table and curves, and resumes."""
+
+import json
+
+from fusedkv.cli import main
+from fusedkv.data import read_builtin_text
+from fusedkv.experiments import load_experiment, run_experiment, summary_table
+
+
+def test_shipped_experiments_load():
+    for name in ("main", "sources", "reversed", "init", "dense"):
+        spec = load_experiment(name)
+        assert spec["runs"] and spec["base"]["model"]["num_hidden_layers"] == 8
+    assert [r["plan"] for r in load_experiment("main")["runs"]] == [
+        "vanilla", "cla", "yoco", "gqa", "fusedkv-lite", "fusedkv"]
+
+
+def test_compare_nano_end_to_end_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(read_builtin_text(limit_chars=150_000))
+    spec_file = tmp_path / "exp.yaml"
+    spec_file.write_text(
+        "name: nano\ndescription: nano comparison\n"
+        f"base: {{preset: nano, data: {corpus}, max_steps: 4, eval_every: 2, threads: 1}}\n"
+        "seeds: [0, 1]\nruns:\n  - {name: vanilla, plan: vanilla}\n  - {name: fusedkv, plan: fusedkv}\n")
+    out = tmp_path / "out"
+    assert main(["compare", str(spec_file), "--out", str(out), "--seeds", "0", "--task-limit", "2"]) == 0
+    table = (out / "results.md").read_text()
+    assert "| vanilla | vanilla | 1 | 1 |" in table and "| fusedkv | fusedkv | 0.5 | 1 |" in table
+    assert (out / "curves.png").stat().st_size > 10_000
+    first = json.loads((out / "fusedkv" / "seed0" / "result.json").read_text())
+    assert first["curve"] and 0 <= first["tasks"]["fkv_sciq_mini"] <= 1
+    # A second call reuses finished runs instead of training again.
+    again = run_experiment(load_experiment(str(spec_file)), out, seeds=[0], progress=False)
+    assert [r["val_loss"] for r in again if r["name"] == "fusedkv"] == [first["val_loss"]]
+    assert "±" not in summary_table(again)  # one seed: no spread to report
