@@ -10,6 +10,7 @@ Table-2-style markdown table (mean +- std over seeds) and a learning-curve PNG.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -54,18 +55,27 @@ def _slug(name: str) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)  # atomic: a killed run never leaves a half result that looks finished
 
 
 def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: str | None = None,
-                   overrides: dict | None = None, task_limit: int | None = 40, progress: bool = True) -> list[dict]:
-    """Train and evaluate every (run, seed); returns one result dict per pair."""
+                   overrides: dict | None = None, task_limit: int | None = 40, progress: bool = True,
+                   cache_dir=None) -> list[dict]:
+    """Train and evaluate every (run, seed); returns one result dict per pair.
+
+    Finished runs are kept twice: under `out_dir/RUN/seedN/result.json` (this experiment's record) and
+    in a cache keyed by the complete training configuration (`cache_dir`, default
+    `$FUSEDKV_COMPARE_CACHE` or `runs/compare-cache`). Experiments that share a configuration (the
+    ablations' Lite and FusedKV rows are the main table's) therefore train it once.
+    """
     from ..train import TrainConfig, train
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(cache_dir or os.environ.get("FUSEDKV_COMPARE_CACHE", "runs/compare-cache"))
     base = {"preset": preset} if preset else dict(spec.get("base", {}))
     base = _merge(base, overrides or {})
     seeds = seeds if seeds is not None else list(spec.get("seeds", [0]))
@@ -75,17 +85,20 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
         for seed in seeds:
             run_dir = out_dir / _slug(run["name"]) / f"seed{seed}"
             done = run_dir / "result.json"
-            if done.exists():
-                results.append(json.loads(done.read_text()))
-                continue
-            if progress:
-                print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
-            fields = _merge(base, {k: v for k, v in run.items() if k != "name"})
-            # No result.json means the run did not finish: train it again from the start.
-            cfg = TrainConfig(**{**fields, "seed": seed, "out_dir": str(run_dir / "train"), "progress": False,
-                                 "overwrite": True})
-            res = train(cfg)
-            result = _summarise(run["name"], seed, res, task_limit)
+            fields = {**_merge(base, {k: v for k, v in run.items() if k != "name"}), "seed": seed}
+            key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            cached = cache_dir / key / "result.json"
+            if done.exists() or cached.exists():
+                result = {**json.loads((done if done.exists() else cached).read_text()), "name": run["name"]}
+            else:
+                if progress:
+                    print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
+                # No result means the run did not finish: train it again from the start.
+                cfg = TrainConfig(**{**fields, "out_dir": str(cache_dir / key / "train"), "progress": False,
+                                     "overwrite": True})
+                result = _summarise(run["name"], seed, train(cfg), task_limit)
+                result["config"] = fields
+                _write_json(cached, result)
             run_dir.mkdir(parents=True, exist_ok=True)
             _write_json(done, result)
             results.append(result)

@@ -17,6 +17,7 @@ def test_shipped_experiments_load():
 
 def test_compare_nano_end_to_end_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(read_builtin_text(limit_chars=150_000))
     spec_file = tmp_path / "exp.yaml"
