@@ -46,6 +46,7 @@ __all__ = [
     "normalize_sources",
     "expand_weight",
     "merge_duplicate_sources",
+    "fuse_sources",
     "materialized_attention",
     "factored_attention",
     "kv_start_to_mask",
@@ -160,12 +161,17 @@ def kv_start_to_mask(kv_start: Tensor | None, s: int, kv_end: Tensor | None = No
 # --------------------------------------------------------------------------------------------------
 # Materialised reference
 # --------------------------------------------------------------------------------------------------
-def _fuse(sources: list[Tensor], weights: list[Tensor | None], dtype: torch.dtype) -> Tensor:
+def fuse_sources(sources: list[Tensor], weights: list[Tensor | None], dtype: torch.dtype | None = None) -> Tensor:
+    """``sum_s w_s (.) X_s`` over ``[B, H_kv, S, D]`` sources with ``[H_kv, D]`` weights (None = 1).
+
+    A single unweighted source in its own dtype is returned as it is (no copy)."""
+    if len(sources) == 1 and weights[0] is None and (dtype is None or sources[0].dtype == dtype):
+        return sources[0]
     out = None
     for s, w in zip(sources, weights):
-        term = s.to(dtype)
+        term = s if dtype is None else s.to(dtype)
         if w is not None:
-            term = term * w.to(dtype)[None, :, None, :]
+            term = term * w.to(term.dtype)[None, :, None, :]
         out = term if out is None else out + term
     return out
 
@@ -184,8 +190,8 @@ def materialized_attention(
     vs, vw = normalize_sources(v_sources, v_weights)
     b, h_q, t_q, d, h_kv, s = _check_q(q, ks[0])
     cdt = _compute_dtype(q.dtype)
-    k = _fuse(ks, kw, cdt)
-    v = _fuse(vs, vw, cdt)
+    k = fuse_sources(ks, kw, cdt)
+    v = fuse_sources(vs, vw, cdt)
     g = h_q // h_kv
     if g > 1:
         # repeat_interleave instead of enable_gqa: the plainest possible semantics for a reference.

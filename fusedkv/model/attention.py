@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import decode_attention, triton_usable_for
-from ..kernels.reference import factored_attention
+from ..kernels.reference import factored_attention, fuse_sources
 from ..plan import LayerKV
 from .fusion import KVFusion
 from .layers import RMSNorm, apply_rope
@@ -112,7 +112,7 @@ class Attention(nn.Module):
                 mask = torch.ones(t, k_src[0].shape[2], dtype=torch.bool, device=q.device).tril(k_src[0].shape[2] - t)
             out = factored_attention(q, k_src, k_w, v_src, v_w, mask=mask, scale=self.scale)
         else:
-            k, v = _fuse(k_src, k_w), _fuse(v_src, v_w)
+            k, v = fuse_sources(k_src, k_w), fuse_sources(v_src, v_w)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=kv.causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -130,13 +130,3 @@ class Attention(nn.Module):
         kv.carry[chain] = (k, v)
         return [k], [None], [v], [None]
 
-
-def _fuse(sources: list[torch.Tensor], weights: list[torch.Tensor | None]) -> torch.Tensor:
-    """sum_s w_s (.) X_s over [B, H_kv, S, D] sources with [H_kv, D] weights (None = 1, no copy)."""
-    if len(sources) == 1 and weights[0] is None:
-        return sources[0]
-    out = None
-    for x, w in zip(sources, weights):
-        term = x if w is None else x * w[None, :, None, :]
-        out = term if out is None else out + term
-    return out
