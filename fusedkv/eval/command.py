@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--ruler-lengths", default="512,1024")
     p.add_argument("--ruler-tasks", default=None, help="comma-separated RULER tasks (default: all)")
     p.add_argument("--ruler-samples", type=int, default=10)
+    p.add_argument("--ruler-max-new-tokens", type=int, default=None,
+                   help="answer budget for every RULER task (default: RULER's per-task budgets, 30-128)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--json", dest="json_path", help="write all results as JSON here")
     p.set_defaults(func=run)
@@ -98,7 +100,7 @@ def run(args) -> None:
                              f"{model.config.max_position_embeddings}; continue training at a longer context first")
         tasks = args.ruler_tasks.split(",") if args.ruler_tasks else None
         r = run_ruler(model, tok, tasks=tasks, lengths=lengths, num_samples=args.ruler_samples,
-                      batch_size=args.batch_size)
+                      batch_size=args.batch_size, max_new_tokens=args.ruler_max_new_tokens)
         report["ruler"] = {"scores": r["scores"], "average": r["average"], "overall": r["overall"]}
         print(format_table(r))
     if args.json_path:

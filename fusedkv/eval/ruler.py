@@ -114,9 +114,11 @@ def run_ruler(
     try:
         for length in lengths:
             for t in tasks:
-                samples = generate_task(t, tokenizer, length, num_samples, seed=seed, haystack_text=haystack_text)
                 budget = max_new_tokens.get(t, TASKS[t].max_new_tokens) if isinstance(max_new_tokens, dict) \
                     else (max_new_tokens or TASKS[t].max_new_tokens)
+                # As in RULER, the length counts the answer budget: prompt + generation fit in `length`.
+                samples = generate_task(t, tokenizer, length - budget, num_samples, seed=seed,
+                                        haystack_text=haystack_text)
                 preds = generate_predictions(model, tokenizer, [s.input for s in samples], budget, batch_size)
                 scores[t][length] = score_task(t, preds, [s.outputs for s in samples])
                 if return_samples:
