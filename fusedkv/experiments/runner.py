@@ -16,6 +16,7 @@ import math
 import os
 import re
 import statistics
+import textwrap
 from pathlib import Path
 
 import yaml
@@ -179,7 +180,7 @@ def plot_curves(results: list[dict], path, title: str) -> None:
             ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 70), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     lo = min((v for r in results for _, v in r["curve"][len(r["curve"]) // 3:]), default=None)
