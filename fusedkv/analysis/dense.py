@@ -51,7 +51,7 @@ def plot_dense_heatmaps(model, path, title: str = "Dense fusion coefficients") -
             for j in range(mat.shape[1]):
                 ax.text(j, i, f"{mat[i, j]:.2f}", ha="center", va="center", fontsize=7)
     fig.colorbar(im, ax=axes, shrink=0.8, label="coefficient (signed)")
-    fig.suptitle(title)
+    fig.suptitle(title, y=1.04)
     fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
     return str(path)
