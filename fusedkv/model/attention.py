@@ -41,14 +41,19 @@ class KVState:
     FSDP2 rebuild the dataclasses among a module's arguments, and layers must all see this one object.
     """
 
-    __slots__ = ("cache", "causal", "kv_start", "layers", "carry")
+    __slots__ = ("cache", "causal", "padding_mask", "layers", "carry")
 
-    def __init__(self, cache=None, causal: bool = False, kv_start: torch.Tensor | None = None):
+    def __init__(self, cache=None, causal: bool = False, padding_mask: torch.Tensor | None = None):
         self.cache = cache
         self.causal = causal  # no padding and no past: SDPA's causal flag replaces the mask
-        self.kv_start = kv_start  # [B] first real key per row (left padding), for the Triton kernel
+        self.padding_mask = padding_mask  # the 2-D [B, past + new] mask the caller gave, if any
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.carry: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def kv_start(self) -> torch.Tensor | None:
+        """[B] index of each row's first real key (left padding), as the Triton decode kernel takes it.
+        Derived only when that kernel runs, so other decode paths pay nothing for it."""
+        return None if self.padding_mask is None else self.padding_mask.long().argmax(-1)
 
 
 class Attention(nn.Module):
@@ -93,19 +98,10 @@ class Attention(nn.Module):
             v_src = [kv.layers[s][1] for s in self.layer.v_sources]
             k_w, v_w = self.fusion.key_weights(), self.fusion.value_weights()
 
-        weighted = any(w is not None for w in k_w + v_w)
-        path = self.path
-        if path == "auto":
-            # Factored pays off for short query blocks at inference; training keeps SDPA's fused kernels.
-            short = t <= FACTORED_MAX_QUERY and not (torch.is_grad_enabled() and q.requires_grad)
-            path = "factored" if weighted and short else "materialized"
-            if t == 1 and short and triton_usable_for(q):
-                path = "triton"
-        if path == "triton" and t > 1:
-            path = "materialized"  # the kernel is for one-token decode steps
+        path = self._choose_path(t, q, weighted=any(w is not None for w in k_w + v_w))
         if path == "triton":
             backend = "triton" if self.path == "triton" else "auto"  # auto falls back on unsupported shapes
-            out = decode_attention(q, k_src, k_w, v_src, v_w, kv_start=kv.kv_start, scale=self.scale,
+            out = decode_attention(q, k_src, k_w, v_src, v_w, kv_start=kv.kv_start(), scale=self.scale,
                                    backend=backend)
         elif path == "factored":
             if kv.causal and mask is None:  # the causal flag is SDPA's; spell it out here
@@ -116,6 +112,17 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=kv.causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def _choose_path(self, t: int, q: torch.Tensor, weighted: bool) -> str:
+        """The forced path, or under "auto": Triton for one-token decode on CUDA, factored for short
+        weighted query blocks at inference, SDPA otherwise (training keeps SDPA's fused kernels).
+        The Triton kernel only takes one query token; longer blocks fall back to SDPA."""
+        if self.path != "auto":
+            return "materialized" if self.path == "triton" and t > 1 else self.path
+        inference = not (torch.is_grad_enabled() and q.requires_grad)
+        if t == 1 and inference and triton_usable_for(q):
+            return "triton"
+        return "factored" if weighted and inference and t <= FACTORED_MAX_QUERY else "materialized"
 
     def _iterative_sources(self, kv: KVState):
         """The iterative variant: fuse the fixed first source with the K/V carried up from the

@@ -131,10 +131,7 @@ class FusedKVModel(FusedKVPreTrainedModel):
             causal = False
             mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        kv_start = None
-        if attention_mask is not None and q_len == 1:
-            kv_start = attention_mask.long().argmax(-1)  # left padding: index of the first real token
-        kv = KVState(cache=cache, causal=causal, kv_start=kv_start)
+        kv = KVState(cache=cache, causal=causal, padding_mask=attention_mask)
         hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.layers):
             if i == skip_from:
