@@ -110,9 +110,9 @@ def _run_generate(args) -> None:
     from transformers import AutoTokenizer
 
     from .cache import kv_cache_nbytes
-    from .model import FusedKVForCausalLM
+    from .model import FusedKVForCausalLM, pack_for_decode
 
-    model = FusedKVForCausalLM.from_pretrained(args.checkpoint).to(args.device).eval()
+    model = pack_for_decode(FusedKVForCausalLM.from_pretrained(args.checkpoint).to(args.device).eval())
     try:
         tok = AutoTokenizer.from_pretrained(args.checkpoint)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure means the same thing to the user

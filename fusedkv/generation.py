@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
+from .model.packing import pack_for_decode
 
 
 @dataclass
@@ -50,8 +51,12 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
-             eos_token_id: int | None = None, generator: torch.Generator | None = None) -> GenerationResult:
-    """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`)."""
+             eos_token_id: int | None = None, generator: torch.Generator | None = None,
+             pack_weights: bool = True) -> GenerationResult:
+    """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`).
+
+    `pack_weights` first re-lays out the model's projections for one-GEMV decode steps
+    (`fusedkv.model.pack_for_decode`: same values and parameter names, done once per model)."""
     batch, prompt_len = input_ids.shape
     total = prompt_len + max_new_tokens
     if total > model.config.max_position_embeddings:
@@ -59,6 +64,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"max_position_embeddings={model.config.max_position_embeddings}; shorten one of them"
         )
+    if pack_weights:
+        pack_for_decode(model)
     device = input_ids.device
     dtype = next(model.parameters()).dtype
     cache = StaticKVCache(model.config, batch, total, dtype, device) if static_cache else None

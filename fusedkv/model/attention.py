@@ -26,9 +26,11 @@ from ..kernels.reference import factored_attention, fuse_sources
 from ..plan import LayerKV
 from .fusion import KVFusion
 from .layers import RMSNorm, apply_rope
+from .packing import project
 
 ATTENTION_PATHS = ("auto", "materialized", "factored", "triton")
-# Query blocks up to this length take the factored path under "auto" (measured: benchmarks/README).
+# Query blocks up to this length take the factored path under "auto" (measured by
+# `python -m fusedkv.kernels.bench_cpu`).
 FACTORED_MAX_QUERY = 16
 
 
@@ -65,6 +67,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.iterative = config.fusion_init == "iterative" and not layer.stores
         self.path = "auto"
+        self.packed_qkv = None  # set by `packing.pack_for_decode` (storage layers)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
@@ -82,21 +85,23 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv: KVState) -> torch.Tensor:
         b, t, _ = x.shape
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-
         if self.layer.stores:
-            k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
-            v = self._heads(self.v_proj(x), self.num_kv_heads)
+            q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], self.packed_qkv)
+            q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin)
+            k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), cos, sin)
+            v = self._heads(v, self.num_kv_heads)
             if kv.cache is not None:
                 k, v = kv.cache.update(k, v, self.layer.index)
             kv.layers[self.layer.index] = (k, v)
             k_src, k_w, v_src, v_w = [k], [None], [v], [None]
-        elif self.iterative:
-            k_src, k_w, v_src, v_w = self._iterative_sources(kv)
         else:
-            k_src = [kv.layers[s][0] for s in self.layer.k_sources]
-            v_src = [kv.layers[s][1] for s in self.layer.v_sources]
-            k_w, v_w = self.fusion.key_weights(), self.fusion.value_weights()
+            q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+            if self.iterative:
+                k_src, k_w, v_src, v_w = self._iterative_sources(kv)
+            else:
+                k_src = [kv.layers[s][0] for s in self.layer.k_sources]
+                v_src = [kv.layers[s][1] for s in self.layer.v_sources]
+                k_w, v_w = self.fusion.key_weights(), self.fusion.value_weights()
 
         path = self._choose_path(t, q, weighted=any(w is not None for w in k_w + v_w))
         if path == "triton":

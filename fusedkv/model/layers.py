@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packing import project
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -19,29 +21,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # no casts on the fp32 decode path
         # Normalise in fp32 like Qwen3, so bf16 training matches the reference numerics.
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [B, T, D] for integer positions [B, T].
+    """RoPE tables for integer positions [B, T]: (cos, signed sin), each [B, 1, T, D] (broadcast over heads).
 
+    The sin table carries rotate-half's sign (negative on the first D/2 channels), so `apply_rope` is a
+    roll and two products: two fewer ops per call, which matters in a one-token decode step.
     Computed on the fly from the positions (D/2 frequencies): cheap next to the projections, and it
     keeps the model free of non-persistent buffers that checkpoint loading would have to rebuild.
     """
     channels = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64)
     inv_freq = 1.0 / (theta ** (channels / head_dim))
-    freqs = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    freqs = position_ids.to(torch.float64)[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; cos/sin: [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; tables from `rope_cos_sin`. Equals x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = cat(-x2, x1): the roll gives cat(x2, x1) and the table supplies the sign."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class SwiGLU(nn.Module):
@@ -50,6 +54,8 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.packed_gate_up = None  # set by `packing.pack_for_decode`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, [self.gate_proj, self.up_proj], self.packed_gate_up)
+        return self.down_proj(F.silu(gate) * up)

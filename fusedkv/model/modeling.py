@@ -135,7 +135,7 @@ class FusedKVModel(FusedKVPreTrainedModel):
         hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.layers):
             if i == skip_from:
-                x, cos, sin = x[:, -keep_last:], cos[:, -keep_last:], sin[:, -keep_last:]
+                x, cos, sin = x[:, -keep_last:], cos[:, :, -keep_last:], sin[:, :, -keep_last:]
                 mask = mask[:, :, -keep_last:] if mask is not None else None
                 kv.causal = False  # only the last row(s) remain
             if self.gradient_checkpointing and self.training:
@@ -184,6 +184,14 @@ def _mask_and_positions(attention_mask, position_ids, batch, past, q_len, device
     return mask, position_ids
 
 
+def _contiguous_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with every tensor contiguous and unshared, as safetensors needs, even after
+    `pack_for_decode` made weights column-major views of one buffer. Tied weights (one tensor under
+    two names) stay one tensor, so transformers still recognises the tie."""
+    copies: dict[int, torch.Tensor] = {}
+    return {k: copies.setdefault(id(v), v.contiguous()) for k, v in model.state_dict().items()}
+
+
 class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -209,6 +217,8 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
         self.config.auto_map = {"AutoConfig": "fusedkv_remote.FusedKVConfig",
                                 "AutoModel": "fusedkv_remote.FusedKVModel",
                                 "AutoModelForCausalLM": "fusedkv_remote.FusedKVForCausalLM"}
+        if kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = _contiguous_state_dict(self)
         super().save_pretrained(save_directory, *args, **kwargs)
         Path(save_directory, "fusedkv_remote.py").write_text(
             '"""Lets transformers load this checkpoint with trust_remote_code=True when fusedkv is installed."""\n'

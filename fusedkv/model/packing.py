@@ -1,0 +1,135 @@
+"""Decode-friendly weight layout: the projections a one-token step runs, packed for one GEMV each.
+
+At batch 1 a decode step is a chain of matrix-vector products, and how fast BLAS streams a weight
+matrix depends on its layout. `nn.Linear` stores W as [out, in] row-major; on the project's CPU
+(MKL, AVX2) `x @ W.T` then runs at ~10 GB/s while the same product over W stored column-major
+([in, out] row-major) runs at 15-19 GB/s, closer to the 22 GB/s the memory can stream
+(`benchmarks/decode_layout.py` measures it; figures in `docs/results.md`). One product over Q|K|V
+(or gate|up) is also cheaper than three (or two).
+
+`pack_for_decode(model)` therefore moves each group of projections that read the same input (Q, K, V
+of a storage layer; gate and up of the MLP) into one column-major buffer, and makes every
+`nn.Linear.weight` a *view* of its slice. Nothing is copied twice and nothing is renamed: parameter
+names, values, `state_dict()` and the optimizer's references are unchanged, training still works,
+and `save_pretrained` writes ordinary contiguous tensors. Single projections that gain from the
+layout (O, the queries of reconstruction layers, the LM head) are re-stored column-major in place.
+The down projection ([hidden, intermediate], tall and thin) streams faster row-major and stays so.
+
+A packed group is only used while its parameters still view its buffer: `.to(device)`, `load_state_dict`
+with `assign=True` or FSDP replace parameter storage, and the modules then silently go back to
+separate products (`PackedLinears.active`). `unpack_weights(model)` restores contiguous row-major
+weights. Whether a step uses the packed product is decided by the number of rows: at batch x tokens
+<= `PACKED_MAX_ROWS` the single GEMV wins; with more rows MKL's small-M GEMM is faster on the
+separate matrices (the same benchmark).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_MAX_ROWS = 2
+
+
+class PackedLinears:
+    """Several `nn.Linear`s with the same input, stored as one column-major [sum(out), in] buffer whose
+    row slices are the modules' weights."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        first = linears[0].weight
+        if any(m.in_features != linears[0].in_features for m in linears):
+            raise ValueError("packed projections must share their input size")
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        # [in, out] row-major storage seen through .t(): a [out, in] weight with column-major strides.
+        self.weight = torch.empty(linears[0].in_features, sum(self.sizes), dtype=first.dtype,
+                                  device=first.device).t()
+        has_bias = [m.bias is not None for m in linears]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("packed projections must all have a bias or none")
+        self.bias = torch.empty(sum(self.sizes), dtype=first.dtype, device=first.device) if all(has_bias) else None
+        offset = 0
+        with torch.no_grad():
+            for m, n in zip(linears, self.sizes):
+                self.weight[offset:offset + n].copy_(m.weight)
+                m.weight.data = self.weight[offset:offset + n]
+                if self.bias is not None:
+                    self.bias[offset:offset + n].copy_(m.bias)
+                    m.bias.data = self.bias[offset:offset + n]
+                offset += n
+
+    def active(self) -> bool:
+        """True while every module's weight (and bias) is still the matching slice of the buffers."""
+        base, size = self.weight.data_ptr(), self.weight.element_size()
+        offset = 0
+        for m, n in zip(self.linears, self.sizes):
+            if m.weight.data_ptr() != base + offset * size or m.weight.stride() != self.weight.stride():
+                return False
+            if self.bias is not None and m.bias.data_ptr() != self.bias.data_ptr() + offset * size:
+                return False
+            offset += n
+        return True
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def project(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | None) -> tuple[torch.Tensor, ...]:
+    """Apply each of `linears` to `x`: as one packed GEMV when that is faster, else one by one.
+    The packed buffer is not a parameter, so autograd must go through the modules; and under
+    torch.compile the storage check cannot be traced (the compiler fuses on its own there)."""
+    if (packed is not None and x.numel() <= PACKED_MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and packed.active()):
+        return packed(x)
+    return tuple(m(x) for m in linears)
+
+
+def _to_column_major(linear: nn.Linear) -> None:
+    with torch.no_grad():
+        linear.weight.data = linear.weight.data.t().contiguous().t()
+
+
+def pack_for_decode(model: nn.Module) -> nn.Module:
+    """Re-lay out `model`'s projections for fast decoding (see the module docstring). Idempotent;
+    values and outputs are unchanged. Returns the model."""
+    from .attention import Attention
+    from .layers import SwiGLU
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.layer.stores and not (module.packed_qkv and module.packed_qkv.active()):
+                module.packed_qkv = PackedLinears([module.q_proj, module.k_proj, module.v_proj])
+            elif not module.layer.stores:
+                _to_column_major(module.q_proj)
+            _to_column_major(module.o_proj)  # a no-op when it already is
+        elif isinstance(module, SwiGLU) and not (module.packed_gate_up and module.packed_gate_up.active()):
+            module.packed_gate_up = PackedLinears([module.gate_proj, module.up_proj])
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Linear):
+        _to_column_major(head)
+    return model
+
+
+def unpack_weights(model: nn.Module) -> nn.Module:
+    """Undo `pack_for_decode`: every parameter contiguous row-major again, nothing shared."""
+    from .attention import Attention
+    from .layers import SwiGLU
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.packed_qkv = None
+            elif isinstance(module, SwiGLU):
+                module.packed_gate_up = None
+        for p in model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+    return model
+
+
+def is_packed(model: nn.Module) -> bool:
+    from .layers import SwiGLU
+
+    return any(isinstance(m, SwiGLU) and m.packed_gate_up is not None and m.packed_gate_up.active()
+               for m in model.modules())
