@@ -111,8 +111,11 @@ def _run_generate(args) -> None:
 
     from .cache import kv_cache_nbytes
     from .model import FusedKVForCausalLM, pack_for_decode
+    from .model.packing import PACKED_MAX_ROWS
 
-    model = pack_for_decode(FusedKVForCausalLM.from_pretrained(args.checkpoint).to(args.device).eval())
+    model = FusedKVForCausalLM.from_pretrained(args.checkpoint).to(args.device).eval()
+    if args.num_samples <= PACKED_MAX_ROWS:
+        pack_for_decode(model)  # one GEMV per projection group per step (fusedkv.model.packing)
     try:
         tok = AutoTokenizer.from_pretrained(args.checkpoint)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure means the same thing to the user

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
-from .model.packing import pack_for_decode
+from .model.packing import PACKED_MAX_ROWS, pack_for_decode, unpack_weights
 
 
 @dataclass
@@ -52,11 +52,13 @@ def _sync(device: torch.device) -> None:
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
-             pack_weights: bool = True) -> GenerationResult:
+             pack_weights: bool | None = None) -> GenerationResult:
     """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`).
 
-    `pack_weights` first re-lays out the model's projections for one-GEMV decode steps
-    (`fusedkv.model.pack_for_decode`: same values and parameter names, done once per model)."""
+    `pack_weights` chooses the weight layout before the clock starts (same values and names either
+    way; a change of layout copies the weights once): by default packed for one-GEMV steps
+    (`fusedkv.model.pack_for_decode`) at batch <= `PACKED_MAX_ROWS` and plain row-major above,
+    where MKL's small-batch GEMM prefers it (`benchmarks/decode_layout.py`); True/False force it."""
     batch, prompt_len = input_ids.shape
     total = prompt_len + max_new_tokens
     if total > model.config.max_position_embeddings:
@@ -64,8 +66,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"max_position_embeddings={model.config.max_position_embeddings}; shorten one of them"
         )
-    if pack_weights:
+    if pack_weights or (pack_weights is None and batch <= PACKED_MAX_ROWS):
         pack_for_decode(model)
+    elif pack_weights is None and any(not p.is_contiguous() for p in model.parameters()):
+        unpack_weights(model)
     device = input_ids.device
     dtype = next(model.parameters()).dtype
     cache = StaticKVCache(model.config, batch, total, dtype, device) if static_cache else None

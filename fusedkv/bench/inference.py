@@ -1,10 +1,10 @@
 """Inference benchmark: cache bytes, TTFT, TPOT and decode throughput of every plan, and of
 transformers' own `Qwen3ForCausalLM` on the same vanilla weights.
 
-Everything is measured interleaved in one process (round-robin over plans inside each repeat), and
-each figure is a median, so ratios to vanilla stay fair on a noisy shared machine. The FusedKV TPOT
-target is judged against its byte floor: (weights + KV bytes FusedKV reads per step) / (weights + KV
-bytes vanilla reads per step), which this module computes from the plan.
+Everything is measured interleaved in one process (round-robin over plans inside each repeat, the
+order rotated from repeat to repeat), and each figure is a median, so ratios to vanilla stay fair
+on a noisy shared machine. The FusedKV TPOT target is judged against its byte floor: (weights + KV
+bytes FusedKV reads per step) / (weights + KV bytes vanilla reads per step), computed from the plan.
 """
 
 from __future__ import annotations
@@ -111,7 +111,10 @@ def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[i
     jobs = [(r, b, s) for r in range(repeats) for b in batch_sizes for s in prompt_lens]
     for r, b, s in jobs:
         ids = torch.randint(1, shape.vocab_size, (b, s), generator=gen).to(device)
-        for name in names:  # interleaved: every plan sees the same machine state within a repeat
+        # Interleaved: every plan sees the same machine state within a repeat; the order rotates
+        # each repeat so that no plan always runs first after a change of shape (allocator, layout).
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             samples.setdefault((name, b, s), []).append(_measure(models[name], name, ids, new_tokens))
             if progress:
                 progress(f"repeat {r + 1}/{repeats} batch {b} prompt {s} {name}")

@@ -126,6 +126,10 @@ def merge_duplicate_sources(
     return out_s, out_w
 
 
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # fp16/bf16 scores lose too much precision for a reference (and bf16 is ~24x slower than fp32 on
     # this project's CPUs), so anything below fp32 is computed in fp32; fp64 stays fp64 for tests.
@@ -241,13 +245,14 @@ def factored_attention(
 
     # [B, H_q, T_q, D] -> [B, H_kv, G*T_q, D]: a view when q is contiguous.  The softmax scale is
     # folded into q here (D multiplies per row instead of S).
-    qg = q.reshape(b, h_kv, g * t_q, d).to(cdt) * scale
+    qg = _as(q.reshape(b, h_kv, g * t_q, d), cdt) * scale
 
     # Query-side key fusion: one [H_kv, D] multiply per source, then one batched GEMM per source.
+    # (`_as` skips no-op dtype casts: at one decode token this function's cost is mostly op calls.)
     scores = None
     for src, w in zip(ks, kw):
-        qs = qg if w is None else qg * w.to(cdt)[None, :, None, :]
-        kt = src.to(cdt).transpose(-1, -2)  # a view for fp32/fp64 sources: no copy of the cache
+        qs = qg if w is None else qg * _as(w, cdt).unsqueeze(1)  # [H_kv, 1, D] over [B, H_kv, G*T_q, D]
+        kt = _as(src, cdt).transpose(-1, -2)  # a view for fp32/fp64 sources: no copy of the cache
         if scores is None:
             scores = torch.matmul(qs, kt)
         else:
@@ -282,11 +287,11 @@ def factored_attention(
     # Output-side value fusion: out = sum_s b_s (.) (P @ V_s).
     out = None
     for src, w in zip(vs, vw):
-        pv = torch.matmul(p, src.to(cdt))
+        pv = torch.matmul(p, _as(src, cdt))
         if w is not None:
-            pv.mul_(w.to(cdt)[None, :, None, :])
+            pv.mul_(_as(w, cdt).unsqueeze(1))
         out = pv if out is None else out.add_(pv)
-    return out.reshape(b, h_q, t_q, d).to(q.dtype)
+    return _as(out.reshape(b, h_q, t_q, d), q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -117,3 +117,14 @@ def test_gradients_reach_the_weights_of_a_packed_model_even_for_one_token():
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight):
         assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_generate_chooses_the_layout_by_batch_size():
+    model = tiny_model("fusedkv")
+    ids = torch.randint(1, 97, (4, 10))
+    ref = generate(model, ids, 5, pack_weights=False).tokens
+    one = generate(model, ids[:1], 5)
+    assert is_packed(model)  # batch 1: one GEMV per group
+    four = generate(model, ids, 5)
+    assert not is_packed(model) and all(p.is_contiguous() for p in model.parameters())  # batch 4: row-major
+    assert torch.equal(four.tokens, ref) and torch.equal(one.tokens, ref[:1])
