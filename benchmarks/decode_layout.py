@@ -8,7 +8,7 @@ gate, up, down) on `rows` = batch x new tokens input rows, with the weights laid
   * packed: Q|K|V and gate|up each in one column-major buffer, one product per group
             (down stays row-major), which is what `pack_for_decode` builds.
 Layouts are timed interleaved in one process and reported as medians and ratios to `row`, with the
-bytes streamed per second (the memory bandwidth of the machine is the ceiling).
+bytes streamed per second; the first line gives the ceiling, `torch.sum` over as many bytes.
 
     python benchmarks/decode_layout.py                   # the `fusedkv bench` shape, 1 thread
     python benchmarks/decode_layout.py --threads 2 --rows 1,2,4,8,16
@@ -74,6 +74,14 @@ def main() -> None:
     rows = run(args.layers, args.hidden, args.intermediate, [int(r) for r in args.rows.split(",")], args.repeats)
     print(f"{args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, fp32, "
           f"{args.threads} thread(s), median of {args.repeats}")
+    weights = torch.randn(args.layers * (4 * args.hidden * args.hidden + 3 * args.hidden * args.intermediate))
+    sums = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        weights.sum()
+        sums.append(time.perf_counter() - t0)
+    print(f"streaming ceiling: torch.sum over {weights.numel() * 4 / 1e6:.0f} MB runs at "
+          f"{weights.numel() * 4 / statistics.median(sums) / 1e9:.1f} GB/s")
     print("| rows | layout | ms per step | vs row | GB/s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rows']} | {r['layout']} | {r['ms']:.2f} | {r['vs_row']:.2f} | {r['gb_s']:.1f} |")

@@ -2,10 +2,9 @@
 
 At batch 1 a decode step is a chain of matrix-vector products, and how fast BLAS streams a weight
 matrix depends on its layout. `nn.Linear` stores W as [out, in] row-major; on the project's CPU
-(MKL, AVX2) `x @ W.T` then runs at ~10 GB/s while the same product over W stored column-major
-([in, out] row-major) runs at 15-19 GB/s, closer to the 22 GB/s the memory can stream
-(`benchmarks/decode_layout.py` measures it; figures in `docs/results.md`). One product over Q|K|V
-(or gate|up) is also cheaper than three (or two).
+(MKL, AVX2) `x @ W.T` then runs at ~11 GB/s while the same product over W stored column-major
+([in, out] row-major) runs at ~14 GB/s, and one product over Q|K|V (or gate|up) at ~16 GB/s, closer
+to the ~22 GB/s one core can stream (`benchmarks/decode_layout.py`; figures in `docs/results.md`).
 
 `pack_for_decode(model)` therefore moves each group of projections that read the same input (Q, K, V
 of a storage layer; gate and up of the MLP) into one column-major buffer, and makes every
@@ -19,8 +18,9 @@ A packed group is only used while its parameters still view its buffer: `.to(dev
 with `assign=True` or FSDP replace parameter storage, and the modules then silently go back to
 separate products (`PackedLinears.active`). `unpack_weights(model)` restores contiguous row-major
 weights. Whether a step uses the packed product is decided by the number of rows: at batch x tokens
-<= `PACKED_MAX_ROWS` the single GEMV wins; with more rows MKL's small-M GEMM is faster on the
-separate matrices (the same benchmark).
+<= `PACKED_MAX_ROWS` the single GEMV wins; with more rows MKL's small-M GEMM prefers the separate
+row-major matrices (the same benchmark), which is why `fusedkv.generation.generate` unpacks for
+batches above it.
 """
 
 from __future__ import annotations
