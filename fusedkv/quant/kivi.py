@@ -1,0 +1,329 @@
+"""KIVI: 2/4-bit asymmetric KV-cache quantisation (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric
+2bit Quantization for KV Cache"), as the FusedKV paper stacks it on the half-size cache (App. A.6).
+
+The scheme, exactly as KIVI's Algorithm 1 and reference code:
+  * keys are quantised per channel: each group of G consecutive tokens shares one (scale, zero) per
+    channel (KIVI Sec. 3.2: key outliers live in fixed channels);
+  * values are quantised per token: each token's channels are split into groups of G channels that
+    share one (scale, zero) (value errors must stay local to a token);
+  * asymmetric min/max: scale = (max - min) / (2^b - 1), zero = min, x ~ code * scale + zero;
+  * a full-precision residual of the most recent tokens: keys stay in full precision until R of them
+    have gathered, then those R/G whole groups are quantised together; values keep the last R tokens
+    in full precision and quantise each older token as it leaves the window;
+  * attention at a step reads dequantised past + full-precision residual, the new tokens included
+    (the flush happens after they are returned, as in KIVI's code). A prefill therefore attends over
+    its own K/V in full precision and stores them quantised.
+
+Storage is real: codes are bit-packed along the channel axis (4 per byte at 2 bits, 2 per byte at
+4 bits) in uint8, scales and zeros are fp16. `KIVICache.nbytes()` walks the tensors actually held
+(storage, not views) and equals `kivi_cache_nbytes`, the closed form.
+
+In a FusedKV model only storage layers write a cache (`fusedkv.model.attention`): they call
+`cache.update` and attend over what it returns, and reconstruction layers fuse those same returned
+(dequantised) tensors, so every plan, `model.generate()` and the lean loop work unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+
+SUPPORTED_BITS = (2, 4)
+DEFAULT_GROUP_SIZE = 32  # KIVI's G and the FusedKV paper's setting
+DEFAULT_RESIDUAL_LENGTH = 128  # KIVI's R
+SCALE_DTYPE = torch.float16  # scales and zero points: 16 bits each
+
+
+def check_kivi_settings(bits: int, group_size: int, residual_length: int, head_dim: int | None = None) -> None:
+    """Raise a one-line ValueError for settings the scheme cannot take."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"KIVI supports {' or '.join(map(str, SUPPORTED_BITS))} bits, got {bits}; "
+                         "use --kv-bits 2 or 4")
+    if group_size < 1:
+        raise ValueError(f"KIVI group size must be a positive number of tokens/channels, got {group_size}")
+    if head_dim is not None and head_dim % group_size:
+        raise ValueError(f"KIVI group size {group_size} does not divide the head dimension {head_dim} "
+                         "(values are grouped along channels); pick a divisor of the head dimension")
+    if head_dim is not None and head_dim % (8 // bits):
+        raise ValueError(f"head dimension {head_dim} cannot be packed {8 // bits} codes per byte at {bits} bits")
+    if residual_length < group_size or residual_length % group_size:
+        raise ValueError(f"KIVI residual length {residual_length} must be a positive multiple of the group size "
+                         f"{group_size} (keys are quantised a whole group at a time)")
+
+
+# --- packing ------------------------------------------------------------------------------------
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes < 2**bits, [..., D] -> [..., D * bits / 8]: 8 / bits codes per byte, lowest first."""
+    per_byte = 8 // bits
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (grouped << shifts).sum(-1, dtype=torch.uint8)  # disjoint bit fields: the sum is a bitwise or
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `pack_codes`."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
+
+
+# --- the quantiser ------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizedKV:
+    """One quantised K or V block, [B, H, T, D] logically. `axis` is "channel" (keys: scale/zero
+    [B, H, T/G, D], one per channel per group of G tokens) or "token" (values: [B, H, T, D/G], one
+    per group of G channels per token). Blocks of the same axis concatenate along dim 2."""
+
+    packed: torch.Tensor  # uint8 [B, H, T, D * bits / 8]
+    scale: torch.Tensor  # fp16
+    zero: torch.Tensor  # fp16
+    bits: int
+    group_size: int
+    axis: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.packed.shape[2]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.packed, self.scale, self.zero
+
+    def cat(self, other: QuantizedKV) -> QuantizedKV:
+        return QuantizedKV(*(torch.cat([a, b], dim=2) for a, b in zip(self.tensors(), other.tensors())),
+                           self.bits, self.group_size, self.axis)
+
+    def index_select(self, batch_idx: torch.Tensor) -> QuantizedKV:
+        return QuantizedKV(*(t.index_select(0, batch_idx) for t in self.tensors()), self.bits, self.group_size,
+                           self.axis)
+
+
+def _min_max_quantize(x: torch.Tensor, bits: int, dim: int):
+    """Asymmetric min/max quantisation of `x` with one (scale, zero) per slice reduced over `dim`.
+    Codes are computed against the fp16-rounded scale and zero, i.e. the ones dequantisation uses."""
+    qmax = (1 << bits) - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = ((hi - lo) / qmax).to(SCALE_DTYPE)
+    zero = lo.to(SCALE_DTYPE)
+    if not bool(torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        raise ValueError("a K/V group exceeds the fp16 range of KIVI's scales; quantise a model whose K/V fit fp16")
+    s, z = scale.to(x.dtype), zero.to(x.dtype)
+    codes = ((x - z) / torch.where(s > 0, s, torch.ones_like(s))).round_().clamp_(0, qmax).to(torch.uint8)
+    return codes, scale, zero
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> QuantizedKV:
+    """Per-channel quantisation of keys [B, H, T, D], T a multiple of G (KIVI Sec. 3.2)."""
+    b, h, t, d = k.shape
+    if t % group_size:
+        raise ValueError(f"per-channel key quantisation needs whole groups: {t} tokens, group size {group_size}")
+    codes, scale, zero = _min_max_quantize(k.reshape(b, h, t // group_size, group_size, d), bits, dim=3)
+    return QuantizedKV(pack_codes(codes.reshape(b, h, t, d), bits), scale.squeeze(3), zero.squeeze(3),
+                       bits, group_size, "channel")
+
+
+def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> QuantizedKV:
+    """Per-token quantisation of values [B, H, T, D] in groups of G channels (KIVI Sec. 3.2)."""
+    b, h, t, d = v.shape
+    if d % group_size:
+        raise ValueError(f"group size {group_size} does not divide the head dimension {d}")
+    codes, scale, zero = _min_max_quantize(v.reshape(b, h, t, d // group_size, group_size), bits, dim=4)
+    return QuantizedKV(pack_codes(codes.reshape(b, h, t, d), bits), scale.squeeze(4), zero.squeeze(4),
+                       bits, group_size, "token")
+
+
+def dequantize(q: QuantizedKV, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, H, T, D] in `dtype`: code * scale + zero, with each group's scale and zero broadcast."""
+    codes = unpack_codes(q.packed, q.bits).to(dtype)
+    b, h, t, d = codes.shape
+    g = q.group_size
+    if q.axis == "channel":
+        grouped = codes.view(b, h, t // g, g, d)
+        out = grouped * q.scale.to(dtype).unsqueeze(3) + q.zero.to(dtype).unsqueeze(3)
+    else:
+        grouped = codes.view(b, h, t, d // g, g)
+        out = grouped * q.scale.to(dtype).unsqueeze(4) + q.zero.to(dtype).unsqueeze(4)
+    return out.reshape(b, h, t, d)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group_size: int, axis: str) -> torch.Tensor:
+    """Quantise then dequantise (for references and error measurements)."""
+    q = quantize_keys(x, bits, group_size) if axis == "channel" else quantize_values(x, bits, group_size)
+    return dequantize(q, x.dtype)
+
+
+def quantized_token_counts(num_tokens: int, residual_length: int) -> tuple[int, int]:
+    """(key tokens, value tokens) held quantised once `num_tokens` tokens have been stored and
+    flushed: keys in whole windows of R, values all but the last R (KIVI Algorithm 1)."""
+    return (num_tokens // residual_length) * residual_length, max(num_tokens - residual_length, 0)
+
+
+def kivi_layer_nbytes(num_tokens: int, batch: int, kv_heads: int, head_dim: int, bits: int, group_size: int,
+                      residual_length: int, residual_bytes: int) -> int:
+    """Closed-form bytes of one storage layer's KIVI cache after `num_tokens` tokens.
+    `residual_bytes`: bytes per full-precision element (the model dtype)."""
+    qk, qv = quantized_token_counts(num_tokens, residual_length)
+    meta = 2 * SCALE_DTYPE.itemsize  # one scale and one zero
+    key_bytes = (qk * head_dim * bits // 8 + (qk // group_size) * head_dim * meta
+                 + (num_tokens - qk) * head_dim * residual_bytes)
+    value_bytes = (qv * head_dim * bits // 8 + qv * (head_dim // group_size) * meta
+                   + (num_tokens - qv) * head_dim * residual_bytes)
+    return batch * kv_heads * (key_bytes + value_bytes)
+
+
+def kivi_cache_nbytes(config, num_tokens: int, batch: int, bits: int, group_size: int = DEFAULT_GROUP_SIZE,
+                      residual_length: int = DEFAULT_RESIDUAL_LENGTH, residual_bytes: int = 4) -> int:
+    """Closed-form bytes of a `KIVICache` for a model config: only the plan's storage layers count."""
+    per_layer = kivi_layer_nbytes(num_tokens, batch, config.num_key_value_heads, config.head_dim, bits, group_size,
+                                  residual_length, residual_bytes)
+    return per_layer * len(config.plan.storage_layers)
+
+
+def kivi_bytes_per_token(head_dim: int, bits: int, group_size: int, meta_bytes: int = 2) -> float:
+    """Asymptotic bytes per token per KV head per storage layer (K and V, residual window ignored):
+    packed codes plus one 16-bit scale and zero per G elements."""
+    return 2 * head_dim * (bits / 8 + 2 * meta_bytes / group_size)
+
+
+# --- the cache ----------------------------------------------------------------------------------
+
+
+class KIVILayer(CacheLayerMixin):
+    """One storage layer's KIVI cache: quantised keys/values plus their full-precision residuals."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, bits: int, group_size: int, residual_length: int):
+        super().__init__()
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        self.keys = self.values = None  # full-precision residuals [B, H, t, D] (transformers' names)
+        self.quantized_keys: QuantizedKV | None = None
+        self.quantized_values: QuantizedKV | None = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = key_states[:, :, :0].clone(), value_states[:, :, :0].clone()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new tokens; return dequantised past + full-precision residual (new tokens
+        included); then move what left the residual window into quantised storage."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        self.length += key_states.shape[2]
+        keys, values = self.keys, self.values
+        if self.quantized_keys is not None:
+            keys = torch.cat([dequantize(self.quantized_keys, self.dtype), keys], dim=2)
+        if self.quantized_values is not None:
+            values = torch.cat([dequantize(self.quantized_values, self.dtype), values], dim=2)
+        self._flush()
+        return keys, values
+
+    def _flush(self) -> None:
+        r = self.residual_length
+        full_windows = (self.keys.shape[2] // r) * r
+        if full_windows:
+            q = quantize_keys(self.keys[:, :, :full_windows], self.bits, self.group_size)
+            self.quantized_keys = q if self.quantized_keys is None else self.quantized_keys.cat(q)
+            self.keys = self.keys[:, :, full_windows:].clone()  # clone: let the quantised part's memory go
+        leaving = self.values.shape[2] - r
+        if leaving > 0:
+            q = quantize_values(self.values[:, :, :leaving], self.bits, self.group_size)
+            self.quantized_values = q if self.quantized_values is None else self.quantized_values.cat(q)
+            self.values = self.values[:, :, leaving:].clone()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [t for t in (self.keys, self.values) if t is not None]
+        for q in (self.quantized_keys, self.quantized_values):
+            if q is not None:
+                out.extend(q.tensors())
+        return out
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.quantized_keys = self.quantized_values = None
+        self.length = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        beam_idx = beam_idx.to(self.device)
+        self.keys, self.values = self.keys.index_select(0, beam_idx), self.values.index_select(0, beam_idx)
+        if self.quantized_keys is not None:
+            self.quantized_keys = self.quantized_keys.index_select(beam_idx)
+        if self.quantized_values is not None:
+            self.quantized_values = self.quantized_values.index_select(beam_idx)
+
+
+class KIVICache(Cache):
+    """A transformers `Cache` with a `KIVILayer` for each of the plan's storage layers (reconstruction
+    layers hold nothing). Pass it as `cache=` to the model, to `model.generate(past_key_values=...)`,
+    or build it through `kivi_cache_factory` for `fusedkv.generation.generate`."""
+
+    def __init__(self, config, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE,
+                 residual_length: int = DEFAULT_RESIDUAL_LENGTH):
+        check_kivi_settings(bits, group_size, residual_length, config.head_dim)
+        storage = set(config.plan.storage_layers)
+        layers = [KIVILayer(bits, group_size, residual_length) if i in storage else DummyLayer()
+                  for i in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        self._first_storage = min(storage)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, KIVILayer):
+            layer = self.layers[self._first_storage]
+        return layer.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            if isinstance(layer, KIVILayer):
+                layer.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            if isinstance(layer, KIVILayer):
+                layer.reorder_cache(beam_idx)
+
+    def nbytes(self) -> int:
+        """Bytes of memory actually held: every tensor's underlying storage, counted once."""
+        storages = {}
+        for layer in self.layers:
+            if isinstance(layer, KIVILayer):
+                for t in layer.tensors():
+                    s = t.untyped_storage()
+                    storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
+
+
+def kivi_cache_factory(bits: int, group_size: int = DEFAULT_GROUP_SIZE,
+                       residual_length: int = DEFAULT_RESIDUAL_LENGTH):
+    """A `cache_factory(config, batch, max_len, dtype, device)` for `fusedkv.generation.generate`."""
+
+    def factory(config, batch_size=None, max_len=None, dtype=None, device=None):
+        return KIVICache(config, bits, group_size, residual_length)
+
+    return factory
