@@ -12,8 +12,9 @@ import torch
 
 
 def kv_cache_nbytes(cache) -> int:
-    """Bytes of K/V tensors actually held by a cache (empty layers count zero)."""
-    if isinstance(cache, StaticKVCache):
+    """Bytes of K/V tensors actually held by a cache (empty layers count zero). Caches that know
+    their own layout (`StaticKVCache`, `fusedkv.quant.KIVICache`) count themselves."""
+    if callable(getattr(cache, "nbytes", None)):
         return cache.nbytes()
     total = 0
     for layer in getattr(cache, "layers", []):

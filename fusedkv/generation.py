@@ -52,13 +52,15 @@ def _sync(device: torch.device) -> None:
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
-             pack_weights: bool | None = None) -> GenerationResult:
+             pack_weights: bool | None = None, cache_factory=None) -> GenerationResult:
     """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`).
 
     `pack_weights` chooses the weight layout before the clock starts (same values and names either
     way; a change of layout copies the weights once): by default packed for one-GEMV steps
     (`fusedkv.model.pack_for_decode`) at batch <= `PACKED_MAX_ROWS` and plain row-major above,
-    where MKL's small-batch GEMM prefers it (`benchmarks/decode_layout.py`); True/False force it."""
+    where MKL's small-batch GEMM prefers it (`benchmarks/decode_layout.py`); True/False force it.
+    `cache_factory(config, batch, max_len, dtype, device)` builds another cache instead (e.g.
+    `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache)."""
     batch, prompt_len = input_ids.shape
     total = prompt_len + max_new_tokens
     if total > model.config.max_position_embeddings:
@@ -72,7 +74,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
         unpack_weights(model)
     device = input_ids.device
     dtype = next(model.parameters()).dtype
-    cache = StaticKVCache(model.config, batch, total, dtype, device) if static_cache else None
+    if cache_factory is not None:
+        cache = cache_factory(model.config, batch, total, dtype, device)
+    else:
+        cache = StaticKVCache(model.config, batch, total, dtype, device) if static_cache else None
     mask = attention_mask
     if mask is not None:  # grow the padding mask in place instead of concatenating every step
         mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
