@@ -34,6 +34,15 @@ class FusedKVConfig(PreTrainedConfig):
             K^i = carry * K^{i-1} + fixed * K^1, which "equivalent" unrolls.
         tie_rope_pairs: tie key fusion weights across each RoPE rotation pair (SPEC section 2). Only
             switch off to demonstrate why it is needed.
+
+    Mixture of experts (Qwen3-MoE's names and meaning; `fusedkv/model/moe.py`), off when num_experts=0:
+        num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
+        mlp_only_layers (0-based layers that keep the dense MLP), router_aux_loss_coef,
+        output_router_logits (return router logits and the aux loss; training always computes it).
+
+    Multi-head latent attention (DeepSeek-V2/V3's names; `fusedkv/model/mla.py`), on when kv_lora_rank
+    is set: kv_lora_rank, q_lora_rank (None = full-rank query projection), qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim. The cache holds the normalised latent and the decoupled RoPE key.
     """
 
     model_type = "fusedkv"
@@ -66,6 +75,19 @@ class FusedKVConfig(PreTrainedConfig):
     fusion_init: str = "equivalent"
     fusion_iterative_init: list[float] | None = None
     tie_rope_pairs: bool = True
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] | None = None
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
 
     def __post_init__(self, **kwargs):
         # transformers-4 style `rope_theta=` is accepted and stored the transformers-5 way.
@@ -137,6 +159,8 @@ class FusedKVConfig(PreTrainedConfig):
             len(self.fusion_iterative_init) == 2,
             "fusion_iterative_init must be [carry, fixed], the two coefficients of the iterative recurrence",
         )
+        self._check_moe(need)
+        self._check_mla(need)
         plan = self.plan  # builds and validates the source map
         if self.fusion_init == "iterative":
             for layer in plan.layers:
@@ -147,6 +171,65 @@ class FusedKVConfig(PreTrainedConfig):
                         f"fusion_init='iterative' needs two-source channel fusion in every reconstruction layer; "
                         f"layer {layer.index + 1} is not (use kv_sharing='fusedkv')",
                     )
+
+    def _check_moe(self, need) -> None:
+        need(isinstance(self.num_experts, int) and self.num_experts >= 0,
+             f"num_experts={self.num_experts!r}: must be 0 (dense MLP) or a positive number of experts")
+        if self.num_experts == 0:
+            return
+        need(
+            isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts,
+            f"num_experts_per_tok={self.num_experts_per_tok!r}: each token is routed to between 1 and "
+            f"num_experts={self.num_experts} experts; lower num_experts_per_tok or raise num_experts",
+        )
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, f"{name}={v!r}: must be a positive integer")
+        bad = [i for i in (self.mlp_only_layers or []) if not 0 <= i < self.num_hidden_layers]
+        need(not bad, f"mlp_only_layers={self.mlp_only_layers}: entries are 0-based layer indices below "
+                      f"num_hidden_layers={self.num_hidden_layers}; {bad} are not")
+        need(self.router_aux_loss_coef >= 0, f"router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0")
+
+    def _check_mla(self, need) -> None:
+        if self.kv_lora_rank is None:
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, f"{name}={v!r}: MLA needs a positive integer")
+        need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0),
+             f"q_lora_rank={self.q_lora_rank!r}: a positive integer, or None for a full-rank query projection")
+        need(self.qk_rope_head_dim % 2 == 0,
+             f"qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates channel pairs, so it must be even")
+        heads = self.num_attention_heads
+        need(
+            self.kv_lora_rank < heads * (self.qk_nope_head_dim + self.v_head_dim),
+            f"kv_lora_rank={self.kv_lora_rank} does not compress: the latent must be smaller than the "
+            f"{heads * (self.qk_nope_head_dim + self.v_head_dim)} K/V channels it expands to "
+            "(num_attention_heads * (qk_nope_head_dim + v_head_dim)); lower kv_lora_rank",
+        )
+        need(self.fusion_init != "iterative",
+             "fusion_init='iterative' is not implemented for MLA; use 'equivalent' (the same starting point)")
+        for layer in self.plan.layers:
+            # The latent yields both the keys and the values, so "K from one layer, V from another"
+            # (fusedkv-lite, the reversed plan) has no MLA counterpart (paper App. A.6).
+            need(
+                layer.stores or (layer.k_sources == layer.v_sources and layer.k_fusion == layer.v_fusion),
+                f"layer {layer.index + 1} reads K from layers {[s + 1 for s in layer.k_sources]} and V from "
+                f"{[s + 1 for s in layer.v_sources]}: with MLA (kv_lora_rank set) keys and values come from one "
+                "shared latent, so a layer must take K and V from the same sources with the same fusion; "
+                "fusedkv-lite does not apply to MLA, use fusedkv, yoco, cla or fusedkv-dense",
+            )
+        need(
+            self.q_lora_rank is None or self.q_lora_rank < heads * (self.qk_nope_head_dim + self.qk_rope_head_dim),
+            f"q_lora_rank={self.q_lora_rank} is not below the query width num_attention_heads * "
+            f"(qk_nope_head_dim + qk_rope_head_dim) = {heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)}; "
+            "lower it or set q_lora_rank=None",
+        )
+        need(
+            self.num_key_value_heads == heads,
+            f"num_key_value_heads={self.num_key_value_heads}: MLA gives every query head its own key and value "
+            f"from the shared latent, so it must equal num_attention_heads={heads} (the latent replaces GQA)",
+        )
 
     @property
     def plan(self) -> KVSharingPlan:

@@ -1,10 +1,16 @@
-"""Import a Hugging Face Qwen3 checkpoint as a FusedKV model.
+"""Import a Hugging Face Qwen3 or Qwen3-MoE checkpoint as a FusedKV model.
 
 FusedKV's module names are Qwen3's, so conversion is a renaming-free copy: every weight keeps its
 name, reconstruction layers drop their K/V projections and K-norm, and their fusion weights start
 from the configured initialisation (SPEC section 5). With `kv_sharing="vanilla"` the result computes
 exactly what transformers' `Qwen3ForCausalLM` computes; with another plan it is a starting point for
 continued training (the paper trains from scratch; a converted model must be trained to recover).
+
+Qwen3-MoE: the config's MoE fields carry over (`num_local_experts` is transformers' stored name for
+`num_experts`), and the per-expert weights that `save_pretrained` writes
+(`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`) are stacked into the fused 3-D tensors the
+model keeps (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]); checkpoints
+that already hold the fused tensors load as they are.
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ _QWEN3_FIELDS = (
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range",
     "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id",
 )
+# Qwen3-MoE's extra fields (transformers' names; num_experts handled separately).
+_QWEN3_MOE_FIELDS = (
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+    "router_aux_loss_coef", "output_router_logits",
+)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
 def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides) -> FusedKVConfig:
-    if qwen3.get("model_type") != "qwen3":
+    if qwen3.get("model_type") not in ("qwen3", "qwen3_moe"):
         got = qwen3.get("model_type")
-        raise ValueError(f"expected a Qwen3 checkpoint (model_type 'qwen3'), got model_type {got!r}")
+        raise ValueError(f"expected a Qwen3 checkpoint (model_type 'qwen3' or 'qwen3_moe'), got model_type {got!r}")
     if qwen3.get("use_sliding_window"):
         raise ValueError("Qwen3 checkpoints with use_sliding_window=true are not supported yet")
     rope = qwen3.get("rope_parameters") or {"rope_type": "default", "rope_theta": qwen3.get("rope_theta", 10000.0)}
@@ -40,6 +51,9 @@ def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides) -> FusedK
         raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; only the default RoPE is")
     fields = {k: qwen3[k] for k in _QWEN3_FIELDS if k in qwen3}
     fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope["rope_theta"])}
+    if qwen3["model_type"] == "qwen3_moe":
+        fields.update({k: qwen3[k] for k in _QWEN3_MOE_FIELDS if k in qwen3})
+        fields["num_experts"] = qwen3.get("num_experts", qwen3.get("num_local_experts", 128))
     return FusedKVConfig(**fields, kv_sharing=kv_sharing, **overrides)
 
 
@@ -61,7 +75,7 @@ def load_state_dict(src: Path) -> dict[str, torch.Tensor]:
 def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, origin: str = "state dict"):
     """A FusedKV model of `config` holding the Qwen3 weights `state` (reconstruction layers drop their
     K/V projections; fusion weights keep their configured initialisation)."""
-    state = dict(state)
+    state = _fuse_experts(dict(state), config.num_experts)
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied checkpoints store one copy
     model = FusedKVForCausalLM(config)
@@ -79,6 +93,21 @@ def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, orig
     if not_fusion:
         raise ValueError(f"{origin}: checkpoint lacks weights {not_fusion[:5]}")
     return model
+
+
+def _fuse_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Stack per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` into the fused 3-D expert tensors."""
+    prefixes = sorted({k.split(".experts.")[0] for k in state if ".mlp.experts.0.gate_proj.weight" in k})
+    for prefix in prefixes:
+        names = {p: [f"{prefix}.experts.{e}.{p}.weight" for e in range(num_experts)]
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+        missing = [n for ns in names.values() for n in ns if n not in state]
+        if missing:
+            raise ValueError(f"{prefix}: expert weights missing for num_experts={num_experts}: {missing[:3]}")
+        gate, up, down = ([state.pop(n) for n in names[p]] for p in ("gate_proj", "up_proj", "down_proj"))
+        state[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(gate, up)])
+        state[f"{prefix}.experts.down_proj"] = torch.stack(down)
+    return state
 
 
 def convert_qwen3(src, dst, kv_sharing: str = "vanilla", dtype: torch.dtype | None = None,

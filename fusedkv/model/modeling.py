@@ -17,25 +17,37 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as hf_init
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
+)
 
 from ..config import FusedKVConfig
 from .attention import ATTENTION_PATHS, Attention, KVState
 from .fusion import KVFusion
 from .layers import RMSNorm, SwiGLU, rope_cos_sin
+from .moe import Experts, RouterRecord, SparseMoE, is_sparse_layer, load_balancing_loss
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: FusedKVConfig, layer_kv):
         super().__init__()
         self.self_attn = Attention(config, layer_kv)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.sparse = is_sparse_layer(config, layer_kv.index)  # Qwen3-MoE: SparseMoE or the dense MLP
+        self.mlp = SparseMoE(config) if self.sparse else SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, kv: KVState):
+    def forward(self, x, cos, sin, mask, kv: KVState, router: RouterRecord | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.sparse:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        out, logits = self.mlp(self.post_attention_layernorm(x))
+        if router is not None:
+            router.logits.append(logits)
+        return x + out
 
 
 class FusedKVPreTrainedModel(PreTrainedModel):
@@ -56,6 +68,9 @@ class FusedKVPreTrainedModel(PreTrainedModel):
             hf_init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             hf_init.ones_(module.weight)
+        elif isinstance(module, Experts):
+            hf_init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            hf_init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, KVFusion):
             # transformers' generic init would leave these at whatever torch.empty held: the fusion
             # initialisation is the paper's Table 5 choice and must be applied explicitly.
@@ -132,6 +147,7 @@ class FusedKVModel(FusedKVPreTrainedModel):
             mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         kv = KVState(cache=cache, causal=causal, padding_mask=attention_mask)
+        router = RouterRecord() if self.config.num_experts > 0 else None
         hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.layers):
             if i == skip_from:
@@ -139,12 +155,15 @@ class FusedKVModel(FusedKVPreTrainedModel):
                 mask = mask[:, :, -keep_last:] if mask is not None else None
                 kv.causal = False  # only the last row(s) remain
             if self.gradient_checkpointing and self.training:
-                x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, mask, kv)
+                x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, mask, kv, router)
             else:
-                x = layer(x, cos, sin, mask, kv)
+                x = layer(x, cos, sin, mask, kv, router)
             if output_hidden_states:
                 hidden_states += (x,)
         x = self.norm(x)
+        if router is not None:
+            return MoeModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None,
+                                          hidden_states=hidden_states, router_logits=tuple(router.logits))
         return BaseModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None,
                                        hidden_states=hidden_states)
 
@@ -243,6 +262,7 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
         past_key_values=None,
+        output_router_logits: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         keep_last = logits_to_keep if isinstance(logits_to_keep, int) and labels is None else 0
@@ -261,5 +281,24 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
         if labels is not None:
             # transformers convention: labels are the input ids; the shift happens here.
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        if self.config.num_experts > 0:
+            return self._moe_output(out, loss, logits, attention_mask, output_router_logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache,
                                       hidden_states=out.hidden_states)
+
+    def _moe_output(self, out, loss, logits, attention_mask, output_router_logits):
+        """Qwen3-MoE's output: the load-balancing loss (computed when asked for and always in training,
+        so the training loss carries it) and, with labels, the LM loss plus router_aux_loss_coef * aux."""
+        want = self.config.output_router_logits if output_router_logits is None else output_router_logits
+        aux_loss = None
+        if (want or self.training) and out.router_logits:
+            batch = logits.shape[0]
+            # Each layer routed its own rows (prefill skipping keeps fewer); padding rows do not count.
+            masks = [None if attention_mask is None else attention_mask[:, -(r.shape[0] // batch):].reshape(-1)
+                     for r in out.router_logits]
+            aux_loss = load_balancing_loss(list(out.router_logits), self.config.num_experts_per_tok, masks)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, cache=out.cache,
+                                         hidden_states=out.hidden_states,
+                                         router_logits=out.router_logits if want else None)

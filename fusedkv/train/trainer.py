@@ -86,9 +86,12 @@ class TrainingDiverged(RuntimeError):
 
 
 def compute_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; `labels` are already shifted by the data loader."""
-    logits = model(input_ids=input_ids, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    """Mean next-token cross-entropy; `labels` are already shifted by the data loader. MoE models add
+    their load-balancing loss (returned in training mode) times router_aux_loss_coef, as Qwen3-MoE does."""
+    out = model(input_ids=input_ids, use_cache=False)
+    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())
+    aux = getattr(out, "aux_loss", None)
+    return loss if aux is None else loss + D.unwrap(model).config.router_aux_loss_coef * aux
 
 
 def train(cfg: TrainConfig) -> dict:

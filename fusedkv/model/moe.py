@@ -1,0 +1,132 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE semantics) and its load-balancing loss.
+
+The paper stacks FusedKV on MoE models (App. A.6): KV sharing only touches attention, so the MLP of
+every layer, storage or reconstruction, may be sparse. Names and arithmetic follow transformers'
+`Qwen3MoeSparseMoeBlock`, so Qwen3-MoE checkpoints convert with identical logits:
+
+    p = softmax(W_gate x)            top-k of p (renormalised to sum 1 when `norm_topk_prob`)
+    y = sum_{e in top-k} p_e * down_e(silu(gate_e x) * up_e x)
+
+Experts are stored as transformers keeps them in memory: `experts.gate_up_proj` [E, 2I, H] (gate
+rows first) and `experts.down_proj` [E, H, I], one 3-D tensor each, so every expert's weights sit in
+one buffer a grouped GEMM can index.
+
+Dispatch is grouped, never per token: the (token, slot) pairs are sorted by expert, so each expert's
+tokens form one contiguous block; one grouped matrix product (`torch.nn.functional.grouped_mm`, which
+takes the block offsets) runs every expert over its own block, and the weighted results are added
+back to their tokens with one `index_add_`. Where `grouped_mm` does not take the dtype (fp64, the
+tests' reference precision; fp32 on CUDA) the same sorted blocks run one matmul per expert.
+
+The load-balancing loss is the Switch Transformer auxiliary loss exactly as transformers computes it
+for Qwen3-MoE (`load_balancing_loss_func`): with f_e the fraction of top-k assignments that went to
+expert e and P_e the mean router probability of e, both pooled over every sparse layer's tokens,
+aux = E * sum_e f_e * P_e (equal to k when routing is perfectly uniform).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def is_sparse_layer(config, index: int) -> bool:
+    """Qwen3-MoE's rule for which decoder layers (0-based) get the sparse MLP."""
+    return (config.num_experts > 0 and index not in (config.mlp_only_layers or [])
+            and (index + 1) % config.decoder_sparse_step == 0)
+
+
+def _grouped_mm_usable(x: torch.Tensor) -> bool:
+    # torch's grouped GEMM takes fp32/bf16/fp16 on CPU and bf16 on CUDA (SM >= 80).
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts in two 3-D tensors; `forward` runs each expert over its own block of rows."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_sorted: [N, H] rows grouped by expert (expert 0's rows first); counts: [E] rows per expert."""
+        if _grouped_mm_usable(x_sorted):
+            offsets = counts.cumsum(0).to(torch.int32)
+            h = F.grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=offsets)
+            gate, up = h.chunk(2, dim=-1)
+            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        out = []
+        for e, rows in enumerate(x_sorted.split(counts.tolist())):
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(out)
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`, a bias-free [E, H] linear) + experts; returns (output, router logits [N, E])."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, H] -> (router logits [N, E], top-k weights [N, k] in x's dtype, top-k experts [N, k])."""
+        logits = self.gate(x)
+        # fp32 routing as Qwen3-MoE does for bf16/fp32 (fp64 stays fp64 for reference checks).
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, weights, experts = self.route(x)
+        # Sort the N*k (token, slot) assignments by expert: each expert's rows become one block.
+        flat_experts = experts.flatten()
+        order = flat_experts.argsort(stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(flat_experts, minlength=self.experts.num_experts)
+        y = self.experts(x[token], counts) * weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        return out.view(shape), logits
+
+
+class RouterRecord:
+    """The router logits of every sparse layer in one forward, for the load-balancing loss.
+
+    A plain class on purpose (like `KVState`): wrappers such as FSDP2 rebuild lists and dataclasses among
+    a module's arguments, and every layer must append to this one object."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self):
+        self.logits: list[torch.Tensor] = []
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, row_masks: list[torch.Tensor | None]):
+    """Switch Transformer load-balancing loss over every sparse layer, as transformers' Qwen3-MoE computes
+    it. router_logits[l]: [N_l, E]; row_masks[l]: [N_l] (1 = real token, 0 = padding) or None."""
+    num_experts = router_logits[0].shape[-1]
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    prob_sum = torch.zeros_like(assigned)
+    rows = 0.0
+    for logits, mask in zip(router_logits, row_masks):
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        mask = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask.float()
+        # Counting assignments does not depend on the weights: no gradient flows through f_e (as in Switch).
+        assigned = assigned.scatter_add(0, chosen.flatten(), mask.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * mask[:, None]).sum(0)
+        rows = rows + mask.sum()
+    return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+
+
+__all__ = ["Experts", "RouterRecord", "SparseMoE", "is_sparse_layer", "load_balancing_loss"]
