@@ -25,15 +25,14 @@ import torch
 
 from fusedkv.config import FusedKVConfig
 from fusedkv.model import FusedKVForCausalLM
+from fusedkv.plan import COMPARED_PLANS, VANILLA
 from fusedkv.train import TrainConfig, compute_loss
 from fusedkv.train.optim import build_optimizer
-
-PLANS = ("vanilla", "gqa", "cla", "yoco", "fusedkv-lite", "fusedkv")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
+    p.add_argument("--plans", nargs="+", default=list(COMPARED_PLANS), choices=COMPARED_PLANS)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--heads", type=int, default=4, help="even, so that gqa really halves the KV heads")
@@ -116,7 +115,7 @@ def main(argv=None) -> dict:
             samples[plan].append(tokens / (time.perf_counter() - t0))
     elapsed = time.perf_counter() - t_all
 
-    base = statistics.median(samples["vanilla"]) if "vanilla" in samples else None
+    base = statistics.median(samples[VANILLA]) if VANILLA in samples else None
     print(f"\nTraining throughput (forward + backward + AdamW), {a.layers} layers, hidden {a.hidden}, "
           f"{a.heads} heads, MLP {a.ffn or 3 * a.hidden}, vocab {a.vocab}, {a.batch} x {a.seq} tokens/step, "
           f"{a.dtype} on {device} ({torch.get_num_threads()} threads); median of {a.repeats} interleaved "

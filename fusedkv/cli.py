@@ -44,42 +44,32 @@ def _add_plans(sub):
 
 def plans_table(layers: int, heads: int, kv_heads: int | None, head_dim: int, seq_len: int, nbytes: int) -> str:
     from .config import FusedKVConfig
-    from .plan import PLAN_DESCRIPTIONS, PLAN_NAMES
+    from .plan import CHOICE_DESCRIPTIONS, PLAN_CHOICES, resolve_plan_choice
+    from .utils import human_bytes
 
-    def cfg(plan):
-        return FusedKVConfig(num_hidden_layers=layers, num_attention_heads=heads, head_dim=head_dim,
-                             hidden_size=heads * head_dim, kv_sharing=plan,
-                             num_key_value_heads=None if plan == "gqa" else (kv_heads or heads))
-
-    mha_bytes = 2 * layers * heads * head_dim * nbytes  # vanilla multi-head attention, per token
     rows = ["| plan | storage layers | KV heads | cache vs MHA | cache I/O vs MHA | bytes/token | "
             f"cache at {seq_len} tokens | what it does |", "|---|---|---|---|---|---|---|---|"]
-    for name in PLAN_NAMES:
-        c = cfg(name)
+    for name in PLAN_CHOICES:
+        choice = resolve_plan_choice(name)
+        c = FusedKVConfig(num_hidden_layers=layers, num_attention_heads=heads, head_dim=head_dim,
+                          hidden_size=heads * head_dim, kv_sharing=choice.sharing,
+                          num_key_value_heads=choice.num_key_value_heads(heads, kv_heads))
         plan = c.plan
         per_token = c.kv_cache_bytes_per_token(nbytes)
         io = plan.elements_read_per_token() * c.num_key_value_heads / (2 * layers * heads)
         rows.append(
             f"| {name} | {len(plan.storage_layers)}/{layers} | {c.num_key_value_heads} | "
-            f"{per_token / mha_bytes:.3g} | {io:.3g} | {per_token:,} | {_human(per_token * seq_len)} | "
-            f"{PLAN_DESCRIPTIONS[name]} |"
+            f"{c.kv_cache_fraction():.3g} | {io:.3g} | {per_token:,} | {human_bytes(per_token * seq_len)} | "
+            f"{CHOICE_DESCRIPTIONS[name]} |"
         )
     return "\n".join(rows)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _run_plans(args) -> None:
     from .plan import PLAN_NAMES, build_plan
 
     print(plans_table(args.layers, args.heads, args.kv_heads, args.head_dim, args.seq_len, args.bytes))
-    if args.layout:
+    if args.layout:  # KV-head counts do not change the layout: the sharing plans alone
         for name in PLAN_NAMES:
             print(f"\n{name}:")
             for line in build_plan(name, args.layers).describe():

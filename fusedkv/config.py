@@ -13,7 +13,17 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .plan import ATTENTION_TYPES, FULL, PLAN_NAMES, KVSharingPlan, build_plan, custom_plan
+from .plan import (
+    ATTENTION_TYPES,
+    CUSTOM,
+    DEFAULT_PLAN,
+    FULL,
+    PLAN_NAMES,
+    KVSharingPlan,
+    build_plan,
+    custom_plan,
+    resolve_plan_choice,
+)
 
 FUSION_INITS = ("equivalent", "normal", "iterative")
 
@@ -23,7 +33,10 @@ class FusedKVConfig(PreTrainedConfig):
     r"""Configuration of a FusedKV decoder.
 
     Architecture fields are Qwen3's. FusedKV fields:
-        kv_sharing: plan name (vanilla, gqa, cla, yoco, fusedkv-lite, fusedkv, fusedkv-dense) or "custom".
+        kv_sharing: plan name (vanilla, cla, yoco, fusedkv-lite, fusedkv, fusedkv-dense) or "custom". The KV-head
+            count is `num_key_value_heads`, independent of the plan (GQA = vanilla with fewer KV heads). The
+            user shorthand "gqa" / "PLAN+gqa" (and checkpoints saved with kv_sharing="gqa") is resolved here
+            by `fusedkv.plan.resolve_plan_choice` into the plan and half the KV heads.
         kv_source_map: for "custom": list of {"layers": [first, last], "k": [..], "v": [..],
             "k_fusion": "reuse"|"channel"|"scalar", "v_fusion": ...}, 1-based layer numbers.
         shared_attention_types: which attention types the upper half reconstructs (SWA hybrids: the
@@ -69,7 +82,7 @@ class FusedKVConfig(PreTrainedConfig):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    kv_sharing: str = "fusedkv"
+    kv_sharing: str = DEFAULT_PLAN
     kv_source_map: list[dict] | None = None
     shared_attention_types: list[str] | None = None
     fusion_init: str = "equivalent"
@@ -98,10 +111,14 @@ class FusedKVConfig(PreTrainedConfig):
             self.rope_parameters = {**self.rope_parameters, "rope_theta": float(rope_theta)}
         if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.kv_sharing in PLAN_NAMES or self.kv_sharing == CUSTOM:
+            choice = None
+        else:  # a user shorthand such as "gqa" (also what older checkpoints saved): plan + KV-head rule
+            choice = resolve_plan_choice(self.kv_sharing)
+            self.kv_sharing = choice.sharing
         if self.num_key_value_heads is None:
-            # GQA's default in the paper: two query heads per KV head.
-            gqa = self.kv_sharing == "gqa" and self.num_attention_heads % 2 == 0
-            self.num_key_value_heads = self.num_attention_heads // 2 if gqa else self.num_attention_heads
+            self.num_key_value_heads = (choice.num_key_value_heads(self.num_attention_heads) if choice
+                                        else self.num_attention_heads)
         if self.layer_types is None:
             self.layer_types = [FULL] * self.num_hidden_layers
         if self.fusion_iterative_init is None:
@@ -134,12 +151,12 @@ class FusedKVConfig(PreTrainedConfig):
             f"{self.num_key_value_heads}; each KV head must serve the same number of query heads",
         )
         need(
-            self.kv_sharing in (*PLAN_NAMES, "custom"),
-            f"kv_sharing={self.kv_sharing!r}: unknown plan; choose one of {', '.join(PLAN_NAMES)} or 'custom' "
+            self.kv_sharing in (*PLAN_NAMES, CUSTOM),
+            f"kv_sharing={self.kv_sharing!r}: unknown plan; choose one of {', '.join(PLAN_NAMES)} or {CUSTOM!r} "
             "with a kv_source_map",
         )
         need(
-            (self.kv_sharing == "custom") == (self.kv_source_map is not None),
+            (self.kv_sharing == CUSTOM) == (self.kv_source_map is not None),
             "kv_source_map is given only with kv_sharing='custom' (and kv_sharing='custom' needs a kv_source_map)",
         )
         need(self.fusion_init in FUSION_INITS, f"fusion_init={self.fusion_init!r}: choose one of {FUSION_INITS}")
@@ -234,7 +251,7 @@ class FusedKVConfig(PreTrainedConfig):
     @property
     def plan(self) -> KVSharingPlan:
         """The validated plan (recomputed on access: it is cheap, and configs must stay JSON-serialisable)."""
-        if self.kv_sharing == "custom":
+        if self.kv_sharing == CUSTOM:
             return custom_plan(self.num_hidden_layers, self.kv_source_map, self.layer_types)
         return build_plan(self.kv_sharing, self.num_hidden_layers, self.layer_types, self.shared_attention_types)
 
@@ -243,8 +260,19 @@ class FusedKVConfig(PreTrainedConfig):
         return float(self.rope_parameters["rope_theta"])
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        """Bytes of KV cache one token occupies, per sequence (SPEC: 2 * L * H_kv * D for vanilla)."""
+        """Bytes of KV cache one token occupies, per sequence (2 * L * H_kv * D for vanilla, paper Table 1)."""
         return self.plan.cache_elements_per_token() * self.num_key_value_heads * self.head_dim * bytes_per_element
+
+    def mha_kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        """The baseline of every cache ratio: multi-head attention of the same shape (same layers, one KV
+        head per query head, same head_dim, every layer storing), 2 * L * H_q * D elements per token."""
+        return 2 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * bytes_per_element
+
+    def kv_cache_fraction(self) -> float:
+        """KV-cache size relative to MHA of the same shape (`mha_kv_cache_bytes_per_token`): 0.5 for
+        FusedKV or GQA, 0.25 for FusedKV with half the KV heads. The one cache ratio the CLI, the
+        training summary, the comparisons and the benchmarks report."""
+        return self.kv_cache_bytes_per_token(1) / self.mha_kv_cache_bytes_per_token(1)
 
 
 __all__ = ["FusedKVConfig"]

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from .config import FusedKVConfig
 from .model import FusedKVForCausalLM
+from .plan import VANILLA
 
 # Qwen3 config fields carried over verbatim.
 _QWEN3_FIELDS = (
@@ -110,7 +111,7 @@ def _fuse_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str,
     return state
 
 
-def convert_qwen3(src, dst, kv_sharing: str = "vanilla", dtype: torch.dtype | None = None,
+def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None = None,
                   **overrides) -> FusedKVForCausalLM:
     """Convert the Qwen3 checkpoint directory `src` into a FusedKV checkpoint at `dst`; returns the model."""
     src, dst = Path(src), Path(dst)

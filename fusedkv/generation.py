@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
-from .model.packing import PACKED_MAX_ROWS, pack_for_decode, unpack_weights
+from .model.packing import LAYOUTS, set_decode_layout
+
+WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
 
 
 @dataclass
@@ -52,13 +54,14 @@ def _sync(device: torch.device) -> None:
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
-             pack_weights: bool | None = None, cache_factory=None) -> GenerationResult:
+             weight_layout: str = "keep", cache_factory=None) -> GenerationResult:
     """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`).
 
-    `pack_weights` chooses the weight layout before the clock starts (same values and names either
-    way; a change of layout copies the weights once): by default packed for one-GEMV steps
-    (`fusedkv.model.pack_for_decode`) at batch <= `PACKED_MAX_ROWS` and plain row-major above,
-    where MKL's small-batch GEMM prefers it (`benchmarks/decode_layout.py`); True/False force it.
+    `weight_layout`: "keep" (default) runs the model as the caller laid it out. "auto" first puts the
+    weights in the layout this batch decodes fastest with (`fusedkv.model.packing.set_decode_layout`:
+    packed for one-GEMV steps at small batch, row-major above), and "packed" / "row-major" force one;
+    these re-lay out the caller's model in place and leave it so (same values, names and outputs; a
+    change of layout copies the weights once, before the clock starts).
     `cache_factory(config, batch, max_len, dtype, device)` builds another cache instead (e.g.
     `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache)."""
     batch, prompt_len = input_ids.shape
@@ -68,10 +71,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"max_position_embeddings={model.config.max_position_embeddings}; shorten one of them"
         )
-    if pack_weights or (pack_weights is None and batch <= PACKED_MAX_ROWS):
-        pack_for_decode(model)
-    elif pack_weights is None and any(not p.is_contiguous() for p in model.parameters()):
-        unpack_weights(model)
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout={weight_layout!r}: choose one of {WEIGHT_LAYOUTS}")
+    if weight_layout != "keep":
+        set_decode_layout(model, batch if weight_layout == "auto" else weight_layout)
     device = input_ids.device
     dtype = next(model.parameters()).dtype
     if cache_factory is not None:

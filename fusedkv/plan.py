@@ -29,17 +29,66 @@ ATTENTION_TYPES = (FULL, SLIDING)
 #   "scalar"  one learned scalar per source (the paper's dense-fusion exploration, Fig. 2)
 FUSION_MODES = ("reuse", "channel", "scalar")
 
-PLAN_NAMES = ("vanilla", "gqa", "cla", "yoco", "fusedkv-lite", "fusedkv", "fusedkv-dense")
+# The KV-sharing plans: which layers store K/V and where the others read it. How many KV heads a
+# layer has is a separate, orthogonal setting (`num_key_value_heads`): GQA is `vanilla` with fewer KV
+# heads, and FusedKV + GQA is simply both.
+VANILLA = "vanilla"  # every layer stores its own K/V: the baseline of every comparison
+DEFAULT_PLAN = "fusedkv"
+CUSTOM = "custom"  # a user source map (`custom_plan`)
+PLAN_NAMES = (VANILLA, "cla", "yoco", "fusedkv-lite", "fusedkv", "fusedkv-dense")
 
 PLAN_DESCRIPTIONS = {
-    "vanilla": "every layer stores its own K/V",
-    "gqa": "every layer stores its own K/V, with half as many KV heads",
+    VANILLA: "every layer stores its own K/V",
     "cla": "adjacent pairs share: layer 2j reads layer 2j-1",
     "yoco": "upper layers reuse K^n, V^n (the middle layer)",
     "fusedkv-lite": "upper layers reuse K^n and V^1",
     "fusedkv": "upper layers fuse K^1,K^n and V^1,V^n with learned channel weights",
     "fusedkv-dense": "upper layers fuse every lower layer with learned scalars (Fig. 2 analysis)",
 }
+
+# ---- what users type: a plan, optionally with the GQA shorthand ----------------------------------
+# `gqa` alone is vanilla with half the KV heads (the paper's GQA baseline, two query heads per KV
+# head); `<plan>+gqa` is that plan with half the KV heads. Only this function reads the shorthand.
+GQA = "gqa"
+GQA_GROUP = 2  # query heads per KV head under the shorthand
+PLAN_CHOICES = (VANILLA, GQA, "cla", "yoco", "fusedkv-lite", "fusedkv", "fusedkv-dense")
+# The rows every comparison shows by default (paper Table 1 / Table 2; fusedkv-dense is an analysis).
+COMPARED_PLANS = (VANILLA, GQA, "cla", "yoco", "fusedkv-lite", "fusedkv")
+# The plans the long-context decode benchmark times (paper Figs. 4-5: MHA/GQA, Lite, FusedKV).
+DECODE_TIMED_PLANS = (VANILLA, "fusedkv-lite", "fusedkv")
+CHOICE_DESCRIPTIONS = {**PLAN_DESCRIPTIONS, GQA: "every layer stores its own K/V, with half as many KV heads"}
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """A user-typed plan resolved: the sharing plan and the KV-head rule that go with it."""
+
+    label: str  # as typed, for tables and run names
+    sharing: str  # one of PLAN_NAMES or CUSTOM
+    query_heads_per_kv_head: int | None  # None: keep the model's num_key_value_heads
+
+    def num_key_value_heads(self, num_attention_heads: int, default: int | None = None) -> int:
+        """KV heads for a model with `num_attention_heads` query heads (`default`: the model's own)."""
+        if self.query_heads_per_kv_head is None:
+            return default or num_attention_heads
+        if num_attention_heads % self.query_heads_per_kv_head:
+            return num_attention_heads  # an odd head count cannot be halved: one KV head per query head
+        return num_attention_heads // self.query_heads_per_kv_head
+
+
+def resolve_plan_choice(name: str) -> PlanChoice:
+    """`vanilla`, `gqa`, `fusedkv`, `fusedkv+gqa`, `custom`, ... -> (sharing plan, KV-head rule)."""
+    base, plus, suffix = str(name).partition("+")
+    if name == GQA:
+        return PlanChoice(name, VANILLA, GQA_GROUP)
+    if plus and suffix == GQA and base in PLAN_NAMES:
+        return PlanChoice(name, base, GQA_GROUP)
+    if name in PLAN_NAMES or name == CUSTOM:
+        return PlanChoice(name, name, None)
+    raise ValueError(
+        f"unknown plan {name!r}; choose one of {', '.join(PLAN_CHOICES)} (or PLAN+{GQA} for half the KV heads, "
+        f"or {CUSTOM!r} with a source map)"
+    )
 
 
 @dataclass(frozen=True)
@@ -197,7 +246,8 @@ def build_plan(
     """
     if name not in PLAN_NAMES:
         raise ValueError(
-            f"unknown kv_sharing plan {name!r}; choose one of {', '.join(PLAN_NAMES)} or give a custom source map"
+            f"unknown kv_sharing plan {name!r}; choose one of {', '.join(PLAN_NAMES)} or give a custom source map "
+            f"(GQA is not a sharing plan but a KV-head count: set num_key_value_heads)"
         )
     types = list(layer_types) if layer_types is not None else [FULL] * num_layers
     if len(types) != num_layers:
@@ -207,7 +257,7 @@ def build_plan(
             raise ValueError(f"layer_types: unknown attention type {t!r}; use {ATTENTION_TYPES}")
     shared = set(shared_types) if shared_types is not None else set(ATTENTION_TYPES)
 
-    if name in ("vanilla", "gqa"):
+    if name == VANILLA:
         return KVSharingPlan(name, tuple(_storage(i, t) for i, t in enumerate(types)))
 
     if name == "cla":
@@ -274,7 +324,7 @@ def custom_plan(num_layers: int, source_map: Sequence[dict], layer_types: Sequen
                     raise ValueError(f"kv_source_map entry {entry_no}: source layer {s} is outside 1..{num_layers}")
             targets[i] = LayerKV(i, types[i], tuple(s - 1 for s in k), tuple(s - 1 for s in v), kf, vf)
     layers = tuple(targets.get(i, _storage(i, t)) for i, t in enumerate(types))
-    return KVSharingPlan("custom", layers)
+    return KVSharingPlan(CUSTOM, layers)
 
 
 def _as_tuple(x) -> tuple[int, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..plan import PLAN_NAMES
+from ..plan import COMPARED_PLANS, GQA, PLAN_CHOICES, VANILLA, resolve_plan_choice
 
 
 def register(sub) -> None:
@@ -14,8 +14,8 @@ def register(sub) -> None:
         description="Measure every plan interleaved in one process (medians over repeats): KV cache bytes, "
         "time to first token, time per output token and decode tokens/s, with ratios to vanilla and to "
         "transformers' Qwen3ForCausalLM.generate on the same vanilla weights.")
-    p.add_argument("--plans", default="vanilla,gqa,cla,yoco,fusedkv-lite,fusedkv",
-                   help=f"comma-separated plans (from {', '.join(PLAN_NAMES)})")
+    p.add_argument("--plans", default=",".join(COMPARED_PLANS),
+                   help=f"comma-separated plans (from {', '.join(PLAN_CHOICES)}; PLAN+{GQA} for half the KV heads)")
     p.add_argument("--prompt-lens", default="256,1024,2048", help="comma-separated prompt lengths")
     p.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps per measurement")
@@ -50,16 +50,18 @@ def run(args) -> None:
         torch.set_num_threads(args.threads)
 
     plans = [p.strip() for p in args.plans.split(",") if p.strip()]
-    unknown = [p for p in plans if p not in PLAN_NAMES]
-    if unknown:
-        raise ValueError(f"--plans: unknown plan(s) {unknown}; choose from {', '.join(PLAN_NAMES)}")
+    for name in plans:
+        try:
+            resolve_plan_choice(name)
+        except ValueError as e:
+            raise ValueError(f"--plans: {e}") from None
     shape = BenchShape(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                        num_attention_heads=args.heads, head_dim=args.head_dim, vocab_size=args.vocab)
     from tqdm import tqdm
 
     lens = [int(x) for x in args.prompt_lens.split(",")]
     batches = [int(x) for x in args.batch_sizes.split(",")]
-    total = args.repeats * len(lens) * len(batches) * (len(set(plans) | {"vanilla"}) + (0 if args.no_hf else 1))
+    total = args.repeats * len(lens) * len(batches) * (len(set(plans) | {VANILLA}) + (0 if args.no_hf else 1))
     bar = tqdm(total=total, desc="bench", unit="run")
 
     def progress(msg):

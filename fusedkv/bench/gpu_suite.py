@@ -24,6 +24,7 @@ import torch
 from ..config import FusedKVConfig
 from ..generation import generate
 from ..model import FusedKVForCausalLM
+from ..plan import DECODE_TIMED_PLANS, VANILLA
 
 
 def _model(plan: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_len: int,
@@ -39,34 +40,35 @@ def _model(plan: str, layers: int, hidden: int, heads: int, kv_heads: int, head_
 def model_suite(device="cuda", dtype=torch.bfloat16, lengths=(8192, 32768, 131072), new_tokens=32,
                 layers=16, hidden=2048, heads=16, head_dim=128, gqa=(128, 2), gqa_length=32768) -> list[dict]:
     rows = []
-    cases = [("mha", heads, heads, lengths), ("gqa", gqa[0], gqa[1], (gqa_length,))]
+    cases = [("MHA", heads, heads, lengths), ("GQA", gqa[0], gqa[1], (gqa_length,))]
     for case, h, kvh, lens in cases:
-        for plan in ("vanilla", "fusedkv-lite", "fusedkv"):
+        for plan in DECODE_TIMED_PLANS:
             model = _model(plan, layers, hidden, h, kvh, head_dim, max(lens) + new_tokens, device, dtype)
-            generate(model, torch.randint(1, 32000, (1, 64), device=device), 4)  # warm-up
+            generate(model, torch.randint(1, 32000, (1, 64), device=device), 4, weight_layout="auto")  # warm-up
             for s in lens:
                 ids = torch.randint(1, 32000, (1, s), device=device)
                 if device != "cpu":
                     torch.cuda.reset_peak_memory_stats()
-                r = generate(model, ids, new_tokens)
+                r = generate(model, ids, new_tokens, weight_layout="auto")
                 peak = torch.cuda.max_memory_allocated() if device != "cpu" else None
+                mha = model.config.mha_kv_cache_bytes_per_token(next(model.parameters()).element_size())
                 rows.append(dict(case=case, plan=plan, heads=h, kv_heads=kvh, prompt=s, ttft_s=r.ttft_s,
-                                 tpot_s=r.tpot_s, cache_bytes=r.cache_bytes, peak_bytes=peak))
+                                 tpot_s=r.tpot_s, cache_bytes=r.cache_bytes, peak_bytes=peak,
+                                 cache_ratio=r.cache_bytes / (mha * (s + new_tokens))))
                 print(json.dumps(rows[-1]), flush=True)
             del model
             gc.collect()
             if device != "cpu":
                 torch.cuda.empty_cache()
-    base = {(r["case"], r["prompt"]): r for r in rows if r["plan"] == "vanilla"}
+    base = {(r["case"], r["prompt"]): r for r in rows if r["plan"] == VANILLA}
     for r in rows:
         b = base[(r["case"], r["prompt"])]
         r["ttft_ratio"], r["tpot_ratio"] = r["ttft_s"] / b["ttft_s"], r["tpot_s"] / b["tpot_s"]
-        r["cache_ratio"] = r["cache_bytes"] / b["cache_bytes"]
     return rows
 
 
 def format_model_table(rows: list[dict]) -> str:
-    lines = ["| case | plan | prompt | cache GiB | cache vs vanilla | peak GiB | TTFT ms | TTFT vs vanilla | "
+    lines = ["| case | plan | prompt | cache GiB | cache vs MHA | peak GiB | TTFT ms | TTFT vs vanilla | "
              "TPOT ms | TPOT vs vanilla |", "|---" * 10 + "|"]
     for r in rows:
         peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "n/a"

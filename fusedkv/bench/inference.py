@@ -20,6 +20,7 @@ from ..config import FusedKVConfig
 from ..convert import from_qwen3_state, qwen3_to_fusedkv_config
 from ..generation import generate
 from ..model import FusedKVForCausalLM
+from ..plan import VANILLA, resolve_plan_choice
 
 HF = "hf-qwen3"  # transformers' Qwen3ForCausalLM.generate on the vanilla weights
 
@@ -57,19 +58,20 @@ def build_models(shape: BenchShape, plans: list[str], max_len: int, device: str,
     hf = Qwen3ForCausalLM(qcfg).eval()
     qwen3 = qcfg.to_dict()
     models: dict[str, torch.nn.Module] = {}
-    for plan in plans:
+    for label in plans:
+        choice = resolve_plan_choice(label)
+        kv_heads = choice.num_key_value_heads(shape.num_attention_heads)
         # The same weights for every plan whose shapes allow it (upper layers drop K/V projections);
-        # GQA has other K/V shapes and gets fresh weights (speed does not depend on their values).
-        model = (_fresh(shape, plan, max_len) if plan == "gqa"
-                 else from_qwen3_state(hf.state_dict(), qwen3_to_fusedkv_config(qwen3, plan)))
-        models[plan] = model.to(device, dtype).eval()
+        # fewer KV heads means other K/V shapes and fresh weights (speed does not depend on their values).
+        if kv_heads == shape.num_attention_heads:
+            model = from_qwen3_state(hf.state_dict(), qwen3_to_fusedkv_config(qwen3, choice.sharing))
+        else:
+            model = FusedKVForCausalLM(FusedKVConfig(**vars(shape), max_position_embeddings=max_len,
+                                                     kv_sharing=choice.sharing, num_key_value_heads=kv_heads))
+        models[label] = model.to(device, dtype).eval()
     if include_hf:
         models[HF] = hf.to(device, dtype)
     return models
-
-
-def _fresh(shape: BenchShape, plan: str, max_len: int) -> FusedKVForCausalLM:
-    return FusedKVForCausalLM(FusedKVConfig(**vars(shape), max_position_embeddings=max_len, kv_sharing=plan))
 
 
 def _measure(model, name: str, ids: torch.Tensor, new_tokens: int) -> dict:
@@ -82,7 +84,7 @@ def _measure(model, name: str, ids: torch.Tensor, new_tokens: int) -> dict:
         stamps = [start, *timer.stamps]
         steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
         return dict(ttft=stamps[1] - start, tpot=statistics.median(steps), cache_bytes=None)
-    r = generate(model, ids, new_tokens)
+    r = generate(model, ids, new_tokens, weight_layout="auto")
     return dict(ttft=r.ttft_s, tpot=r.tpot_s, cache_bytes=r.cache_bytes)
 
 
@@ -99,8 +101,8 @@ def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: 
 def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[int], batch_sizes: list[int],
                         new_tokens: int = 16, repeats: int = 3, include_hf: bool = True, device: str = "cpu",
                         dtype: torch.dtype = torch.float32, progress=None) -> list[dict]:
-    if "vanilla" not in plans:
-        plans = ["vanilla", *plans]
+    if VANILLA not in plans:
+        plans = [VANILLA, *plans]
     max_len = max(prompt_lens) + new_tokens + 8
     models = build_models(shape, plans, max_len, device, dtype, include_hf)
     names = list(models)
@@ -126,24 +128,29 @@ def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[i
                          cache_bytes=runs[0]["cache_bytes"]))
     by_key = {(r["plan"], r["batch"], r["prompt"]): r for r in rows}
     for r in rows:
-        base = by_key[("vanilla", r["batch"], r["prompt"])]
+        base = by_key[(VANILLA, r["batch"], r["prompt"])]
         r["ttft_ratio"] = r["ttft_s"] / base["ttft_s"]
         r["tpot_ratio"] = r["tpot_s"] / base["tpot_s"]
-        r["cache_ratio"] = r["cache_bytes"] / base["cache_bytes"] if r["cache_bytes"] is not None else None
+        r["cache_ratio"] = None
         if r["plan"] != HF:
             context = r["prompt"] + new_tokens
-            r["tpot_byte_floor"] = byte_floor(models[r["plan"]], models["vanilla"], context, r["batch"])
+            # Measured bytes over MHA of the same shape (`FusedKVConfig.mha_kv_cache_bytes_per_token`),
+            # the one baseline of every cache ratio; the static cache holds prompt + new tokens.
+            model = models[r["plan"]]
+            mha = model.config.mha_kv_cache_bytes_per_token(next(model.parameters()).element_size())
+            r["cache_ratio"] = r["cache_bytes"] / (mha * r["batch"] * context)
+            r["tpot_byte_floor"] = byte_floor(model, models[VANILLA], context, r["batch"])
             bytes_per_token = r["cache_bytes"] / (r["batch"] * (r["prompt"] + new_tokens))
             r["cache_bytes_per_token"] = bytes_per_token
     for r in rows:  # longest context inside a fixed cache budget, relative to vanilla
         if r["plan"] != HF:
-            r["context_at_budget_ratio"] = (by_key[("vanilla", r["batch"], r["prompt"])]["cache_bytes_per_token"]
+            r["context_at_budget_ratio"] = (by_key[(VANILLA, r["batch"], r["prompt"])]["cache_bytes_per_token"]
                                             / r["cache_bytes_per_token"])
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| plan | batch | prompt | cache bytes | cache vs vanilla | context at fixed budget | TTFT ms | "
+    head = ("| plan | batch | prompt | cache bytes | cache vs MHA | context at fixed budget | TTFT ms | "
             "TTFT vs vanilla | TPOT ms | TPOT vs vanilla | TPOT byte floor | decode tok/s |")
     lines = [head, "|---" * 12 + "|"]
     for r in sorted(rows, key=lambda r: (r["batch"], r["prompt"])):

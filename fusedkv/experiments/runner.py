@@ -112,11 +112,10 @@ def _summarise(name: str, seed: int, res: dict, task_limit: int | None) -> dict:
     ckpt = res["checkpoint"]
     model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
     c = model.config
-    mha_bytes = 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
     out = dict(
         name=name, seed=seed, plan=c.kv_sharing, checkpoint=str(ckpt),
         val_loss=res["val_loss"], val_ppl=res.get("val_ppl", math.exp(res["val_loss"])),
-        cache=c.kv_cache_bytes_per_token(1) / mha_bytes,
+        cache=c.kv_cache_fraction(),
         curve=[(r["tokens"], r["val_loss"]) for r in res.get("val_curve", []) if r.get("val_loss") is not None],
         tokens_per_s=res.get("tokens_per_s"),
     )

@@ -1,13 +1,16 @@
 """Attention kernels for FusedKV reconstruction layers.
 
 Reconstruction layers attend over ``K = sum_s a_s (.) K_s``, ``V = sum_s b_s (.) V_s`` built from
-storage-layer caches.  Nothing here ever writes that fused K/V (SPEC section 3: "fuse on demand"):
+storage-layer caches.  Nothing here ever writes that fused K/V (paper Sec. 2.5: fuse on demand):
 
 * :func:`factored_attention` (pure torch, any T_q, any number of sources): key fusion moved onto the
   query, value fusion onto the output.  CPU path and fallback.
 * :func:`materialized_attention`: the explicit reference (builds K, V, calls SDPA).  Tests only.
 * :func:`fused_decode_attention` (Triton, T_q = 1): flash-decoding kernel, 1-2 K and 1-2 V sources.
-* :func:`decode_attention`: dispatcher for one decode step (Triton on CUDA when available, else torch).
+* :func:`decode_attention`: dispatcher for one decode step (Triton on CUDA when available, else torch),
+  for callers outside the model.
+* :func:`triton_decode_step`: the kernel launch alone, for the model's attention layers, which decide
+  once per layer (:func:`triton_decode_fits`, :func:`triton_runs_on`) and pass their sources as they are.
 
 Triton is optional: it is imported only when a Triton path is actually requested, so this package
 imports on machines without Triton or without a GPU.  :func:`is_triton_available` says whether it can
@@ -41,8 +44,13 @@ __all__ = [
     "fused_decode_attention",
     "is_triton_available",
     "triton_usable_for",
+    "triton_runs_on",
+    "triton_decode_fits",
+    "triton_decode_step",
     "kv_start_to_mask",
 ]
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,8 +77,35 @@ def triton_usable_for(t: Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and _interpreter_on())
 
 
+def triton_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """The decode kernel can run on tensors of this device and dtype (a model asks once per device)."""
+    if dtype not in TRITON_DTYPES or not is_triton_available():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _interpreter_on())
+
+
+def triton_decode_fits(head_dim: int, num_k_sources: int, num_v_sources: int) -> bool:
+    """The one rule for what the decode kernel takes: 1-2 distinct K and V sources, head_dim a power of
+    two in [16, 256]. A layer's sources and head_dim are fixed, so a model asks once per layer."""
+    return (1 <= num_k_sources <= 2 and 1 <= num_v_sources <= 2 and 16 <= head_dim <= 256
+            and head_dim & (head_dim - 1) == 0)
+
+
+def triton_decode_step(q: Tensor, k_sources: list[Tensor], k_weights: list[Tensor | None], v_sources: list[Tensor],
+                       v_weights: list[Tensor | None], kv_start: Tensor | None = None, scale: float | None = None,
+                       **launch) -> Tensor:
+    """Launch the decode kernel on arguments already in its form, with no checks: ``q`` [B, H_q, D]; 1-2
+    distinct sources per side, [B, H_kv, S, D] with unit stride in D; weights None or contiguous
+    [H_kv, D] (any float dtype). For callers that decided once that the kernel fits (the model's
+    attention layers); everyone else calls :func:`fused_decode_attention` or :func:`decode_attention`."""
+    from .triton_decode import decode_step  # lazy: imports triton
+
+    return decode_step(q, k_sources, k_weights, v_sources, v_weights, kv_start, scale, **launch)
+
+
 def fused_decode_attention(*args, **kwargs) -> Tensor:
-    """Triton flash-decoding kernel; see :func:`fusedkv.kernels.triton_decode.fused_decode_attention`."""
+    """Triton flash-decoding kernel, with argument checks; see
+    :func:`fusedkv.kernels.triton_decode.fused_decode_attention`."""
     if not is_triton_available():
         raise RuntimeError("fused_decode_attention needs Triton (pip install 'fusedkv[triton]'); "
                            "use factored_attention or decode_attention(backend='torch') instead")
@@ -81,20 +116,6 @@ def fused_decode_attention(*args, **kwargs) -> Tensor:
     from .triton_decode import fused_decode_attention as impl  # lazy: imports triton
 
     return impl(*args, **kwargs)
-
-
-def _triton_supports(q: Tensor, ks: list[Tensor], vs: list[Tensor]) -> bool:
-    d = q.shape[-1]
-    dtypes = {t.dtype for t in (*ks, *vs)}
-    return (
-        len(ks) <= 2
-        and len(vs) <= 2
-        and 16 <= d <= 256
-        and d & (d - 1) == 0
-        and len(dtypes) == 1
-        and dtypes <= {torch.float32, torch.float16, torch.bfloat16}
-        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    )
 
 
 def decode_attention(
@@ -110,15 +131,14 @@ def decode_attention(
     kv_end: Tensor | None = None,
     **triton_kwargs,
 ) -> Tensor:
-    """One decode step (one new query token) over fused KV sources.
+    """One decode step (one new query token) over fused KV sources, for callers outside the model.
 
     ``q`` is ``[B, H_q, D]`` or ``[B, H_q, 1, D]``; the result has the same shape and q's dtype.
     ``kv_start[b]``: first valid key position (left padding); ``kv_end[b]``: one past the last valid.
 
-    backend: ``"auto"`` uses Triton when the tensors are on CUDA, Triton imports and the case is
-    supported (<= 2 distinct sources per side, D a power of two in [16, 256]); otherwise
-    :func:`factored_attention`.  ``"triton"`` forces the kernel (error if unavailable; on CPU it needs
-    ``TRITON_INTERPRET=1``); ``"torch"`` forces the factored torch path.
+    backend: ``"auto"`` uses Triton when the tensors are on CUDA, Triton imports and the case fits
+    (:func:`triton_decode_fits`); otherwise :func:`factored_attention`.  ``"triton"`` forces the kernel
+    (error if unavailable; on CPU it needs ``TRITON_INTERPRET=1``); ``"torch"`` forces the factored path.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
@@ -134,16 +154,18 @@ def decode_attention(
 
     ks, kw = normalize_sources(k_sources, k_weights)
     vs, vw = normalize_sources(v_sources, v_weights)
-    if backend == "auto":
-        mk, _ = merge_duplicate_sources(ks, kw)
-        mv, _ = merge_duplicate_sources(vs, vw)
-        use_triton = q.is_cuda and is_triton_available() and _triton_supports(q, mk, mv)
-    else:
-        use_triton = backend == "triton"
-
-    if use_triton:
+    if backend == "triton":
         out = fused_decode_attention(q3, ks, kw, vs, vw, kv_start, scale, kv_end=kv_end, **triton_kwargs)
     else:
-        mask = kv_start_to_mask(kv_start, ks[0].shape[2], kv_end)
-        out = factored_attention(q3.unsqueeze(2), ks, kw, vs, vw, mask=mask, scale=scale)[:, :, 0, :]
+        ks, kw = merge_duplicate_sources(ks, kw)
+        vs, vw = merge_duplicate_sources(vs, vw)
+        dtypes = {t.dtype for t in (q3, *ks, *vs)}
+        if (backend == "auto" and q.is_cuda and len(dtypes) == 1 and triton_runs_on(q.device, q.dtype)
+                and triton_decode_fits(q.shape[-1], len(ks), len(vs))):
+            kw = [None if w is None else w.contiguous() for w in kw]
+            vw = [None if w is None else w.contiguous() for w in vw]
+            out = triton_decode_step(q3, ks, kw, vs, vw, kv_start, scale, kv_end=kv_end, **triton_kwargs)
+        else:
+            mask = kv_start_to_mask(kv_start, ks[0].shape[2], kv_end)
+            out = factored_attention(q3.unsqueeze(2), ks, kw, vs, vw, mask=mask, scale=scale)[:, :, 0, :]
     return out.unsqueeze(2) if four_d else out

@@ -43,7 +43,7 @@ from .reference import merge_duplicate_sources, normalize_sources
 
 Tensor = torch.Tensor
 
-__all__ = ["fused_decode_attention", "choose_num_splits", "default_launch"]
+__all__ = ["fused_decode_attention", "decode_step", "choose_num_splits", "default_launch"]
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -113,12 +113,12 @@ def _fused_decode_stage1(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     if HAS_KW1:
-        qa1 = q * tl.load(KW1 + j * D + offs_d)[None, :]
+        qa1 = q * tl.load(KW1 + j * D + offs_d).to(tl.float32)[None, :]
     else:
         qa1 = q
     if HAS_K2:
         if HAS_KW2:
-            qa2 = q * tl.load(KW2 + j * D + offs_d)[None, :]
+            qa2 = q * tl.load(KW2 + j * D + offs_d).to(tl.float32)[None, :]
         else:
             qa2 = q
 
@@ -182,12 +182,12 @@ def _fused_decode_stage1(
 
     # ---- output-side value fusion: b1 (.) (P V1) + b2 (.) (P V2), once per program ---------------
     if HAS_VW1:
-        o = acc1 * tl.load(VW1 + j * D + offs_d)[None, :]
+        o = acc1 * tl.load(VW1 + j * D + offs_d).to(tl.float32)[None, :]
     else:
         o = acc1
     if HAS_V2:
         if HAS_VW2:
-            o += acc2 * tl.load(VW2 + j * D + offs_d)[None, :]
+            o += acc2 * tl.load(VW2 + j * D + offs_d).to(tl.float32)[None, :]
         else:
             o += acc2
 
@@ -279,8 +279,9 @@ def _prep_source(x: Tensor) -> Tensor:
 
 
 def _prep_weight(w: Tensor | None, ref: Tensor) -> Tensor | None:
-    # Weights are tiny ([H_kv, D]); fp32 and contiguous so the kernel can index j * D + d.
-    return None if w is None else w.to(device=ref.device, dtype=torch.float32).contiguous()
+    # Weights are tiny ([H_kv, D]); contiguous on q's device so the kernel can index j * D + d (it reads
+    # them as fp32 whatever their dtype).
+    return None if w is None else w.to(device=ref.device).contiguous()
 
 
 def fused_decode_attention(
@@ -336,19 +337,42 @@ def fused_decode_attention(
             raise TypeError(f"unsupported dtype {t.dtype}; use fp32, fp16 or bf16")
     if len({t.dtype for t in (*ks, *vs)}) != 1:
         raise TypeError("all K/V sources must share one dtype")
-    g = h_q // h_kv
-    device = q.device
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-
     q = q if q.stride(-1) == 1 else q.contiguous()
     ks = [_prep_source(x) for x in ks]
     vs = [_prep_source(x) for x in vs]
     kw = [_prep_weight(w, q) for w in kw]
     vw = [_prep_weight(w, q) for w in vw]
     if kv_start is not None:
-        kv_start = kv_start.to(device=device, dtype=torch.int64).reshape(bsz).contiguous()
+        kv_start = kv_start.to(device=q.device, dtype=torch.int64).reshape(bsz).contiguous()
     if kv_end is not None:
-        kv_end = kv_end.to(device=device, dtype=torch.int64).reshape(bsz).contiguous()
+        kv_end = kv_end.to(device=q.device, dtype=torch.int64).reshape(bsz).contiguous()
+    return decode_step(q, ks, kw, vs, vw, kv_start, scale, num_splits, kv_end=kv_end, block_n=block_n,
+                       num_warps=num_warps, num_stages=num_stages)
+
+
+def decode_step(
+    q: Tensor,
+    ks: list[Tensor],
+    kw: list[Tensor | None],
+    vs: list[Tensor],
+    vw: list[Tensor | None],
+    kv_start: Tensor | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    *,
+    kv_end: Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tensor:
+    """The launch, on arguments already in the kernel's form and not checked again: q [B, H_q, D] with
+    unit stride in D; 1-2 distinct sources per side [B, H_kv, S, D] with unit stride in D; weights None
+    or contiguous [H_kv, D] on q's device; kv_start / kv_end int64 [B] or None."""
+    bsz, h_q, d = q.shape
+    h_kv, s = ks[0].shape[1], ks[0].shape[2]
+    g = h_q // h_kv
+    device = q.device
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
     use_dot = g > 4
     # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error); fp16/bf16: tensor-core

@@ -13,6 +13,11 @@ Interchangeable attention paths, all checked against each other by the tests:
     the last prompt position of a skipping prefill): measured 1.6-16x faster than materializing on CPU.
   * Triton flash-decoding (`fusedkv.kernels`): the factored idea in one kernel, for one-token decode
     on CUDA, reading each source once.
+
+The path is decided in one place, `Attention._path_for`, from facts fixed when the layer is built (does
+it carry fusion weights? can the Triton kernel take its sources?) plus the call's query length and
+device; the kernel is then launched with the layer's sources and weights as they are, with no second
+round of checks or normalisation per step.
 """
 
 from __future__ import annotations
@@ -21,16 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import decode_attention, triton_usable_for
+from ..kernels import triton_decode_fits, triton_decode_step, triton_runs_on
 from ..kernels.reference import factored_attention, fuse_sources
 from ..plan import LayerKV
 from .fusion import KVFusion
 from .layers import RMSNorm, apply_rope
-from .packing import project
+from .packing import DecodePackable, PackedLinears, project, to_column_major
 
 ATTENTION_PATHS = ("auto", "materialized", "factored", "triton")
 # Query blocks up to this length take the factored path under "auto" (measured by
-# `python -m fusedkv.kernels.bench_cpu`).
+# `benchmarks/attention_paths_cpu.py`; figures in docs/results.md).
 FACTORED_MAX_QUERY = 16
 
 
@@ -58,7 +63,7 @@ class KVState:
         return None if self.padding_mask is None else self.padding_mask.long().argmax(-1)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, DecodePackable):
     def __init__(self, config, layer: LayerKV):
         super().__init__()
         self.layer = layer
@@ -67,7 +72,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.iterative = config.fusion_init == "iterative" and not layer.stores
         self.path = "auto"
-        self.packed_qkv = None  # set by `packing.pack_for_decode` (storage layers)
+        self.packed_qkv: PackedLinears | None = None  # set by `pack_for_decode` (storage layers)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
@@ -78,6 +83,27 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
+        # Decided once, from the plan and the shapes: whether the layer's K/V carry fusion weights (the
+        # factored path pays off only then), and whether the Triton kernel takes its sources (the
+        # iterative variant hands it one fused K and V).
+        fused = not layer.stores and not self.iterative
+        self.weighted = fused and (layer.k_fusion != "reuse" or layer.v_fusion != "reuse")
+        k_count, v_count = (len(layer.k_sources), len(layer.v_sources)) if fused else (1, 1)
+        scalar = fused and "scalar" in (layer.k_fusion, layer.v_fusion)
+        self.kernel_fits = not scalar and triton_decode_fits(self.head_dim, k_count, v_count)
+        self._triton_on: dict[tuple, bool] = {}  # (device, dtype) -> the kernel runs there
+
+    def set_path(self, path: str) -> None:
+        """"auto", or force "materialized", "factored" or "triton" (one-token steps; longer blocks use SDPA)."""
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
+        if path == "triton" and not self.kernel_fits:
+            raise ValueError(
+                f"layer {self.layer.index + 1}: the Triton decode kernel takes at most 2 K and 2 V sources with "
+                f"per-channel (not scalar) weights and a head_dim that is a power of two in [16, 256] "
+                f"(head_dim={self.head_dim}); use the 'factored' or 'materialized' path"
+            )
+        self.path = path
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -103,11 +129,10 @@ class Attention(nn.Module):
                 v_src = [kv.layers[s][1] for s in self.layer.v_sources]
                 k_w, v_w = self.fusion.key_weights(), self.fusion.value_weights()
 
-        path = self._choose_path(t, q, weighted=any(w is not None for w in k_w + v_w))
+        path = self._path_for(t, q)
         if path == "triton":
-            backend = "triton" if self.path == "triton" else "auto"  # auto falls back on unsupported shapes
-            out = decode_attention(q, k_src, k_w, v_src, v_w, kv_start=kv.kv_start(), scale=self.scale,
-                                   backend=backend)
+            out = triton_decode_step(q[:, :, 0], k_src, k_w, v_src, v_w, kv_start=kv.kv_start(),
+                                     scale=self.scale).unsqueeze(2)
         elif path == "factored":
             if kv.causal and mask is None:  # the causal flag is SDPA's; spell it out here
                 mask = torch.ones(t, k_src[0].shape[2], dtype=torch.bool, device=q.device).tril(k_src[0].shape[2] - t)
@@ -118,16 +143,37 @@ class Attention(nn.Module):
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
-    def _choose_path(self, t: int, q: torch.Tensor, weighted: bool) -> str:
-        """The forced path, or under "auto": Triton for one-token decode on CUDA, factored for short
-        weighted query blocks at inference, SDPA otherwise (training keeps SDPA's fused kernels).
-        The Triton kernel only takes one query token; longer blocks fall back to SDPA."""
+    def _path_for(self, t: int, q: torch.Tensor) -> str:
+        """The forced path, or under "auto": Triton for one-token decode where the kernel runs and takes
+        this layer's sources, factored for short weighted query blocks at inference, SDPA otherwise
+        (training keeps SDPA's fused kernels). The Triton kernel only takes one query token; longer
+        blocks use SDPA."""
         if self.path != "auto":
             return "materialized" if self.path == "triton" and t > 1 else self.path
-        inference = not (torch.is_grad_enabled() and q.requires_grad)
-        if t == 1 and inference and triton_usable_for(q):
-            return "triton"
-        return "factored" if weighted and inference and t <= FACTORED_MAX_QUERY else "materialized"
+        if torch.is_grad_enabled() and q.requires_grad:
+            return "materialized"
+        if t == 1 and self.kernel_fits:
+            key = (q.device, q.dtype)
+            runs = self._triton_on.get(key)
+            if runs is None:
+                runs = self._triton_on[key] = triton_runs_on(q.device, q.dtype)
+            if runs:
+                return "triton"
+        return "factored" if self.weighted and t <= FACTORED_MAX_QUERY else "materialized"
+
+    # ---- decode layout (`fusedkv.model.packing`): Q|K|V in one buffer, O and lone Q column-major -------
+    def pack_for_decode(self) -> None:
+        if self.layer.stores and not self.is_packed():
+            self.packed_qkv = PackedLinears([self.q_proj, self.k_proj, self.v_proj])
+        elif not self.layer.stores:
+            to_column_major(self.q_proj)
+        to_column_major(self.o_proj)
+
+    def drop_packing(self) -> None:
+        self.packed_qkv = None
+
+    def is_packed(self) -> bool:
+        return self.packed_qkv is not None and self.packed_qkv.active()
 
     def _iterative_sources(self, kv: KVState):
         """The iterative variant: fuse the fixed first source with the K/V carried up from the

@@ -99,11 +99,11 @@ class FusedKVModel(FusedKVPreTrainedModel):
         self.post_init()
 
     def set_attention_path(self, path: str) -> None:
-        """"auto" (default), "materialized" (the reference) or "factored" for every layer."""
+        """"auto" (default), or force "materialized" (the reference), "factored" or "triton" in every layer."""
         if path not in ATTENTION_PATHS:
             raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
         for layer in self.layers:
-            layer.self_attn.path = path
+            layer.self_attn.set_path(path)
 
     def forward(
         self,

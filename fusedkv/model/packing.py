@@ -17,10 +17,16 @@ The down projection ([hidden, intermediate], tall and thin) streams faster row-m
 A packed group is only used while its parameters still view its buffer: `.to(device)`, `load_state_dict`
 with `assign=True` or FSDP replace parameter storage, and the modules then silently go back to
 separate products (`PackedLinears.active`). `unpack_weights(model)` restores contiguous row-major
-weights. Whether a step uses the packed product is decided by the number of rows: at batch x tokens
-<= `PACKED_MAX_ROWS` the single GEMV wins; with more rows MKL's small-M GEMM prefers the separate
-row-major matrices (the same benchmark), which is why `fusedkv.generation.generate` unpacks for
-batches above it.
+weights.
+
+One rule decides the layout, `packed_product_wins(rows)`: at batch x tokens <= `PACKED_MAX_ROWS` the
+single GEMV wins; with more rows MKL's small-M GEMM prefers the separate row-major matrices (the same
+benchmark). `project` applies it per call (a prefill block never uses the packed buffer) and
+`set_decode_layout(model, batch)` applies it to a whole model for a decode batch. Nothing re-lays out
+a model on its own: `fusedkv.generation.generate` does it only when asked (`weight_layout="auto"`).
+
+Each module that has a decode layout (attention, MLP) owns its packing (`DecodePackable`); this
+module only knows the mechanism and walks the model, so it imports no other model module.
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_MAX_ROWS = 2
+LAYOUTS = ("packed", "row-major")
+
+
+def packed_product_wins(rows: int) -> bool:
+    """The one layout rule: one packed GEMV beats separate products for up to PACKED_MAX_ROWS rows."""
+    return rows <= PACKED_MAX_ROWS
 
 
 class PackedLinears:
@@ -79,49 +91,50 @@ def project(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | N
     """Apply each of `linears` to `x`: as one packed GEMV when that is faster, else one by one.
     The packed buffer is not a parameter, so autograd must go through the modules; and under
     torch.compile the storage check cannot be traced (the compiler fuses on its own there)."""
-    if (packed is not None and x.numel() <= PACKED_MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+    if (packed is not None and packed_product_wins(x.numel() // x.shape[-1]) and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and packed.active()):
         return packed(x)
     return tuple(m(x) for m in linears)
 
 
-def _to_column_major(linear: nn.Linear) -> None:
+def to_column_major(linear: nn.Linear) -> None:
+    """Re-store one projection's weight column-major in place (a no-op when it already is)."""
     with torch.no_grad():
         linear.weight.data = linear.weight.data.t().contiguous().t()
+
+
+class DecodePackable:
+    """A module with a decode weight layout of its own (mixed into `nn.Module`s)."""
+
+    def pack_for_decode(self) -> None:
+        raise NotImplementedError
+
+    def drop_packing(self) -> None:
+        """Forget packed buffers (the caller makes the weights contiguous again)."""
+        raise NotImplementedError
+
+    def is_packed(self) -> bool:
+        return False
 
 
 def pack_for_decode(model: nn.Module) -> nn.Module:
     """Re-lay out `model`'s projections for fast decoding (see the module docstring). Idempotent;
     values and outputs are unchanged. Returns the model."""
-    from .attention import Attention
-    from .layers import SwiGLU
-
     for module in model.modules():
-        if isinstance(module, Attention):
-            if module.layer.stores and not (module.packed_qkv and module.packed_qkv.active()):
-                module.packed_qkv = PackedLinears([module.q_proj, module.k_proj, module.v_proj])
-            elif not module.layer.stores:
-                _to_column_major(module.q_proj)
-            _to_column_major(module.o_proj)  # a no-op when it already is
-        elif isinstance(module, SwiGLU) and not (module.packed_gate_up and module.packed_gate_up.active()):
-            module.packed_gate_up = PackedLinears([module.gate_proj, module.up_proj])
+        if isinstance(module, DecodePackable):
+            module.pack_for_decode()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
-        _to_column_major(head)
+        to_column_major(head)
     return model
 
 
 def unpack_weights(model: nn.Module) -> nn.Module:
     """Undo `pack_for_decode`: every parameter contiguous row-major again, nothing shared."""
-    from .attention import Attention
-    from .layers import SwiGLU
-
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, Attention):
-                module.packed_qkv = None
-            elif isinstance(module, SwiGLU):
-                module.packed_gate_up = None
+            if isinstance(module, DecodePackable):
+                module.drop_packing()
         for p in model.parameters():
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
@@ -129,7 +142,22 @@ def unpack_weights(model: nn.Module) -> nn.Module:
 
 
 def is_packed(model: nn.Module) -> bool:
-    from .layers import SwiGLU
+    return any(isinstance(m, DecodePackable) and m.is_packed() for m in model.modules())
 
-    return any(isinstance(m, SwiGLU) and m.packed_gate_up is not None and m.packed_gate_up.active()
-               for m in model.modules())
+
+def decode_layout_for(batch: int) -> str:
+    """The layout a decode batch of `batch` rows wants (one token per row per step)."""
+    return LAYOUTS[0] if packed_product_wins(batch) else LAYOUTS[1]
+
+
+def set_decode_layout(model: nn.Module, layout_or_batch: str | int) -> nn.Module:
+    """Put `model` in a decode layout: "packed", "row-major", or the one a batch size wants. In place
+    (values and names unchanged; a change of layout copies the weights once). Returns the model."""
+    layout = decode_layout_for(layout_or_batch) if isinstance(layout_or_batch, int) else layout_or_batch
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight layout {layout!r}: choose one of {LAYOUTS} (or give a batch size)")
+    if layout == LAYOUTS[0]:
+        return pack_for_decode(model)
+    if any(not p.is_contiguous() for p in model.parameters()):
+        unpack_weights(model)
+    return model

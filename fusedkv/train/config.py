@@ -40,9 +40,9 @@ from pathlib import Path
 import yaml
 
 from ..config import FusedKVConfig
-from ..plan import PLAN_NAMES
+from ..plan import CUSTOM, DEFAULT_PLAN, PLAN_CHOICES, resolve_plan_choice
 
-PLANS = (*PLAN_NAMES, "custom")
+PLANS = (*PLAN_CHOICES, CUSTOM)  # what --plan lists; "PLAN+gqa" is accepted too (fusedkv.plan)
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -237,7 +237,7 @@ class TrainConfig:
             self.model if self.init_from else {**preset["model"], **self.model}
         )
         if self.plan is None and self.init_from is None:
-            self.plan = "fusedkv"
+            self.plan = DEFAULT_PLAN
         if self.distributed is None:
             self.distributed = "none"
         if self.out_dir is None:
@@ -252,11 +252,13 @@ class TrainConfig:
             if not cond:
                 raise ValueError(f"{name}={getattr(self, name)!r}: {msg}")
 
+        if self.plan is not None:
+            try:
+                resolve_plan_choice(self.plan)
+            except ValueError as e:
+                need(False, "plan", str(e))
         need(
-            self.plan is None or self.plan in PLANS, "plan", f"unknown plan; choose one of {', '.join(PLANS)}"
-        )
-        need(
-            self.plan != "custom" or "kv_source_map" in self.model,
+            self.plan != CUSTOM or "kv_source_map" in self.model,
             "plan",
             "a custom plan needs model.kv_source_map (see FusedKVConfig)",
         )

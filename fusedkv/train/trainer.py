@@ -615,16 +615,15 @@ class _Run:
 
 
 def kv_cache_report(mc: FusedKVConfig, bytes_per_element: int = 2) -> dict:
-    """KV-cache bytes per token and for a full context, for this plan and for vanilla MHA attention of
-    the same dimensions (2 * L * H_kv * D elements per token; GQA's baseline is its MHA model)."""
+    """KV-cache bytes per token and for a full context, for this plan and for its baseline, MHA of the
+    same shape (`FusedKVConfig.mha_kv_cache_bytes_per_token`; the "_vanilla" keys hold that baseline)."""
     mine = mc.kv_cache_bytes_per_token(bytes_per_element)
-    kv_heads = mc.num_attention_heads if mc.kv_sharing == "gqa" else mc.num_key_value_heads
-    vanilla = 2 * mc.num_hidden_layers * kv_heads * mc.head_dim * bytes_per_element
+    vanilla = mc.mha_kv_cache_bytes_per_token(bytes_per_element)
     ctx = mc.max_position_embeddings
     return {
         "kv_cache_bytes_per_token": mine,
         "kv_cache_bytes_per_token_vanilla": vanilla,
-        "kv_cache_ratio": mine / vanilla,
+        "kv_cache_ratio": mc.kv_cache_fraction(),
         "context_length": ctx,
         "kv_cache_bytes_full_context": mine * ctx,
         "kv_cache_bytes_full_context_vanilla": vanilla * ctx,

@@ -84,11 +84,11 @@ def test_save_and_reload_of_a_packed_model(tmp_path):
 def test_moving_the_model_drops_packing_safely_and_repacking_restores_it():
     model = pack_for_decode(tiny_model("fusedkv-lite"))
     ids = torch.randint(1, 97, (1, 12))
-    ref = generate(model, ids, 6, pack_weights=False).tokens
+    ref = generate(model, ids, 6, weight_layout="keep").tokens
     model.to(torch.float64)  # new storage: the packed buffers are stale and must not be used
     assert not is_packed(model)
-    assert torch.equal(generate(model, ids, 6, pack_weights=False).tokens, ref)
-    assert torch.equal(generate(model, ids, 6).tokens, ref) and is_packed(model)
+    assert torch.equal(generate(model, ids, 6, weight_layout="keep").tokens, ref)
+    assert torch.equal(generate(model, ids, 6, weight_layout="packed").tokens, ref) and is_packed(model)
     unpack_weights(model)
     assert not is_packed(model) and all(p.is_contiguous() for p in model.parameters())
 
@@ -119,12 +119,23 @@ def test_gradients_reach_the_weights_of_a_packed_model_even_for_one_token():
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-def test_generate_chooses_the_layout_by_batch_size():
+def test_generate_keeps_the_callers_layout_unless_asked():
     model = tiny_model("fusedkv")
     ids = torch.randint(1, 97, (4, 10))
-    ref = generate(model, ids, 5, pack_weights=False).tokens
-    one = generate(model, ids[:1], 5)
+    ref = generate(model, ids, 5).tokens
+    assert not is_packed(model) and all(p.is_contiguous() for p in model.parameters())
+    pack_for_decode(model)
+    assert torch.equal(generate(model, ids, 5).tokens, ref) and is_packed(model)  # still the caller's layout
+
+
+def test_generate_auto_chooses_the_layout_by_batch_size():
+    model = tiny_model("fusedkv")
+    ids = torch.randint(1, 97, (4, 10))
+    ref = generate(model, ids, 5).tokens
+    one = generate(model, ids[:1], 5, weight_layout="auto")
     assert is_packed(model)  # batch 1: one GEMV per group
-    four = generate(model, ids, 5)
+    four = generate(model, ids, 5, weight_layout="auto")
     assert not is_packed(model) and all(p.is_contiguous() for p in model.parameters())  # batch 4: row-major
     assert torch.equal(four.tokens, ref) and torch.equal(one.tokens, ref[:1])
+    with pytest.raises(ValueError, match="weight_layout"):
+        generate(model, ids, 2, weight_layout="column")

@@ -1,0 +1,89 @@
+"""Small helpers every part of the package needs, each written once.
+
+Nothing here knows about models or plans: byte sizes for people, file-safe names, an atomic JSON
+write, where a model's weights live, and a quick probe of the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import urllib.parse
+from pathlib import Path
+
+
+def human_bytes(n: float, digits: int = 1) -> str:
+    """1536 -> "1.5 KiB" (binary units, `digits` decimals; whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def slug(text: str, max_len: int | None = None) -> str:
+    """A filesystem-safe name: runs of other characters become "-", lower case, no leading/trailing "-."."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.").lower()
+    return name[:max_len] if max_len else name
+
+
+def write_json_atomic(path: str | Path, obj, indent: int = 1, sort_keys: bool = False) -> None:
+    """Write JSON to `path` through a temporary file in the same directory and `os.replace`, so a killed
+    process never leaves a half-written file that looks complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def model_device(model):
+    """The device of a model's first parameter (CPU for a parameter-less wrapper)."""
+    import torch
+
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def hub_offline_mode() -> bool:
+    """True when the user asked the Hugging Face libraries to stay offline."""
+    try:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return True
+    except Exception:  # an old or broken huggingface_hub: fall back to the variables
+        pass
+    return any(os.environ.get(k, "0").lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_unreachable_reason(timeout: float = 5.0) -> str | None:
+    """None if the hub endpoint accepts a TCP connection, else why not.
+
+    Without this probe an offline machine spends tens of seconds in huggingface_hub's retry loop before
+    failing; a TCP connect fails within milliseconds (DNS) or `timeout` seconds. In offline mode no probe
+    is made: the HF libraries then read only their local cache, and fail fast themselves.
+    """
+    if hub_offline_mode():
+        return None
+    try:  # the endpoint the HF libraries will actually use (HF_ENDPOINT, read at their import)
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+    except Exception:
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urllib.parse.urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"the Hugging Face hub ({endpoint}) is unreachable from this machine ({e})"
+    return None

@@ -1,0 +1,50 @@
+"""The package's layering, checked: plan names live in the plan module only, and imports follow
+cli -> commands -> library -> model -> config -> plan without cycles (import-linter contracts in
+pyproject.toml)."""
+
+import ast
+from pathlib import Path
+
+from fusedkv.plan import CUSTOM, GQA, PLAN_CHOICES, PLAN_NAMES
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fusedkv"
+
+# String constants that equal a plan name but mean something else: the package/model type "fusedkv".
+NOT_A_PLAN = {
+    ("fusedkv/__init__.py", "fusedkv"),  # AutoConfig.register(model_type)
+    ("fusedkv/config.py", "fusedkv"),  # model_type
+    ("fusedkv/checkpoints.py", "fusedkv"),  # model_type check
+    ("fusedkv/cli.py", "fusedkv"),  # the program name
+    ("fusedkv/errors.py", "fusedkv"),  # the program name in messages
+    ("fusedkv/serving/plugin.py", "fusedkv"),  # AutoConfig.register(model_type)
+}
+# The one place that reads plan names, besides plan.py: none. (User-typed shorthands are resolved by
+# `fusedkv.plan.resolve_plan_choice`; the experiment YAML files are data, not code, and are not scanned.)
+ALLOWED_FILES = {"fusedkv/plan.py"}
+
+
+def _plan_literals(path: Path) -> list[tuple[int, str]]:
+    names = {*PLAN_NAMES, *PLAN_CHOICES, CUSTOM, GQA} | {f"{p}+{GQA}" for p in PLAN_NAMES}
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+
+
+def test_no_plan_name_outside_the_plan_module():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in ALLOWED_FILES:
+            continue
+        for line, value in _plan_literals(path):
+            if (rel, value) not in NOT_A_PLAN:
+                offenders.append(f"{rel}:{line}: {value!r}")
+    assert not offenders, ("plan names outside fusedkv/plan.py (use the plan's constants or lists, or ask the "
+                           "plan):\n" + "\n".join(offenders))
+
+
+def test_the_check_finds_a_plan_literal(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('if plan == "gqa":\n    kv = heads // 2\n')
+    assert _plan_literals(bad) == [(1, "gqa")]
