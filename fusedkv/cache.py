@@ -39,10 +39,12 @@ class StaticKVCache:
             raise ValueError(
                 f"StaticKVCache max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}"
             )
-        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        k_shape = v_shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        if getattr(config, "kv_lora_rank", None) is not None:  # MLA: keys = latent, values = RoPE key (one head)
+            k_shape, v_shape = (batch_size, 1, max_len, config.kv_lora_rank), (batch_size, 1, max_len, config.head_dim)
         self.max_len = max_len
-        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
-        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
+        self.keys = {i: torch.zeros(k_shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
+        self.values = {i: torch.zeros(v_shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
         self._length = 0
         self._last = max(self.keys)  # the last storage layer advances the length
 

@@ -109,6 +109,8 @@ class FusedKVConfig(PreTrainedConfig):
             self.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta or 10000.0)}
         elif rope_theta is not None:
             self.rope_parameters = {**self.rope_parameters, "rope_theta": float(rope_theta)}
+        if self.kv_lora_rank is not None and self.head_dim is None:
+            self.head_dim = self.qk_rope_head_dim  # MLA: head_dim sizes the RoPE tables, as in DeepSeek-V3
         if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.kv_sharing in PLAN_NAMES or self.kv_sharing == CUSTOM:
@@ -217,6 +219,9 @@ class FusedKVConfig(PreTrainedConfig):
              f"q_lora_rank={self.q_lora_rank!r}: a positive integer, or None for a full-rank query projection")
         need(self.qk_rope_head_dim % 2 == 0,
              f"qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates channel pairs, so it must be even")
+        need(self.head_dim == self.qk_rope_head_dim,
+             f"head_dim={self.head_dim}: with MLA head_dim is the RoPE width and must equal qk_rope_head_dim="
+             f"{self.qk_rope_head_dim}; leave head_dim unset")
         heads = self.num_attention_heads
         need(
             self.kv_lora_rank < heads * (self.qk_nope_head_dim + self.v_head_dim),
@@ -261,11 +266,16 @@ class FusedKVConfig(PreTrainedConfig):
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """Bytes of KV cache one token occupies, per sequence (2 * L * H_kv * D for vanilla, paper Table 1)."""
+        if self.kv_lora_rank is not None:  # MLA: the latent and the RoPE key, once per storage layer
+            return len(self.plan.storage_layers) * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
         return self.plan.cache_elements_per_token() * self.num_key_value_heads * self.head_dim * bytes_per_element
 
     def mha_kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """The baseline of every cache ratio: multi-head attention of the same shape (same layers, one KV
         head per query head, same head_dim, every layer storing), 2 * L * H_q * D elements per token."""
+        if self.kv_lora_rank is not None:  # MLA: the MHA it expands to, keys of nope+rope and values of v channels
+            width = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+            return self.num_hidden_layers * self.num_attention_heads * width * bytes_per_element
         return 2 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * bytes_per_element
 
     def kv_cache_fraction(self) -> float:

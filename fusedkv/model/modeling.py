@@ -28,13 +28,15 @@ from ..config import FusedKVConfig
 from .attention import ATTENTION_PATHS, Attention, KVState
 from .fusion import KVFusion
 from .layers import RMSNorm, SwiGLU, rope_cos_sin
+from .mla import MLA
 from .moe import Experts, RouterRecord, SparseMoE, is_sparse_layer, load_balancing_loss
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: FusedKVConfig, layer_kv):
         super().__init__()
-        self.self_attn = Attention(config, layer_kv)
+        # DeepSeek-V2/V3 multi-head latent attention when kv_lora_rank is set, else Qwen3 attention.
+        self.self_attn = MLA(config, layer_kv) if config.kv_lora_rank is not None else Attention(config, layer_kv)
         self.sparse = is_sparse_layer(config, layer_kv.index)  # Qwen3-MoE: SparseMoE or the dense MLP
         self.mlp = SparseMoE(config) if self.sparse else SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
