@@ -9,7 +9,10 @@
     fusedkv bench      inference speed and memory: TTFT, TPOT, cache bytes
     fusedkv analyze    the paper's analyses as pictures (dense-fusion heat maps, gradient norms)
 
-Errors the user can fix (bad configs, missing files, prompts too long) print one line and exit 2.
+Every subcommand is added by a `register(subparsers)` function that sets `func` (its handler) and
+checks its flags while parsing (`fusedkv.argtypes`); `main` runs the handler under the one error
+policy of `fusedkv.errors`: exit 0 done, 2 bad input, 1 failure while running, 130 interrupted, each
+with one line on stderr (`--debug` or FUSEDKV_DEBUG=1 shows the traceback instead).
 """
 
 from __future__ import annotations
@@ -18,26 +21,53 @@ import argparse
 import importlib
 import sys
 
-# Subcommands whose implementation lives in a subpackage: module path -> exposes register(subparsers).
-_SUBCOMMAND_MODULES = (
-    "fusedkv.train.command",
-    "fusedkv.eval.command",
-    "fusedkv.experiments.command",
-    "fusedkv.bench.command",
-    "fusedkv.analysis.command",
-)
+from . import argtypes
+from .errors import EXIT_USAGE, debug_enabled, run_command
+from .plan import VANILLA
+
+EPILOG = """\
+exit status: 0 done, 2 bad input (a flag, a path, a config), 1 failure while running,
+130 interrupted (training saves a checkpoint first; continue with --resume).
+--debug (or FUSEDKV_DEBUG=1) shows the full traceback of an error.
+
+start with `fusedkv train` (a tiny model on the built-in corpus), then
+`fusedkv generate runs/tiny-fusedkv/final`; `fusedkv COMMAND --help` for each command."""
 
 
-def _add_plans(sub):
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (usage is one `--help` away)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _from_module(module: str):
+    """The `register` of a subcommand implemented in a subpackage, or None if that subpackage is not
+    part of this build."""
+    try:
+        return importlib.import_module(module).register
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            return None
+        raise
+
+
+def register_plans(sub):
     p = sub.add_parser("plans", help="print the KV-sharing plans with cache capacity and I/O",
                        description="Cache capacity and per-step cache I/O of every plan, relative to vanilla "
-                       "multi-head attention with the same number of query heads (SPEC Table 1).")
-    p.add_argument("--layers", type=int, default=16, help="num_hidden_layers (default 16)")
-    p.add_argument("--heads", type=int, default=16, help="num_attention_heads (default 16)")
-    p.add_argument("--kv-heads", type=int, default=None, help="KV heads for non-GQA plans (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
-    p.add_argument("--seq-len", type=int, default=8192, help="context length for the bytes column (default 8192)")
-    p.add_argument("--bytes", type=int, default=2, help="bytes per element (2 for bf16/fp16)")
+                       "multi-head attention with the same number of query heads (paper Table 1).")
+    p.add_argument("--layers", type=argtypes.int_range(2, 4096), default=16,
+                   help="num_hidden_layers (default 16)")
+    p.add_argument("--heads", type=argtypes.int_range(1, 4096), default=16, help="num_attention_heads (default 16)")
+    p.add_argument("--kv-heads", type=argtypes.int_range(1, 4096), default=None,
+                   help="KV heads for non-GQA plans, dividing --heads (default: --heads)")
+    p.add_argument("--head-dim", type=argtypes.int_range(2, 4096), default=128,
+                   help="head_dim, even for RoPE (default 128)")
+    p.add_argument("--seq-len", type=argtypes.positive_int, default=8192,
+                   help="context length for the bytes column (default 8192)")
+    p.add_argument("--bytes", type=argtypes.int_range(1, 8), default=2,
+                   help="bytes per element (2 for bf16/fp16, 4 for fp32)")
     p.add_argument("--layout", action="store_true", help="also print each plan's per-layer source map")
     p.set_defaults(func=_run_plans)
 
@@ -133,64 +163,75 @@ def _run_generate(args) -> None:
           file=sys.stderr)
 
 
-def _add_convert(sub):
+def register_convert(sub):
     p = sub.add_parser("convert", help="import a Hugging Face Qwen3 checkpoint",
                        description="Convert a Qwen3 checkpoint directory (model_type qwen3) to FusedKV. With "
                        "--kv-sharing vanilla the result gives transformers' logits; other plans drop the upper "
-                       "layers' K/V projections and start their fusion from --fusion-init, ready for training.")
-    p.add_argument("src", help="Qwen3 checkpoint directory")
-    p.add_argument("dst", help="output directory")
-    p.add_argument("--kv-sharing", default="vanilla", help="plan (default vanilla)")
+                       "layers' K/V projections and start their fusion from --fusion-init, ready for training. "
+                       "DST is written whole or not at all; a non-empty DST is replaced only with --overwrite.")
+    p.add_argument("src", type=argtypes.non_empty, help="Qwen3 checkpoint directory")
+    p.add_argument("dst", type=argtypes.non_empty, help="output directory (new or empty)")
+    p.add_argument("--kv-sharing", default=VANILLA, help="plan (default vanilla; see `fusedkv plans`)")
     p.add_argument("--fusion-init", default="equivalent", choices=["equivalent", "normal", "iterative"])
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it already holds files")
     p.set_defaults(func=_run_convert)
 
 
 def _run_convert(args) -> None:
     from .convert import convert_qwen3
 
-    model = convert_qwen3(args.src, args.dst, kv_sharing=args.kv_sharing, fusion_init=args.fusion_init)
+    model = convert_qwen3(args.src, args.dst, kv_sharing=args.kv_sharing, fusion_init=args.fusion_init,
+                          overwrite=args.overwrite)
     plan = model.plan
     print(f"wrote {args.dst}: plan {args.kv_sharing}, storage layers {[i + 1 for i in plan.storage_layers]}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters")
 
 
+# Every subcommand, in the order `fusedkv --help` lists them: a register(subparsers) function, or the
+# module that exposes one.
+_COMMANDS = (
+    register_plans,
+    "fusedkv.train.command",
+    "fusedkv.train.plan_command",
+    _add_generate,
+    register_convert,
+    "fusedkv.eval.command",
+    "fusedkv.experiments.command",
+    "fusedkv.bench.command",
+    "fusedkv.analysis.command",
+)
+
+_DEBUG_HELP = "on an error, show the full traceback instead of one line (also: FUSEDKV_DEBUG=1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fusedkv", description="Train, evaluate and serve decoder LMs with half-size KV caches (FusedKV).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Start with `fusedkv train` (a tiny model on the built-in corpus), then "
-               "`fusedkv generate runs/tiny-fusedkv/final`.")
+    parser = Parser(prog="fusedkv", description="Train, evaluate and serve decoder LMs with half-size KV caches "
+                    "(FusedKV, arXiv:2512.03870).", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version="fusedkv 0.1.0")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_plans(sub)
-    for module in _SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):  # that subpackage is not part of this build
-                continue
-            raise
-        mod.register(sub)
-    _add_generate(sub)
-    _add_convert(sub)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for entry in _COMMANDS:
+        register = _from_module(entry) if isinstance(entry, str) else entry
+        if register is not None:
+            register(sub)
+    for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the global value
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `fusedkv` command; returns the exit status (see `fusedkv.errors`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    try:
-        result = args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"fusedkv {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"fusedkv {args.command}: interrupted", file=sys.stderr)
-        return 130
-    return result if isinstance(result, int) else 0
+    return run_command(args.command, args.func, args, debug=debug_enabled(args.debug))
+
+
+def run_standalone(command: str, argv: list[str] | None = None) -> int:
+    """`python -m fusedkv.<pkg>.command ARGS` is `fusedkv COMMAND ARGS`: one parser, one error policy."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,441 @@
+"""How much memory a training run needs per GPU, and how long its token budget takes: `fusedkv plan-run`.
+
+Everything is counted tensor by tensor for *this* model and trainer, not from a generic rule of thumb:
+
+* Parameters are counted exactly, by building the model on the meta device (no memory allocated).
+* Training state, bytes per parameter P (mixed precision as in Rajbhandari et al. 2020, "ZeRO",
+  Sec. 3.1 / Fig. 1, with fp32 master weights): fp32 weights 4P, fp32 gradients 4P, AdamW's two fp32
+  moments 8P (Loshchilov & Hutter 2019). DDP also keeps its fp32 gradient buckets (4P, since the
+  trainer does not set `gradient_as_bucket_view`); under bf16 autocast it caches bf16 copies of the
+  weights during the forward (2P). FSDP2 (full shard, ZeRO-3) divides weights, gradients and
+  optimizer state by the number of GPUs, and holds unsharded bf16 (or fp32) copies of the root
+  module (embeddings, final norm, LM head) plus one decoder layer at a time; with gradient
+  accumulation it also keeps the *unsharded* gradients between micro-batches (the trainer turns the
+  reduce-scatter off with `set_requires_gradient_sync(False)` on all but the last micro-batch).
+* Activations: the tensors autograd saves for backward, per token, summed layer by layer as in
+  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1,
+  which gives 34h + 5as per layer for GPT-3 in fp16), redone for this decoder: RMSNorm (the CPU
+  kernel saves its input, the reciprocal RMS, the normalised input and the output), Q/K norms and
+  RoPE, fused-attention SDPA (output and log-sum-exp only, no T x T matrix), SwiGLU (gate, up,
+  silu(gate), product), and the plan's reconstruction layers, which save only the *new* K/V tensors
+  their fusion makes (paper Sec. 3.2, Eq. 4-5: a1 * K^1 + an * K^n; a reused source costs nothing).
+  The loss saves the fp32 log-softmax over the vocabulary (T x V per sequence), and its backward
+  briefly holds two more T x V buffers: with a 128k vocabulary that dominates everything else.
+  Activation checkpointing (per decoder layer, non-reentrant) keeps each layer's input plus the
+  storage layers' K/V (the forward's `KVState` holds them for the upper layers), and recomputes one
+  layer at a time in backward.
+* Peak = the larger of (a) the start of the loss backward in the last micro-batch (state, gradients
+  of earlier micro-batches, all activations, the loss buffers) and (b) the optimizer step (weights,
+  gradients, moments and the one temporary `torch._foreach_sqrt` of the second moments that foreach
+  AdamW makes per parameter group).
+
+The fp32 CPU counts are checked against the real peak of a forward + backward + AdamW step, measured
+by `torch.profiler` with `profile_memory=True` (every allocation and free of tensor storage, replayed
+by torch's memory profiler; `measure_peak_cpu`), within 10% for the `tiny` and `nano` presets
+(tests/train/test_memory_plan.py). The bf16 counts follow the same tensor list with autocast's dtypes
+(fp32 residual stream and norms, bf16 projections and attention) and are not measured here (no GPU).
+
+Time: the token budget divided by (tokens/s per GPU x GPUs). Without a measured throughput, the
+model FLOPs per token (6N + 12 L H Q T: Chowdhery et al. 2022, "PaLM", App. B) and an assumed MFU
+give one, labelled as such.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import FusedKVConfig
+from ..plan import resolve_plan_choice
+from .config import TrainConfig
+
+GB = 1e9
+MODES = ("ddp", "fsdp")
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB', '80 GiB', '141e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory size {text!r}: expected a number with an optional unit, e.g. 80GB or 141GiB")
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:
+        raise ValueError(f"memory size {text!r}: {m.group(1)!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"memory size {text!r}: must be positive")
+    return value
+
+
+def model_config(cfg: TrainConfig) -> FusedKVConfig:
+    """The FusedKVConfig a run of `cfg` trains (the preset's dimensions, the plan, the vocabulary)."""
+    choice = resolve_plan_choice(cfg.plan)
+    model = dict(cfg.model)
+    heads = model.get("num_attention_heads", FusedKVConfig().num_attention_heads)
+    if choice.query_heads_per_kv_head is not None:
+        model["num_key_value_heads"] = choice.num_key_value_heads(heads, model.get("num_key_value_heads"))
+    mc = FusedKVConfig(vocab_size=cfg.vocab_size, kv_sharing=choice.sharing, rope_theta=cfg.rope_base, **model)
+    mc.max_position_embeddings = max(mc.max_position_embeddings, cfg.seq_len)
+    return mc
+
+
+@dataclass
+class ParamCount:
+    total: int
+    root: int  # embeddings, final norm, LM head: FSDP2's root unit
+    largest_layer: int
+    decayed: int  # 2-D weight matrices: the larger AdamW group (one foreach temporary per group)
+    non_embedding: int  # everything but the embedding table (the "N" of 6N FLOPs per token)
+
+
+def count_parameters(mc: FusedKVConfig) -> ParamCount:
+    """Exact parameter counts, from the model built on the meta device (nothing is allocated)."""
+    from ..model import FusedKVForCausalLM
+
+    with torch.device("meta"):
+        model = FusedKVForCausalLM(mc)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    total = sum(p.numel() for p in model.parameters())
+    decayed = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    embed = model.model.embed_tokens.weight.numel()
+    return ParamCount(total, total - sum(layers), max(layers), decayed, total - embed)
+
+
+# ---- activations -----------------------------------------------------------------------------------
+def _new_kv_tensors(layer) -> int:
+    """K/V tensors a reconstruction layer creates (and saves for SDPA): a side that reuses a single
+    source as it is makes none; a weighted or multi-source fusion makes one."""
+    return sum(
+        0 if (mode == "reuse" and len(sources) == 1) else 1
+        for mode, sources in ((layer.k_fusion, layer.k_sources), (layer.v_fusion, layer.v_sources))
+    )
+
+
+def activation_bytes_per_token(mc: FusedKVConfig, dtype: str = "float32", checkpointing: bool = False) -> dict:
+    """Bytes autograd keeps per token of one micro-batch until backward: {"layers", "head", "total"}.
+
+    fp32: every saved tensor has 4 bytes per element. bf16 autocast: the residual stream, RMSNorm
+    (run in fp32) and the loss stay fp32; projections, RoPE'd Q/K, V and attention outputs are bf16."""
+    if getattr(mc, "num_experts", 0):
+        raise ValueError("plan-run models dense MLPs only; this config has num_experts > 0 (MoE)")
+    h, a, g, d, i, V = (mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                        mc.intermediate_size, mc.vocab_size)
+    ad, gd = a * d, g * d
+    bf16 = dtype == "bfloat16"
+    # RMSNorm over the residual stream: input, 1/rms, normalised input (all fp32), output (the next
+    # projection's input: fp32, or its bf16 cast under autocast).
+    norm = 4 * (3 * h + 1) if not bf16 else 4 * (2 * h + 1) + 2 * h
+    mlp = 4 * 4 * i if not bf16 else 2 * 4 * i  # gate, up, silu(gate), silu(gate) * up
+    act = 4 if not bf16 else 2  # bytes of a projection-output element
+    # Q (or K): projection output (fp32 copy under autocast), 1/rms, normalised; then the RoPE'd copy.
+    qk_norm = (lambda w: 4 * (2 * w) + 4 * (w // d)) if bf16 else (lambda w: 4 * (2 * w + w // d))
+    per_layer = []
+    stored_kv = 0
+    for layer in mc.plan.layers:
+        b = 2 * norm + mlp
+        b += qk_norm(ad) + act * ad  # q: normed (+ its input and 1/rms), RoPE'd
+        b += act * ad + 4 * a + act * ad  # SDPA output, log-sum-exp (fp32), o_proj's contiguous input
+        if layer.stores:
+            b += qk_norm(gd) + act * gd + act * gd  # k: normed, RoPE'd; v
+            stored_kv += 2 * act * gd
+        else:
+            b += _new_kv_tensors(layer) * act * gd
+        per_layer.append(b)
+    rope_tables = 2 * d * 4  # cos and sin (fp32, shared by every layer)
+    head = norm + 4 * V + 8  # final norm, fp32 log-softmax over the vocabulary, input ids (int64)
+    if checkpointing:
+        # Each layer keeps its input (residual stream, fp32); the storage layers' K/V stay alive in the
+        # forward's KVState for the upper layers. One layer is recomputed at a time in backward.
+        layers_total = mc.num_hidden_layers * 4 * h + stored_kv
+        recompute = max(per_layer)
+    else:
+        layers_total = sum(per_layer)
+        recompute = 0
+    total = layers_total + rope_tables + head
+    return {"layers": layers_total, "head": head + rope_tables, "total": total, "recompute_layer": recompute,
+            "largest_layer": max(per_layer)}
+
+
+# ---- the plan ----------------------------------------------------------------------------------------
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU for one parallel layout; `peak` is what must fit."""
+
+    mode: str
+    weights: float  # fp32 master weights held by this GPU (sharded under FSDP)
+    gathered: float  # unsharded parameter copies in flight (FSDP), or autocast's bf16 weight cache (DDP)
+    gradients: float  # fp32 gradients at the optimizer step (+ DDP's buckets)
+    gradients_at_loss: float  # gradients alive at the last micro-batch's loss backward
+    optimizer: float  # AdamW moments
+    activations: float  # saved for backward, one micro-batch
+    loss_buffers: float  # the loss backward's T x V gradient buffers (+ bf16 logits)
+    optimizer_temp: float  # foreach AdamW's temporary during the step
+    recompute: float = 0.0  # one layer's activations rebuilt in backward (activation checkpointing)
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.optimizer
+
+    @property
+    def peak_backward(self) -> float:
+        return self.state + self.gathered + self.gradients_at_loss + self.activations + self.loss_buffers
+
+    @property
+    def peak_recompute(self) -> float:
+        # Deep in backward the loss buffers are gone, gradients are (nearly) all there.
+        grads = max(self.gradients_at_loss, self.gradients)
+        return self.state + self.gathered + grads + self.activations + self.recompute if self.recompute else 0.0
+
+    @property
+    def peak_step(self) -> float:
+        return self.state + self.gradients + self.optimizer_temp
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_backward, self.peak_recompute, self.peak_step)
+
+
+@dataclass
+class RunPlan:
+    cfg: TrainConfig
+    mc: FusedKVConfig
+    params: ParamCount
+    gpus: int
+    gpu_memory: float
+    dtype: str
+    micro_batch: int
+    accum: int
+    estimates: dict = field(default_factory=dict)  # (mode, checkpointing) -> MemoryEstimate
+    kv_bytes_per_token: int = 0
+    kv_bytes_per_token_vanilla: int = 0
+    tokens: int = 0
+    flops_per_token: float = 0.0
+    tokens_per_gpu_s: float | None = None
+    throughput_source: str = ""
+
+
+def estimate(mc: FusedKVConfig, params: ParamCount, *, mode: str, world: int, seq_len: int, micro_batch: int,
+             accum: int, dtype: str = "float32", checkpointing: bool = False) -> MemoryEstimate:
+    """Per-GPU bytes of one training step. mode: "single" (one process), "ddp" or "fsdp"."""
+    P = params.total
+    bf16 = dtype == "bfloat16"
+    tokens = seq_len * micro_batch
+    acts = activation_bytes_per_token(mc, dtype, checkpointing)
+    batch_bytes = 16 * tokens  # input ids and labels (int64)
+    logits = 4 * 2 * mc.vocab_size * tokens + (2 * mc.vocab_size * tokens if bf16 else 0)
+    shards = world if mode == "fsdp" else 1
+    weights, optimizer, grads = 4 * P / shards, 8 * P / shards, 4 * P / shards
+    if mode == "fsdp":
+        pbytes = 2 if bf16 else 4
+        gathered = pbytes * (params.root + 2 * params.largest_layer) * (world > 1)  # root + layer + prefetch
+        # While accumulating, FSDP2 keeps unsharded gradients (no reduce-scatter until the last
+        # micro-batch); the sharded .grad only appears at that reduce-scatter.
+        at_loss = pbytes * P if accum > 1 else 0.0
+    else:
+        gathered = 2 * P if bf16 else 0.0  # autocast's cache of bf16 weight copies for the forward
+        buckets = 4 * P if mode == "ddp" and world > 1 else 0.0  # the reducer's flat copy of every gradient
+        at_loss = buckets + (grads if accum > 1 else 0.0)
+        grads += buckets
+    return MemoryEstimate(
+        mode=mode,
+        weights=weights,
+        gathered=gathered,
+        gradients=grads,
+        gradients_at_loss=at_loss,
+        optimizer=optimizer,
+        activations=acts["total"] * tokens + batch_bytes,
+        loss_buffers=logits,
+        optimizer_temp=4 * params.decayed / shards,
+        recompute=acts["recompute_layer"] * tokens,
+    )
+
+
+def plan_run(cfg: TrainConfig, gpus: int, gpu_memory: float, dtype: str = "bfloat16",
+             tokens_per_gpu_s: float | None = None, peak_tflops: float | None = None, mfu: float = 0.4) -> RunPlan:
+    if gpus < 1:
+        raise ValueError(f"--gpus {gpus}: must be a positive number of GPUs")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype {dtype!r}: choose float32 or bfloat16")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"--mfu {mfu}: must be in (0, 1] (a fraction of the GPU's peak FLOP/s)")
+    accum = cfg.grad_accum_steps(gpus)
+    mc = model_config(cfg)
+    params = count_parameters(mc)
+    plan = RunPlan(cfg, mc, params, gpus, gpu_memory, dtype, cfg.micro_batch_size, accum)
+    for mode in MODES:
+        for ckpt in (False, True):
+            plan.estimates[mode, ckpt] = estimate(
+                mc, params, mode=mode, world=gpus, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch_size,
+                accum=accum, dtype=dtype, checkpointing=ckpt)
+    plan.kv_bytes_per_token = mc.kv_cache_bytes_per_token(2)
+    plan.kv_bytes_per_token_vanilla = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    plan.tokens = cfg.total_steps() * cfg.global_batch_tokens
+    # PaLM (Chowdhery et al. 2022, App. B): 6N for the matmuls, 12 L H Q T for attention scores and values.
+    plan.flops_per_token = (6 * params.non_embedding
+                            + 12 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * cfg.seq_len)
+    if tokens_per_gpu_s is not None:
+        if tokens_per_gpu_s <= 0:
+            raise ValueError(f"--tokens-per-gpu-s {tokens_per_gpu_s}: must be positive")
+        plan.tokens_per_gpu_s, plan.throughput_source = tokens_per_gpu_s, "given"
+    elif peak_tflops is not None:
+        if peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops {peak_tflops}: must be positive")
+        plan.tokens_per_gpu_s = mfu * peak_tflops * 1e12 / plan.flops_per_token
+        plan.throughput_source = f"assumed: {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s"
+    return plan
+
+
+def _gb(x: float) -> str:
+    if x < 1e9:
+        return f"{x / 1e6:,.1f} MB"
+    return f"{x / GB:,.2f} GB" if x < 100 * GB else f"{x / GB:,.0f} GB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def format_plan(plan: RunPlan) -> str:
+    cfg, mc, p = plan.cfg, plan.mc, plan.params
+    tok_step = cfg.micro_batch_size * cfg.seq_len
+    lines = [
+        f"plan-run: preset {cfg.preset}, plan {cfg.plan}: {p.total / 1e6:,.1f}M parameters "
+        f"({p.non_embedding / 1e6:,.1f}M without the embedding table), {mc.num_hidden_layers} layers, "
+        f"hidden {mc.hidden_size}, vocab {mc.vocab_size:,}",
+        f"  {plan.gpus} GPU(s) x {_gb(plan.gpu_memory)}; sequence {cfg.seq_len}, micro-batch {cfg.micro_batch_size} "
+        f"({tok_step:,} tokens), {plan.accum} micro-batch(es) per GPU per step, global batch "
+        f"{cfg.global_batch_tokens:,} tokens; {'bf16 autocast' if plan.dtype == 'bfloat16' else 'fp32'}",
+        "",
+    ]
+    keys = [(m, c) for c in (False, True) for m in MODES if (m, c) in plan.estimates]
+    names = [f"{'DDP' if m == 'ddp' else 'FSDP (full shard)'}{' + act. ckpt' if c else ''}" for m, c in keys]
+    lines += ["| per GPU | " + " | ".join(names) + " |", "|---" * (len(keys) + 1) + "|"]
+    cols = [plan.estimates[k] for k in keys]
+    rows = [
+        ("weights (fp32)", "weights"),
+        ("unsharded params / bf16 weight cache", "gathered"),
+        ("gradients (at the optimizer step)", "gradients"),
+        ("gradients (at the last loss backward)", "gradients_at_loss"),
+        ("AdamW moments", "optimizer"),
+        ("activations (one micro-batch)", "activations"),
+        ("loss backward buffers (T x V)", "loss_buffers"),
+        ("optimizer-step temporary", "optimizer_temp"),
+        ("one layer recomputed", "recompute"),
+        ("**peak**", "peak"),
+    ]
+    for label, attr in rows:
+        lines.append(f"| {label} | " + " | ".join(_gb(getattr(e, attr)) for e in cols) + " |")
+    lines.append("| fits? | " + " | ".join(
+        ("yes" if e.peak <= plan.gpu_memory else "**no**") + f" ({e.peak / plan.gpu_memory:.0%})" for e in cols
+    ) + " |")
+    kv_seq = plan.kv_bytes_per_token * mc.max_position_embeddings
+    weights_bf16 = 2 * p.total
+    free = plan.gpu_memory - weights_bf16
+    fit_seqs = max(0, int(free // kv_seq)) if kv_seq else 0
+    lines += [
+        "",
+        f"inference KV cache (bf16): {plan.kv_bytes_per_token:,} bytes/token "
+        f"({plan.kv_bytes_per_token / plan.kv_bytes_per_token_vanilla:.2f} x vanilla's "
+        f"{plan.kv_bytes_per_token_vanilla:,}); {_gb(kv_seq)} per {mc.max_position_embeddings}-token sequence; "
+        f"next to the bf16 weights ({_gb(weights_bf16)}) one GPU holds {fit_seqs:,} such sequences",
+        f"token budget: {plan.tokens:,} tokens ({cfg.total_steps():,} steps); "
+        f"{plan.flops_per_token / 1e9:,.2f} GFLOP per token (6N + 12 L H Q T)",
+    ]
+    if plan.tokens_per_gpu_s:
+        total = plan.tokens_per_gpu_s * plan.gpus
+        lines.append(
+            f"time: {plan.tokens_per_gpu_s:,.0f} tokens/s per GPU ({plan.throughput_source}) x {plan.gpus} = "
+            f"{total:,.0f} tokens/s -> {_duration(plan.tokens / total)} for the budget "
+            f"({_duration(cfg.global_batch_tokens / total)} per step)"
+        )
+    else:
+        lines.append("time: give --tokens-per-gpu-s (measured, e.g. a run's summary.json tokens_per_s / GPUs) "
+                     "or --peak-tflops [--mfu] for the training time")
+    best = min(cols, key=lambda e: e.peak)
+    if best.peak > plan.gpu_memory:
+        lines.append("verdict: does not fit in any layout shown: lower --micro-batch or --seq-len, add GPUs "
+                     "(FSDP), or turn on activation checkpointing")
+    else:
+        fits = [name for name, e in zip(names, cols) if e.peak <= plan.gpu_memory]
+        lines.append(f"verdict: fits with {', '.join(fits)}")
+    return "\n".join(lines)
+
+
+# ---- measuring the real thing on CPU -----------------------------------------------------------------
+def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False) -> dict:
+    """Peak bytes of a steady-state training step (forward + backward over the micro-batches, clipping,
+    AdamW step) of `cfg` in one CPU process, fp32, measured with the profiler's memory timeline.
+
+    A first step runs unprofiled so AdamW's moments exist (as in every later step); the profiled step's
+    timeline starts from the tensors alive then (weights, moments) and replays every allocation and free.
+    Returns {"peak": bytes, "by_category": {category: bytes at the peak}}."""
+    import json
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..model import FusedKVForCausalLM
+    from .optim import build_optimizer
+
+    mc = model_config(cfg)
+    torch.manual_seed(cfg.seed)
+    model = FusedKVForCausalLM(mc).train()
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    opt = build_optimizer(model, cfg)
+    accum, mb = cfg.grad_accum_steps(1), cfg.micro_batch_size
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def step():
+        for _ in range(accum):
+            x, y = torch.randint(0, mc.vocab_size, (2, mb, cfg.seq_len), generator=gen).unbind(0)
+            x, y = x.contiguous(), y.contiguous()
+            logits = model(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            del logits
+            (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "timeline.json"
+        with warnings.catch_warnings():  # deprecated for CUDA in favour of memory snapshots; none on CPU
+            warnings.simplefilter("ignore", FutureWarning)
+            prof.export_memory_timeline(str(path), device="cpu")
+        times, sizes = json.loads(path.read_text())
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    names = {index + 1: (c.name.lower() if c is not None else "unknown") for c, index in _CATEGORY_TO_INDEX.items()}
+    totals = [sum(row[1:]) for row in sizes]
+    at = max(range(len(totals)), key=totals.__getitem__)
+    by_category = {names[j]: v for j, v in enumerate(sizes[at]) if j in names and v}
+    return {"peak": float(totals[at]), "by_category": by_category}
+
+
+def single_process_estimate(cfg: TrainConfig, checkpointing: bool = False) -> MemoryEstimate:
+    """The plan for what `measure_peak_cpu` measures: one process, fp32."""
+    mc = model_config(cfg)
+    return estimate(mc, count_parameters(mc), mode="single", world=1, seq_len=cfg.seq_len,
+                    micro_batch=cfg.micro_batch_size, accum=cfg.grad_accum_steps(1), dtype="float32",
+                    checkpointing=checkpointing)
+
+
+def relative_error(plan_bytes: float, measured: float) -> float:
+    return abs(plan_bytes - measured) / measured if measured else math.inf

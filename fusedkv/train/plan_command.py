@@ -1,0 +1,66 @@
+"""`fusedkv plan-run`: memory per GPU and training time of a preset on a cluster, before launching it.
+
+    fusedkv plan-run --preset 4b --gpus 64 --gpu-memory 80GB --tokens-per-gpu-s 3000
+
+The counting rules and their references are in `fusedkv.train.memory_plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import PRESET_NAMES, resolve_config
+from .memory_plan import format_plan, parse_bytes, plan_run
+
+EPILOG = """\
+examples:
+  fusedkv plan-run --preset 4b --gpus 64 --gpu-memory 80GB
+  fusedkv plan-run --preset 1.5b --gpus 8 --gpu-memory 141GB --micro-batch 2 --tokens-per-gpu-s 9000
+  fusedkv plan-run --preset 332m --gpus 8 --peak-tflops 989 --mfu 0.4   # time from an assumed MFU
+  fusedkv plan-run --preset tiny --gpus 1 --gpu-memory 24GB --dtype float32
+"""
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan-run",
+        help="memory per GPU (DDP / FSDP, with and without activation checkpointing) and training time",
+        description="Parameters, gradients, AdamW state, activations at the preset's sequence length and the "
+        "inference KV cache, per GPU under DDP and FSDP (full shard), with a verdict on whether it fits; and the "
+        "time the preset's token budget takes at a given per-GPU throughput.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size and recipe (default: tiny)")
+    p.add_argument("--plan", help="KV-sharing plan (default: fusedkv)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs in the data-parallel group (default 1)")
+    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB or 141GiB (default 80GB)")
+    p.add_argument("--seq-len", type=int, help="training sequence length (default: the preset's)")
+    p.add_argument("--micro-batch", type=int, help="sequences per forward per GPU (default: the preset's)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="bfloat16 autocast (GPU default) or float32 (CPU default)")
+    p.add_argument("--activation-checkpointing", choices=("both", "on", "off"), default="both",
+                   help="which columns to show (default both)")
+    p.add_argument("--tokens-per-gpu-s", type=float, help="measured training throughput of one GPU")
+    p.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (time from an assumed MFU)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation with --peak-tflops (default 0.4)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="any TrainConfig field, e.g. --set global_batch_tokens=2M")
+    p.set_defaults(func=handle, handler=handle)
+    return p
+
+
+def handle(args) -> int:
+    if args.gpus is not None and args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus}: must be a positive number of GPUs")
+    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be a positive integer")
+    cfg = resolve_config(overrides=args.sets, preset=args.preset, plan=args.plan, seq_len=args.seq_len,
+                         micro_batch_size=args.micro_batch)
+    plan = plan_run(cfg, args.gpus, parse_bytes(args.gpu_memory), dtype=args.dtype,
+                    tokens_per_gpu_s=args.tokens_per_gpu_s, peak_tflops=args.peak_tflops, mfu=args.mfu)
+    keep = {"both": (False, True), "on": (True,), "off": (False,)}[args.activation_checkpointing]
+    plan.estimates = {k: v for k, v in plan.estimates.items() if k[1] in keep}
+    print(format_plan(plan))
+    return 0
