@@ -5,19 +5,25 @@ fusedkv.train.command [flags]` runs the same command stand-alone (and is what `t
 for DDP/FSDP). With no flags it trains the `tiny` FusedKV model on the built-in corpus (no downloads)
 into `runs/tiny-fusedkv/`.
 
-Exit status: 0 done; 1 bad input or a diverged run (message on stderr, nothing overwritten);
-130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint (continue with `--resume`).
+Exit status (fusedkv/errors.py): 0 done; 2 bad input, including an out_dir another run is using (one
+line on stderr, nothing overwritten); 1 a failure while running (a diverged loss, a full disk: the
+last good checkpoint is named); 130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint
+(continue with `--resume`). FUSEDKV_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
 import yaml
 
+from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, debug_enabled, report
 from .config import DISTRIBUTED_MODES, PLANS, PRESET_NAMES, resolve_config
+from .rundir import RunDirLock
 
 DESCRIPTION = """\
 Pre-train a FusedKV decoder (or any KV-sharing plan) with the paper's recipe: AdamW (0.9, 0.95),
@@ -136,8 +142,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def build_config(args: argparse.Namespace):
-    """The TrainConfig the flags ask for; with --resume, the checkpoint's saved config underneath."""
+def build_config(args: argparse.Namespace, hold: contextlib.ExitStack | None = None):
+    """The TrainConfig the flags ask for; with --resume, the checkpoint's saved config underneath.
+
+    With `hold`, the run directory to resume is locked (rundir.RunDirLock) before its checkpoint is
+    read, so a run still writing there is reported as such instead of being read half-way."""
     from . import checkpoint as ckpt_io
 
     flags = dict(
@@ -169,25 +178,29 @@ def build_config(args: argparse.Namespace):
                 f"nothing to resume: {first.out_dir}/checkpoints holds no checkpoint "
                 "(pass --out DIR of the run to continue)"
             )
-    saved = ckpt_io.read_train_config(path)
-    saved.update(resume=False, overwrite=False, progress=True)
     # The run directory is where the checkpoint lies now (runs may be moved), not the saved out_dir.
     out_dir = args.out or (str(Path(path).parent.parent) if isinstance(args.resume, str) else first.out_dir)
+    if hold is not None and _is_rank0():
+        hold.enter_context(RunDirLock(out_dir))
+    saved = ckpt_io.read_train_config(path)
+    saved.update(resume=False, overwrite=False, progress=True)
     return resolve_config(args.config, args.sets, base=saved, **{**flags, "out_dir": out_dir})
 
 
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def handle(args: argparse.Namespace) -> int:
-    from .trainer import TrainingDiverged, train
+    from .trainer import train
 
     try:
-        cfg = build_config(args)
-        if args.print_config:
-            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-            return 0
-        result = train(cfg)
-    except (ValueError, TrainingDiverged) as e:
-        print(f"fusedkv train: error: {e}", file=sys.stderr)
-        return 1
+        with contextlib.ExitStack() as hold:
+            cfg = build_config(args, hold)
+            if args.print_config:
+                print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+                return 0
+            result = train(cfg)
     except KeyboardInterrupt as e:
         # Before training started (data preparation, model building) or a second Ctrl-C while saving:
         # the last complete checkpoint, if any, is intact.
@@ -195,9 +208,13 @@ def handle(args: argparse.Namespace) -> int:
             f"fusedkv train: interrupted ({e or 'before training started'}); nothing more was saved",
             file=sys.stderr,
         )
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if debug_enabled(getattr(args, "debug", False)):
+            raise
+        return report("train", e)
     if result.get("stopped"):
-        return 143 if result["stopped"] == "SIGTERM" else 130
+        return EXIT_TERMINATED if result["stopped"] == "SIGTERM" else EXIT_INTERRUPTED
     return 0
 
 

@@ -183,6 +183,18 @@ def any_rank(flag: bool, env: DistEnv) -> bool:
     return bool(t.item())
 
 
+def raise_if_failed(error: BaseException | None, env: DistEnv, what: str) -> None:
+    """Collective: rank 0's `error` (if any) is raised on every rank, so no rank waits at a barrier for a
+    rank that has already stopped. Other ranks get a ValueError that says `what` failed on rank 0."""
+    if env.enabled and env.world_size > 1:
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and error is None:
+            raise ValueError(f"rank 0 {what}: {box[0]}")
+    if error is not None:
+        raise error
+
+
 def gather_objects(obj, env: DistEnv) -> list:
     """Every rank's `obj`, in rank order (used to checkpoint each rank's RNG state)."""
     if not (env.enabled and env.world_size > 1):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ..checkpoints import check_checkpoint_dir
 from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
+from ..errors import RunError
 from ..model import FusedKVForCausalLM
 from . import checkpoint as ckpt_io
 from . import data as data_setup
@@ -44,6 +45,7 @@ from . import distributed as D
 from .config import TrainConfig
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
 from .optim import build_optimizer, build_scheduler
+from .rundir import RunDirBusy, RunDirLock
 
 # Fields a resumed run may change; any other difference would make it a different experiment.
 RESUME_MAY_CHANGE = {
@@ -81,8 +83,8 @@ INIT_FROM_MAY_CHANGE = {
 STEP_SLEEP_ENV = "FUSEDKV_TRAIN_STEP_SLEEP"
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient became NaN/inf; the last good checkpoint was kept, nothing was saved."""
+class TrainingDiverged(RunError):
+    """The loss or gradient became NaN/inf; the last good checkpoint was kept, nothing was saved (exit 1)."""
 
 
 def compute_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,15 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _Run(cfg, env).run()
+        with contextlib.ExitStack() as hold:
+            error = None
+            if env.is_main:  # one run per out_dir, held until the run ends (see rundir.RunDirLock)
+                try:
+                    hold.enter_context(RunDirLock(cfg.out_dir))
+                except RunDirBusy as e:
+                    error = e
+            D.raise_if_failed(error, env, "could not lock the run directory")
+            return _Run(cfg, env).run()
     finally:
         torch.set_num_threads(threads)
         D.teardown(env)
@@ -237,13 +247,7 @@ class _Run:
                 ds = data_setup.prepare(spec, data_dir, vocab_size, tokenizer)
             except Exception as e:  # tell the other ranks instead of leaving them at the barrier
                 error = e
-        if self.env.enabled and self.env.world_size > 1:
-            box = [None if error is None else f"{type(error).__name__}: {error}"]
-            torch.distributed.broadcast_object_list(box, src=0)
-            if box[0] is not None and error is None:
-                raise ValueError(f"rank 0 could not prepare the data: {box[0]}")
-        if error is not None:
-            raise error
+        D.raise_if_failed(error, self.env, "could not prepare the data")
         if ds is None:
             ds = data_setup.open_prepared(spec, data_dir)
         if len(ds.val) < self.cfg.seq_len + 1:

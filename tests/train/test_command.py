@@ -55,7 +55,7 @@ def test_print_config_and_bad_values(capsys):
     assert command.main(["--preset", "nano", "--plan", "yoco", "--print-config"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["plan"] == "yoco" and cfg["seq_len"] == 64
-    assert command.main(["--set", "warmup_stepz=3"]) == 1
+    assert command.main(["--set", "warmup_stepz=3"]) == 2
     assert "warmup_steps" in capsys.readouterr().err
 
 
@@ -90,7 +90,7 @@ def test_cli_end_to_end_resume_and_init_from(tmp_path, corpus_file, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["curve"][:3] == first
     # Changing what defines the run on resume is refused.
-    assert command.main(["--out", str(out), "--resume", "--set", "seed=5", "--quiet"]) == 1
+    assert command.main(["--out", str(out), "--resume", "--set", "seed=5", "--quiet"]) == 2
     assert "seed" in capsys.readouterr().err
 
     # Continued training at a longer context with a new RoPE base (SPEC section 8).
@@ -127,7 +127,7 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
         ["--preset", "nano", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "run")]
     )
     err = capsys.readouterr().err
-    assert rc == 1 and "fusedkv train: error:" in err and "does not exist" in err
+    assert rc == 2 and "fusedkv train: error:" in err and "does not exist" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 

@@ -1,0 +1,105 @@
+"""`fusedkv train` under faults a user can cause, each driven through the real CLI in a subprocess:
+two runs into one --out, --overwrite with a bad setting, corrupted final weights, a full disk during
+a checkpoint save, resuming from a corrupt latest checkpoint or a finished run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fusedkv.data import prepare_dataset, read_builtin_text
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    e = dict(os.environ)
+    e.update(
+        PYTHONPATH=str(REPO) + os.pathsep + e.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        FUSEDKV_DATA_DIR=str(tmp_path_factory.mktemp("data-cache")),
+    )
+    e.pop("FUSEDKV_DEBUG", None)
+    return e
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    text = tmp_path_factory.mktemp("corpus") / "small.txt"
+    text.write_text(read_builtin_text(limit_chars=120_000))
+    out = tmp_path_factory.mktemp("data") / "nano-512"
+    prepare_dataset(str(text), out, vocab_size=512, num_proc=1)
+    return out
+
+
+def start(env, *args, step_sleep: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fusedkv.train.command", *map(str, args)],
+        cwd=REPO,
+        env={**env, "FUSEDKV_TRAIN_STEP_SLEEP": str(step_sleep)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run(env, *args, timeout=300) -> subprocess.CompletedProcess:
+    p = start(env, *args)
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def nano(data, out, *extra):
+    return ("--preset", "nano", "--data", data, "--out", out, "--set", "threads=1", "--quiet", *extra)
+
+
+def wait_for(predicate, proc, timeout=120.0, what="condition"):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"process ended (rc {proc.returncode}) before {what}:\n{out}\n{err}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def one_line_error(proc) -> str:
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    assert err.startswith("fusedkv train: error: "), err
+    return err
+
+
+def test_second_run_into_the_same_out_is_refused_and_a_killed_run_leaves_no_lock(tmp_path, env, data):
+    out = tmp_path / "run"
+    first = start(env, *nano(data, out, "--max-steps", 1000, "--set", "ckpt_every=2"), step_sleep=0.3)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step-00000002").is_dir(), first, what="a first checkpoint")
+        for extra in ((), ("--overwrite",), ("--resume",)):
+            t0 = time.time()
+            second = run(env, *nano(data, out, "--max-steps", 1000, *extra))
+            assert second.returncode == 2, second.stderr
+            msg = one_line_error(second)
+            assert f"in use by pid {first.pid} on host" in msg and "-m fusedkv.train.command --preset nano" in msg, msg
+            assert time.time() - t0 < 60  # refused at once, not after preparing data or a model
+        assert first.poll() is None  # the first run was not disturbed
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    # The kernel released the lock with the process: resuming needs no clean-up.
+    last = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
+    resumed = run(env, "--out", out, "--resume", "--max-steps", last + 2, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    rows = (out / "metrics.csv").read_text().strip().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == list(range(1, last + 3))
