@@ -1,0 +1,173 @@
+"""`fusedkv serve CHECKPOINT`: vLLM's OpenAI-compatible server for a FusedKV checkpoint.
+
+Runs from the project's environment. The checkpoint is checked here first, with the same messages as
+`fusedkv generate` (`fusedkv.checkpoints.check_checkpoint_dir`, the config's own validation), so a
+bad checkpoint fails in a second instead of after vLLM's start-up. The server itself runs with the
+vLLM environment's Python (vLLM pins its own transformers; `scripts/install-vllm.sh` makes that
+environment and installs fusedkv into it, which registers the plugin), found in this order:
+`--vllm-python`, $FUSEDKV_VLLM_PYTHON, this interpreter if it has vLLM, `./.venv-vllm`, and the
+`.venv-vllm` next to the fusedkv source tree.
+
+    fusedkv serve runs/tiny-fusedkv/final --port 8000 --max-model-len 2048 --kv-cache-memory 1G
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model": "runs/tiny-fusedkv/final", "prompt": "ROMEO:", "max_tokens": 32}'
+
+The server binds 127.0.0.1 unless --host says otherwise. Arguments after `--` go to vLLM unchanged.
+SIGINT / SIGTERM are passed on to the server, which shuts down its engine; the exit status is its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .. import argtypes
+from ..errors import RunError, UsageError
+
+INSTALL_HINT = "scripts/install-vllm.sh (or see README: Serving)"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1G', '512M', '1.5GiB', '1073741824' -> bytes (binary units)."""
+    import argparse
+
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {text!r}")
+    value = float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower())
+    if value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is under 1 MiB; the KV cache needs room for some blocks")
+    return int(value)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API (vLLM)",
+        description="Start vLLM's OpenAI-compatible server (/v1/completions, /v1/models, ...) for a FusedKV "
+        "checkpoint, with the fusedkv vLLM plugin: only storage layers hold KV-cache blocks, so half plans fit "
+        "twice the sequences in the same --kv-cache-memory. Needs the vLLM environment (" + INSTALL_HINT + "). "
+        "Arguments after `--` are passed to vLLM unchanged.")
+    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=argtypes.int_range(1, 65535), default=8000, help="port (default 8000)")
+    p.add_argument("--max-model-len", type=argtypes.int_range(1), default=None,
+                   help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1G"),
+                   help="memory for the KV cache, e.g. 512M, 4G (default 1G); vLLM fits as many blocks as it can")
+    p.add_argument("--block-size", type=argtypes.int_range(1, 4096), default=None,
+                   help="tokens per cache block (vLLM's CPU backend needs a multiple of 32; default: vLLM's)")
+    p.add_argument("--max-num-seqs", type=argtypes.int_range(1), default=None,
+                   help="most sequences in flight at once (default: vLLM's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (default auto: the checkpoint's)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint path)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="skip torch.compile (starts about a minute sooner on CPU; decodes somewhat slower)")
+    p.add_argument("--vllm-python", default=None,
+                   help="Python of the environment that has vLLM (default: $FUSEDKV_VLLM_PYTHON, then .venv-vllm)")
+    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS", help="further vLLM arguments, after `--`")
+    p.set_defaults(func=run)
+
+
+def check_servable_checkpoint(checkpoint: str):
+    """The checks `fusedkv generate` makes, plus what the plugin cannot serve; returns the config."""
+    from ..checkpoints import check_checkpoint_dir
+    from ..config import FusedKVConfig
+    from .plugin import check_servable
+
+    path = Path(checkpoint)
+    if not path.exists():  # a hub id would be downloaded at run time; only local checkpoints are served
+        raise UsageError(f"checkpoint directory {checkpoint!r} does not exist")
+    check_checkpoint_dir(path)
+    config = FusedKVConfig.from_pretrained(path)
+    check_servable(config)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise UsageError(f"{path} has no tokenizer (tokenizer.json); the server needs one to read text prompts: "
+                         "copy the tokenizer the model was trained with into the checkpoint directory")
+    return config
+
+
+def find_vllm_python(explicit: str | None = None) -> str:
+    """The interpreter to run vLLM with (see the module docstring for the order)."""
+    if explicit or os.environ.get("FUSEDKV_VLLM_PYTHON"):
+        python = explicit or os.environ["FUSEDKV_VLLM_PYTHON"]
+        if not Path(python).is_file():
+            raise UsageError(f"vLLM Python {python!r} does not exist; install the vLLM environment with {INSTALL_HINT}")
+        return python
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    source_root = Path(__file__).resolve().parents[2]
+    for root in (Path.cwd(), source_root):
+        python = root / ".venv-vllm" / "bin" / "python"
+        if python.is_file():
+            return str(python)
+    raise UsageError(f"vLLM is not installed: no .venv-vllm in {Path.cwd()} or {source_root}, and "
+                     f"FUSEDKV_VLLM_PYTHON is not set. Install it with {INSTALL_HINT}, or pass --vllm-python")
+
+
+_PROBE = ("import importlib.util, importlib.metadata as m, json; "
+          "print(json.dumps([importlib.util.find_spec('vllm') is not None, "
+          "any(e.value.startswith('fusedkv.serving.plugin') for e in m.entry_points(group='vllm.general_plugins'))]))")
+
+
+def check_vllm_environment(python: str) -> None:
+    """vLLM importable and the fusedkv plugin registered there (a quick look, no vLLM import)."""
+    import json
+
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True).stdout
+        has_vllm, has_plugin = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise UsageError(f"cannot run the vLLM environment's Python {python} ({e}); reinstall it with "
+                         f"{INSTALL_HINT}") from e
+    if not has_vllm:
+        raise UsageError(f"vLLM is not installed for {python}; install it with {INSTALL_HINT}")
+    if not has_plugin:
+        raise UsageError(f"the fusedkv vLLM plugin is not installed for {python}; run {INSTALL_HINT} (it installs "
+                         "fusedkv there with `pip install --no-deps -e .`)")
+
+
+def server_command(args, python: str) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.checkpoint),
+           "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
+           "--kv-cache-memory-bytes", str(args.kv_cache_memory)]
+    for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
+                        ("--max-num-seqs", args.max_num_seqs), ("--served-model-name", args.served_model_name)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(args.vllm_args)
+
+
+def run(args) -> int:
+    config = check_servable_checkpoint(args.checkpoint)
+    if args.max_model_len is not None and args.max_model_len > config.max_position_embeddings:
+        raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    python = find_vllm_python(args.vllm_python)
+    check_vllm_environment(python)
+    cmd = server_command(args, python)
+    plan = config.plan
+    print(f"fusedkv serve: {args.checkpoint} (plan {config.kv_sharing}, {len(plan.storage_layers)}/{plan.num_layers} "
+          f"layers hold KV cache) on http://{args.host}:{args.port}/v1 with {python}", file=sys.stderr, flush=True)
+    try:
+        server = subprocess.Popen(cmd)
+    except OSError as e:
+        raise RunError(f"could not start the vLLM server with {python}: {e}") from e
+    forward = lambda signum, frame: server.send_signal(signum)  # noqa: E731 - the server shuts itself down
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = server.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code not in (0, -signal.SIGINT, -signal.SIGTERM):
+        raise RunError(f"the vLLM server exited with status {code} (its log above says why)")
+    return 0

@@ -1,0 +1,87 @@
+"""Run FusedKV checkpoints through vLLM's offline engine and print what it did, as JSON.
+
+Runs in the vLLM environment (the tests and the benchmark call it there, since the two environments
+differ):
+
+    .venv-vllm/bin/python -m fusedkv.serving.offline --models CKPT [CKPT ...] --prompts prompts.json \
+        --max-new-tokens 24 --prompt-logprobs --out result.json
+
+`prompts.json` is a list of token-id lists (token ids, not text, so that both sides see the same
+inputs). For every checkpoint: greedy tokens, the log-probability of each prompt token after the
+first, vLLM's cache capacity (blocks, tokens, max concurrency) and, with --timed, the wall time.
+The checkpoints run one after another in this process (in-process engine, eager mode), so a
+comparison of many plans pays vLLM's start-up once per checkpoint, not once per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+
+def engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
+                max_model_len=args.max_model_len, enforce_eager=not args.compile, seed=0,
+                max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, skip_tokenizer_init=True)
+
+
+def run_one(model: str, prompts: list[list[int]], args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, **engine_kwargs(args))
+    cache = llm.llm_engine.vllm_config.cache_config
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True,
+                            prompt_logprobs=0 if args.prompt_logprobs else None, detokenize=False)
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    rows = []
+    for prompt, out in zip(prompts, outputs):
+        row = {"tokens": list(out.outputs[0].token_ids)}
+        if args.prompt_logprobs:
+            # Entry i (i >= 1) maps token ids to logprobs; the prompt's own token is always among them.
+            row["prompt_logprobs"] = [entry[tok].logprob for tok, entry in zip(prompt[1:], out.prompt_logprobs[1:])]
+        rows.append(row)
+    result = {"model": model, "rows": rows, "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+              "kv_cache_tokens": cache.kv_cache_size_tokens, "max_concurrency": cache.kv_cache_max_concurrency,
+              "elapsed_s": elapsed, "generated_tokens": sum(len(r["tokens"]) for r in rows)}
+    del llm
+    gc.collect()
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", required=True)
+    p.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--prompt-logprobs", action="store_true")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="KV-cache bytes (default 64 MiB)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
+    p.add_argument("--out", default="-")
+    args = p.parse_args(argv)
+    # One process, engine in it: cheaper start-up per checkpoint, and results come back directly.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    results = [run_one(m, prompts, args) for m in args.models]
+    text = json.dumps(results)
+    if args.out == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

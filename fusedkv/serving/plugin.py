@@ -1,0 +1,61 @@
+"""The vLLM plugin entry point (`vllm.general_plugins` group in pyproject.toml).
+
+vLLM calls `register()` in every process it starts (API server, engine core, workers), possibly more
+than once, so it only registers names. The model module is registered lazily as a string: vLLM
+imports it when a checkpoint asks for the `FusedKVForCausalLM` architecture.
+
+Only `fusedkv.config` and `fusedkv.plan` are needed here, never the transformers model: vLLM's
+environment has an older transformers in which the project's HF forward does not run.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURE = "FusedKVForCausalLM"
+MODEL_CLASS = "fusedkv.serving.vllm_model:FusedKVForCausalLM"
+
+
+def serving_config_class():
+    """`FusedKVConfig` with a writable `rope_theta`: vLLM normalises RoPE settings while loading any
+    config by assigning `config.rope_theta`, which is a read-only view of `rope_parameters` in the
+    project's config."""
+    from ..config import FusedKVConfig
+
+    class FusedKVServingConfig(FusedKVConfig):
+        @property
+        def rope_theta(self) -> float:
+            return float(self.rope_parameters["rope_theta"])
+
+        @rope_theta.setter
+        def rope_theta(self, value: float) -> None:
+            self.rope_parameters = {**self.rope_parameters, "rope_theta": float(value)}
+
+    FusedKVServingConfig.__name__ = FusedKVServingConfig.__qualname__ = "FusedKVServingConfig"
+    return FusedKVServingConfig
+
+
+def check_servable(config) -> None:
+    """Raise ValueError naming what the vLLM plugin cannot serve yet (the HF model can)."""
+    if getattr(config, "num_experts", 0):
+        raise ValueError("num_experts > 0: mixture-of-experts FusedKV models are not served by the vLLM plugin yet")
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError("kv_lora_rank is set: latent-attention (MLA) FusedKV models are not served by the vLLM "
+                         "plugin yet")
+    if "sliding_attention" in config.layer_types:
+        raise ValueError("layer_types: sliding-window layers are not served by the vLLM plugin yet")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r}: the FusedKV model uses SwiGLU (silu)")
+
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    AutoConfig.register("fusedkv", serving_config_class(), exist_ok=True)
+    ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    _registered = True

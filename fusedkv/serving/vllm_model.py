@@ -1,0 +1,287 @@
+"""The FusedKV decoder written with vLLM's layers, loading checkpoints saved by `save_pretrained`.
+
+Same architecture as `fusedkv.model` (Qwen3 blocks: QK-norm, rotate-half RoPE, SwiGLU), with every
+layer following the plan (`config.plan`, paper Sec. 3.2):
+
+  * a storage layer projects Q/K/V and is a plain vLLM `Attention`: it writes its cache blocks;
+  * a reconstruction layer projects only Q. Its `Attention` names its first K source as
+    `kv_sharing_target_layer_name`, so vLLM gives it no cache blocks of its own (the cache holds only
+    storage layers: 2x the sequences or the context in the same memory for half plans). When it
+    reuses one layer's K and V as they are (CLA, YOCO) that is all vLLM needs. When it reads other
+    layers or fuses (Lite, FusedKV, dense, custom source maps) its backend impl is replaced by
+    `paged.CrossLayerAttention`, which reads the source caches without writing any fused K/V.
+
+The iterative fusion variant (paper Sec. 3.4: K^i = c_i (.) K^{i-1} + f_i (.) K^1, starting from
+K^n) is linear in its two sources, so its chain is unrolled once after loading into per-layer
+two-source weights and served like FusedKV.
+
+Imports only `fusedkv.config` / `fusedkv.plan` / `fusedkv.kernels.reference` from the project: this
+module runs under vLLM's transformers, where the project's HF model does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.sequence import IntermediateTensors
+
+from ..plan import LayerKV
+from .paged import CrossLayerAttention
+from .plugin import check_servable
+
+
+def attention_layer_name(prefix: str, index: int) -> str:
+    return f"{prefix}.layers.{index}.self_attn.attn"
+
+
+class FusedKVAttention(nn.Module):
+    def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        if layer.stores:
+            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                              bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_proj = ColumnParallelLinear(config.hidden_size, self.q_size, bias=bias, quant_config=quant_config,
+                                               prefix=f"{prefix}.q_proj")
+            self.fusion = FusionWeights(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
+        self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
+                                   rope_parameters=config.rope_parameters, is_neox_style=True)
+        target = None if layer.stores else attention_layer_name(model_prefix, layer.k_sources[0])
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+                              cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+                              kv_sharing_target_layer_name=target)
+        # Plain reuse of one layer's K and V is vLLM's own KV sharing; anything else reads the sources.
+        plain_reuse = layer.k_sources == layer.v_sources and len(layer.k_sources) == 1 and (
+            layer.k_fusion == layer.v_fusion == "reuse")
+        if not layer.stores and not plain_reuse:
+            self.attn.impl = CrossLayerAttention(
+                self.attn.impl, [attention_layer_name(model_prefix, s) for s in layer.k_sources],
+                [attention_layer_name(model_prefix, s) for s in layer.v_sources], self.fusion.served)
+
+    def _heads_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        by_head = x.view(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)
+        return norm(by_head).view(x.shape)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.layer.stores:
+            qkv, _ = self.qkv_proj(hidden_states)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary_emb(positions, self._heads_norm(q, self.q_norm), self._heads_norm(k, self.k_norm))
+            out = self.attn(q, k, v)
+        else:
+            q, _ = self.q_proj(hidden_states)
+            q, _ = self.rotary_emb(positions, self._heads_norm(q, self.q_norm), None)
+            out = self.attn(q, None, None)
+        out, _ = self.o_proj(out)
+        return out
+
+
+class FusionWeights(nn.Module):
+    """The checkpoint's fusion parameters (`fusedkv.model.fusion.KVFusion` names and shapes) and the
+    per-source [H_kv, D] weights the attention uses (`served`), expanded once after loading."""
+
+    def __init__(self, layer: LayerKV, num_kv_heads: int, head_dim: int, tie_rope_pairs: bool):
+        super().__init__()
+        self.layer, self.num_kv_heads, self.head_dim, self.tie = layer, num_kv_heads, head_dim, tie_rope_pairs
+        self.k_weight = self._make(layer.k_fusion, len(layer.k_sources), head_dim // 2 if tie_rope_pairs else head_dim)
+        self.v_weight = self._make(layer.v_fusion, len(layer.v_sources), head_dim)
+        self.k_served: list[torch.Tensor | None] = [None] * len(layer.k_sources)
+        self.v_served: list[torch.Tensor | None] = [None] * len(layer.v_sources)
+
+    def _make(self, mode: str, num_sources: int, width: int) -> nn.Parameter | None:
+        if mode == "reuse":
+            return None
+        shape = (num_sources, self.num_kv_heads, width) if mode == "channel" else (num_sources,)
+        return nn.Parameter(torch.ones(shape), requires_grad=False)
+
+    def expanded(self, w: nn.Parameter | None, key: bool) -> list[torch.Tensor | None]:
+        """One [H_kv, D] tensor per source; key weights repeat over each RoPE pair (j, j + D/2)."""
+        if w is None:
+            return [None]
+        if w.dim() == 1:
+            return [x.expand(self.num_kv_heads, self.head_dim) for x in w.detach()]
+        w = w.detach()
+        if key and self.tie:
+            w = torch.cat((w, w), dim=-1)
+        return list(w.unbind(0))
+
+    def served(self):
+        return self.k_served, self.v_served
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
+        super().__init__()
+        self.self_attn = FusedKVAttention(config, layer, cache_config, quant_config, model_prefix,
+                                          f"{prefix}.self_attn")
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_config, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x):
+        x, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(x))
+        return x
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0})
+class FusedKVModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_servable(config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError("the FusedKV vLLM plugin runs on one device (tensor and pipeline parallel size 1)")
+        self.config, self.plan = config, config.plan
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer, vllm_config.cache_config, vllm_config.quant_config, prefix,
+                         f"{prefix}.layers.{layer.index}")
+            for layer in self.plan.layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class FusedKVForCausalLM(nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = FusedKVModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds=None):
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # ---- checkpoint loading -----------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Checkpoint names are the HF model's; storage layers' q/k/v and every gate/up pair load into
+        vLLM's stacked projections. Fails naming the first checkpoint tensor the model has no place for."""
+        stacked = [(".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+                   (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+                   (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+                   (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+                   (".mlp.up_proj.", ".mlp.gate_up_proj.", 1)]
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name in params:  # direct: embeddings, norms, o_proj, reconstruction layers' q_proj, fusion
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+                continue
+            for old, new, shard in stacked:
+                if old in name and name.replace(old, new) in params:
+                    param = params[name.replace(old, new)]
+                    param.weight_loader(param, tensor, shard)
+                    loaded.add(name.replace(old, new))
+                    break
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the FusedKV model of this config; the "
+                                 "checkpoint and its config.json disagree (re-save it with save_pretrained)")
+        self._serve_fusion_weights()
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded
+
+    @torch.no_grad()
+    def _serve_fusion_weights(self) -> None:
+        """Per-layer [H_kv, D] source weights, once: the checkpoint's fusion, or for the iterative
+        variant its chain unrolled (paper Sec. 3.4) into weights on (K^1, K^n)."""
+        carried: dict[tuple[int, ...], tuple] = {}
+        for decoder in self.model.layers:
+            attn = decoder.self_attn
+            if attn.layer.stores:
+                continue
+            fusion = attn.fusion
+            k, v = fusion.expanded(fusion.k_weight, key=True), fusion.expanded(fusion.v_weight, key=False)
+            if self.config.fusion_init == "iterative":
+                # K^i = f_i K^1 + c_i K^{i-1}, K^{i-1} = A K^1 + B K^n  =>  (f_i + c_i A) K^1 + (c_i B) K^n.
+                chain = attn.layer.k_sources
+                one = torch.ones_like(k[0])
+                (ak, bk), (av, bv) = carried.get(chain, ((torch.zeros_like(one), one), (torch.zeros_like(one), one)))
+                ak, bk = k[0] + k[1] * ak, k[1] * bk
+                av, bv = v[0] + v[1] * av, v[1] * bv
+                carried[chain] = ((ak, bk), (av, bv))
+                k, v = [ak, bk], [av, bv]
+            fusion.k_served[:] = [None if w is None else w.contiguous() for w in k]
+            fusion.v_served[:] = [None if w is None else w.contiguous() for w in v]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
