@@ -1,14 +1,15 @@
-"""The one GPU script: kernel correctness and throughput, then model TTFT / TPOT at 8k-128k in bf16.
+"""The GPU benchmark: decode-kernel throughput, then model TTFT / TPOT at 8k-128k in bf16.
 
     python -m fusedkv.bench.gpu_suite            # or: fusedkv bench --gpu-suite
-    python -m fusedkv.bench.gpu_suite --dry-run  # every code path, tiny sizes, on CPU
+    python -m fusedkv.bench.gpu_suite --dry-run  # every code path, tiny sizes, on CPU (Triton interpreter)
 
-Part 1 is `fusedkv.kernels.gpu_suite` (Triton kernel vs the reference in fp32 and bf16; decode kernel
-throughput against PyTorch's flash SDPA for MHA at the same context). Part 2 builds a ~1B-parameter
+Part 1 (`fusedkv.bench.kernel_throughput`): one decode step of our Triton kernel against PyTorch's
+flash SDPA, each timed case first checked against the fp32 reference. Part 2 builds a ~1B-parameter
 model per plan (16 layers, d=2048, 16 heads of 128, bf16) and measures, with our lean generation loop
 and a static cache: TTFT at 8k/32k/128k prompts (prefill skipping for the half-cache plans) and TPOT
 (median of 32 decode steps), plus the paper's Fig. 5 GQA case (H_q=128, H_kv=2). Sized for < 8
-minutes on one H200.
+minutes on one H200. Exit status 1 when a kernel check fails: a fast wrong kernel is a failure.
+Kernel correctness over many shapes is tested in tests/kernels (CUDA, and the Triton interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -25,6 +28,7 @@ from ..config import FusedKVConfig
 from ..generation import generate
 from ..model import FusedKVForCausalLM
 from ..plan import DECODE_TIMED_PLANS, VANILLA
+from .kernel_throughput import failed_checks, format_markdown, kernel_suite
 
 
 def _model(plan: str, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, max_len: int,
@@ -78,30 +82,51 @@ def format_model_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None, kernel=None) -> int:
+    """`kernel`: another decode kernel to benchmark in place of ours (same signature), e.g. in tests."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: exercises every code path")
-    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true", help="only the model part")
+    ap.add_argument("--skip-model", action="store_true", help="only the kernel part")
+    ap.add_argument("--tune", action="store_true", help="also sweep the kernel's BLOCK_N / num_warps")
     args = ap.parse_args(argv)
     start = time.time()
+    from ..kernels import is_triton_available
+
+    kernels = not args.skip_kernels and (kernel is not None or is_triton_available())
     if args.dry_run:
-        rows = model_suite("cpu", torch.float32, lengths=(64, 128), new_tokens=4, layers=4, hidden=64, heads=4,
-                           head_dim=16, gqa=(8, 2), gqa_length=64)
-        print(format_model_table(rows))
-        return 0
-    if not torch.cuda.is_available():
+        if kernels and kernel is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            # The interpreter must be on before Triton is first imported (it decides at @jit time), and
+            # `import fusedkv` already imports Triton (transformers -> torch._dynamo): rerun in a fresh process.
+            cmd = [sys.executable, "-m", "fusedkv.bench.gpu_suite", *(sys.argv[1:] if argv is None else argv)]
+            return subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode
+        device, dtype = torch.device("cpu"), torch.float32
+    elif not torch.cuda.is_available():
         print("the GPU suite needs CUDA; use --dry-run to exercise it on CPU", file=sys.stderr)
         return 2
-    print(f"# GPU suite on {torch.cuda.get_device_name()}\n")
-    if not args.skip_kernels:
-        from ..kernels.gpu_suite import main as kernel_main
-
-        kernel_main([])
-        print(f"\n(kernels done in {time.time() - start:.0f}s)\n", flush=True)
-    rows = model_suite()
-    print("\n## Model TTFT / TPOT (bf16, batch 1, static cache, 32 decode steps)\n")
-    print(format_model_table(rows))
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        print(f"# GPU suite on {torch.cuda.get_device_name()}\n")
+    bad = []
+    if kernels:
+        kernel_rows = kernel_suite(device, dtype, args.dry_run, kernel=kernel, tune=args.tune)
+        print(format_markdown(kernel_rows))
+        bad = failed_checks(kernel_rows)
+        print(f"(kernels done in {time.time() - start:.0f}s, {len(bad)} failed checks)\n", flush=True)
+    if not args.skip_model:
+        if args.dry_run:
+            rows = model_suite("cpu", torch.float32, lengths=(64, 128), new_tokens=4, layers=4, hidden=64, heads=4,
+                               head_dim=16, gqa=(8, 2), gqa_length=64)
+        else:
+            rows = model_suite()
+        print("\n## Model TTFT / TPOT (batch 1, static cache)\n")
+        print(format_model_table(rows))
     print(f"\ntotal {time.time() - start:.0f}s")
+    if bad:
+        names = ", ".join(f"{r['kernel']} {r['shape']} B={r['B']} S={r['S']} (rel. err {r['rel_err']:.1e})"
+                          for r in bad)
+        print(f"error: {len(bad)} decode-kernel checks against the fp32 reference failed: {names}", file=sys.stderr)
+        return 1
     return 0
 
 

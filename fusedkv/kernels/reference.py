@@ -1,7 +1,7 @@
 """Pure-PyTorch attention over fused (cross-layer) KV sources.
 
 A FusedKV reconstruction layer has no K/V projection of its own.  Its keys and values are a
-channel-wise weighted sum of post-RoPE caches of storage layers (SPEC section 1)::
+channel-wise weighted sum of post-RoPE caches of storage layers (paper Sec. 2.2, Eqs. 4-5)::
 
     K = sum_s a_s (.) K_s          V = sum_s b_s (.) V_s
 
@@ -11,7 +11,7 @@ Two implementations with the same signature live here:
 
 * :func:`materialized_attention` builds ``K`` and ``V`` explicitly and calls
   ``scaled_dot_product_attention``.  It is the obviously-correct reference.
-* :func:`factored_attention` never writes a fused tensor.  It uses the identity (SPEC section 3)::
+* :func:`factored_attention` never writes a fused tensor.  It uses the identity (paper Sec. 2.5)::
 
       q . (a (.) k1 + b (.) kn) = (a (.) q) . k1 + (b (.) q) . kn
       sum_t p_t (c (.) v1_t + d (.) vn_t) = c (.) (P V1) + d (.) (P Vn)
@@ -33,8 +33,6 @@ Conventions shared by every function in :mod:`fusedkv.kernels`:
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Sequence
 
 import torch
@@ -50,7 +48,6 @@ __all__ = [
     "materialized_attention",
     "factored_attention",
     "kv_start_to_mask",
-    "cpu_decode_benchmark",
 ]
 
 
@@ -292,52 +289,3 @@ def factored_attention(
             pv.mul_(_as(w, cdt).unsqueeze(1))
         out = pv if out is None else out.add_(pv)
     return _as(out.reshape(b, h_q, t_q, d), q.dtype)
-
-
-# --------------------------------------------------------------------------------------------------
-# CPU micro-benchmark
-# --------------------------------------------------------------------------------------------------
-def _median_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def cpu_decode_benchmark(
-    batches: Sequence[int] = (1, 8),
-    contexts: Sequence[int] = (512, 1024, 2048, 4096),
-    heads: int = 8,
-    head_dim: int = 64,
-    repeats: int = 15,
-    dtype: torch.dtype = torch.float32,
-    verbose: bool = True,
-) -> list[dict]:
-    """Time factored vs materialised decode (T_q = 1) for FusedKV (2 weighted K + 2 weighted V sources).
-
-    Returns one dict per (B, S) with median times in ms and the speed-up of the factored path.
-    """
-    torch.manual_seed(0)
-    rows = []
-    for b in batches:
-        for s in contexts:
-            q = torch.randn(b, heads, 1, head_dim, dtype=dtype)
-            k1, kn, v1, vn = (torch.randn(b, heads, s, head_dim, dtype=dtype) for _ in range(4))
-            a1, an, b1, bn = (torch.randn(heads, head_dim, dtype=dtype) for _ in range(4))
-            args = (q, [k1, kn], [a1, an], [v1, vn], [b1, bn])
-            with torch.inference_mode():
-                t_mat = _median_time(lambda: materialized_attention(*args), repeats)  # noqa: B023
-                t_fac = _median_time(lambda: factored_attention(*args), repeats)  # noqa: B023
-            row = {
-                "B": b, "S": s, "H": heads, "D": head_dim,
-                "materialized_ms": t_mat * 1e3, "factored_ms": t_fac * 1e3, "speedup": t_mat / t_fac,
-            }
-            rows.append(row)
-            if verbose:
-                print(f"B={b:2d} S={s:5d}  materialized {row['materialized_ms']:8.3f} ms  "
-                      f"factored {row['factored_ms']:8.3f} ms  speed-up x{row['speedup']:.2f}", flush=True)
-    return rows

@@ -1,11 +1,12 @@
-"""The inference benchmark and the GPU suite run end to end at tiny sizes (correctness of the
-machinery, not speed: speed lives in docs/results.md)."""
+"""The inference benchmark and the GPU benchmark run end to end at tiny sizes (correctness of the
+machinery, not speed: speed lives in docs/results.md); the GPU benchmark fails when a kernel is wrong."""
 
 import json
 
 from fusedkv.bench.gpu_suite import main as gpu_suite_main
 from fusedkv.bench.inference import BenchShape, format_table, run_inference_bench
 from fusedkv.cli import main
+from fusedkv.kernels import decode_attention
 
 
 def test_inference_bench_rows_and_ratios(tmp_path):
@@ -31,5 +32,26 @@ def test_bench_cli_writes_json_and_plot(tmp_path):
     assert (tmp_path / "b.png").exists()
 
 
-def test_gpu_suite_dry_run():
-    assert gpu_suite_main(["--dry-run"]) == 0
+def test_gpu_benchmark_model_part_dry_run(capsys):
+    assert gpu_suite_main(["--dry-run", "--skip-kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "| GQA H_q=8 H_kv=2 | fusedkv | 64 |" in out and "cache vs MHA" in out
+
+
+def _factored_decode(q, k_sources, k_weights, v_sources, v_weights, **kw):
+    return decode_attention(q, k_sources, k_weights, v_sources, v_weights, backend="torch")
+
+
+def _wrong_decode(q, k_sources, k_weights, v_sources, v_weights, **kw):
+    # The right computation with the softmax scale forgotten: plausible numbers, wrong ones.
+    return decode_attention(q, k_sources, k_weights, v_sources, v_weights, scale=1.0, backend="torch")
+
+
+def test_gpu_benchmark_fails_when_a_timed_kernel_is_wrong(capsys):
+    # The kernel part, run on CPU with a torch decode in place of Triton: a correct one passes, a wrong
+    # one is reported and the benchmark exits 1 (so `fusedkv bench --gpu-suite` fails).
+    assert gpu_suite_main(["--dry-run", "--skip-model"], kernel=_factored_decode) == 0
+    assert "0 failed checks" in capsys.readouterr().out
+    assert gpu_suite_main(["--dry-run", "--skip-model"], kernel=_wrong_decode) == 1
+    captured = capsys.readouterr()
+    assert "**WRONG**" in captured.out and "decode-kernel checks against the fp32 reference failed" in captured.err

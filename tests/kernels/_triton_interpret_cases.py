@@ -125,3 +125,23 @@ def test_argument_errors():
         fused_decode_attention(q[:, :, :12], [k[..., :12] for k in ks], None, [v[..., :12] for v in vs], None)
     with pytest.raises(ValueError):
         fused_decode_attention(q[:, :, None], ks, None, vs, None)
+
+
+# ---- the model's decode through the kernel: the layer decides once, then launches with its sources as
+# they are. Auto (Triton under the interpreter) must equal the full forward, left padding included.
+@pytest.mark.parametrize("plan", ["vanilla", "fusedkv", "fusedkv-lite", "fusedkv-gqa", "fusedkv-iterative"])
+def test_model_decode_through_the_kernel(plan):
+    from tests.conftest import tiny_model
+    from tests.model.test_decode import incremental_logits, padded_batch
+
+    model = tiny_model(plan)
+    attn = model.model.layers[-1].self_attn
+    assert attn.kernel_fits and attn._path_for(1, torch.zeros(1, 4, 1, 16)) == "triton"
+    ids, mask, width = padded_batch(7)
+    with torch.no_grad():
+        steps, _ = incremental_logits(model, ids, mask, width)
+        model.set_attention_path("materialized")
+        full = model(ids, attention_mask=mask).logits
+    got = torch.cat(steps, dim=1)
+    real = mask.bool()
+    assert (got - full)[real].abs().max().item() < 1e-4
