@@ -23,9 +23,11 @@ def human_bytes(n: float, digits: int = 1) -> str:
     return f"{n} B"
 
 
-def slug(text: str, max_len: int | None = None) -> str:
-    """A filesystem-safe name: runs of other characters become "-", lower case, no leading/trailing "-."."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.").lower()
+def slug(text: str, max_len: int | None = None, lower: bool = True) -> str:
+    """A filesystem-safe name: runs of other characters become "-", no leading/trailing "-." (lower case
+    unless `lower=False`), at most `max_len` characters."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.")
+    name = name.lower() if lower else name
     return name[:max_len] if max_len else name
 
 

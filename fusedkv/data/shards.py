@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..utils import write_json_atomic
 from .sources import BuiltinSource, Source, resolve_source
 from .tokenizer import eos_token_id, load_tokenizer, save_tokenizer, tokenizer_sha256, train_bpe_tokenizer
 
@@ -66,9 +67,7 @@ def meta_path_for(bin_path: str | Path) -> Path:
 
 
 def _atomic_write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj, indent=2, sort_keys=True)
 
 
 class ShardWriter:

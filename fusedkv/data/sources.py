@@ -27,13 +27,12 @@ import hashlib
 import io
 import json
 import lzma
-import os
 import re
-import socket
 import tarfile
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+
+from ..utils import hub_offline_mode, hub_unreachable_reason  # noqa: F401 (used here and re-exported)
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 SHAKESPEARE_ARCHIVE = CORPUS_DIR / "shakespeare-works.tar.xz"
@@ -274,40 +273,6 @@ class HFSource(Source):
                     f"Pass text_field=<name of the text field>."
                 )
             yield f"{self.name}:{self.split}:{i}", record[self.text_field]
-
-
-def hub_offline_mode() -> bool:
-    """True when the user asked huggingface_hub to stay offline (HF_HUB_OFFLINE=1)."""
-    try:
-        from huggingface_hub import constants
-
-        return bool(constants.HF_HUB_OFFLINE)
-    except Exception:
-        return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-
-
-def hub_unreachable_reason(timeout: float = 5.0) -> str | None:
-    """None if the hub endpoint accepts a TCP connection, else why not.
-
-    Without this probe an offline machine spends ~25-50 s in huggingface_hub's retry loop before
-    failing; a TCP connect fails within milliseconds (DNS) or ``timeout`` seconds. In offline mode
-    no probe is made: the HF libraries then read only their local cache, and fail fast themselves.
-    """
-    if hub_offline_mode():
-        return None
-    try:  # the endpoint the HF libraries will actually use (HF_ENDPOINT, read at their import)
-        from huggingface_hub import constants
-
-        endpoint = constants.ENDPOINT
-    except Exception:
-        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    url = urllib.parse.urlparse(endpoint)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        return f"the Hugging Face hub ({endpoint}) is unreachable from this machine ({e})"
-    return None
 
 
 def _chain_first(first, it):

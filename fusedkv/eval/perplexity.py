@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-
-def _model_device(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # a parameter-less wrapper: evaluate on CPU
-        return torch.device("cpu")
+from ..utils import hub_unreachable_reason
+from ..utils import model_device as _model_device
 
 
 def _forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -192,20 +187,6 @@ def text_perplexity(
                                      batch_size=batch_size, device=device)
 
 
-def _hub_reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
-    """A quick TCP probe so that an offline machine fails in seconds, not after datasets' retries."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _offline_env() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in
-               ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
 def _read_local_text(path: Path) -> str:
     # A local copy can be the raw text (.txt/.raw/.tokens), or a datasets export with a "text" column.
     suffix = path.suffix.lower()
@@ -233,7 +214,7 @@ def load_wikitext(
     """
     if local_path is not None:
         return _read_local_text(Path(local_path))
-    if not _offline_env() and not _hub_reachable(timeout=probe_timeout):
+    if hub_unreachable_reason(timeout=probe_timeout) is not None:  # None in offline mode: the cache decides
         raise RuntimeError(
             f"WikiText ({name}, {split}) must come from the Hugging Face hub, which is unreachable from "
             "this machine. Pass local_path= to a local copy (raw .txt, or .jsonl/.parquet with a 'text' "

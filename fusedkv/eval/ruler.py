@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from fusedkv.eval.ruler_tasks import TASKS, Sample, TaskSpec, default_haystack_text, generate_task
+from fusedkv.utils import model_device as _model_device
 
 __all__ = ["TASKS", "Sample", "TaskSpec", "default_haystack_text", "format_table", "generate_predictions",
            "generate_task", "run_ruler", "score_task", "string_match_all", "string_match_part"]
@@ -46,13 +47,6 @@ METRICS: dict[str, Callable] = {"all": string_match_all, "part": string_match_pa
 
 def score_task(task: str, preds: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
     return METRICS[TASKS[task].metric](preds, refs)
-
-
-def _model_device(model):
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return "cpu"
 
 
 def generate_predictions(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 1,

@@ -14,12 +14,13 @@ import hashlib
 import json
 import math
 import os
-import re
 import statistics
 import textwrap
 from pathlib import Path
 
 import yaml
+
+from ..utils import slug, write_json_atomic
 
 EXPERIMENTS_DIR = Path(__file__).parent
 
@@ -52,14 +53,7 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-").lower()
-
-
-def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)  # atomic: a killed run never leaves a half result that looks finished
+    return slug(name).lower()
 
 
 def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: str | None = None,
@@ -99,9 +93,9 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                                      "overwrite": True})
                 result = _summarise(run["name"], seed, train(cfg), task_limit)
                 result["config"] = fields
-                _write_json(cached, result)
+                write_json_atomic(cached, result)  # a killed run never leaves a half result
             run_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(done, result)
+            write_json_atomic(done, result)
             results.append(result)
     return results
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 from ..data import load_prepared_dataset, load_tokenizer, prepare_dataset, resolve_source
 from ..data.tokenizer import tokenizer_sha256
+from ..utils import slug
 
 DATA_DIR_ENV = "FUSEDKV_DATA_DIR"
 
@@ -51,7 +51,7 @@ def _slug(spec: str) -> str:
     p = Path(spec)
     base = p.name if p.exists() else spec
     ident = str(p.resolve()) if p.exists() else spec
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-.")[:40] or "data"
+    name = slug(base, max_len=40, lower=False) or "data"
     return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:8]}"
 
 

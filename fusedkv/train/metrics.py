@@ -12,6 +12,8 @@ import csv
 import math
 from pathlib import Path
 
+from ..utils import human_bytes as _human_bytes
+
 FIELDS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_ppl", "elapsed_s")
 
 
@@ -101,11 +103,7 @@ def plot_learning_curves(history: list[dict], path: Path, title: str) -> Path | 
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    return _human_bytes(n, digits=2)
 
 
 def format_summary(result: dict) -> str:

@@ -107,6 +107,6 @@ def test_load_wikitext_local_and_unreachable(tmp_path, monkeypatch):
 
     for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(ppl, "_hub_reachable", lambda **kw: False)
+    monkeypatch.setattr(ppl, "hub_unreachable_reason", lambda **kw: "the hub is unreachable (test)")
     with pytest.raises(RuntimeError, match="unreachable"):
         load_wikitext()
