@@ -3,6 +3,8 @@ cli -> commands -> library -> model -> config -> plan without cycles (import-lin
 pyproject.toml)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from fusedkv.plan import CUSTOM, GQA, PLAN_CHOICES, PLAN_NAMES
@@ -48,3 +50,12 @@ def test_the_check_finds_a_plan_literal(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text('if plan == "gqa":\n    kv = heads // 2\n')
     assert _plan_literals(bad) == [(1, "gqa")]
+
+
+def test_import_layers_hold():
+    """`lint-imports` with the contracts in pyproject.toml (import-linter, in the dev extra)."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    assert lint.exists(), "import-linter is not installed: pip install -e '.[dev]'"
+    r = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout
