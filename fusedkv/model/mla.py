@@ -156,7 +156,11 @@ class MLA(nn.Module):
         rows of one matmul per source over the shared [S, r] latent: nothing is expanded per head."""
         b, nh, t, _ = q_nope.shape
         w_uk, w_uv = self._up_weights()
-        q_lat = torch.matmul(q_nope, w_uk).mul_(self.scale).reshape(b, nh * t, self.kv_lora_rank)
+        # Per-head products as one batched matmul over heads ([H, B*T, .] @ [H, ., .]): broadcasting the
+        # [H, d, r] weights over the batch instead would copy them B times.
+        q_lat = torch.matmul(q_nope.transpose(0, 1).reshape(nh, b * t, self.nope_dim), w_uk)
+        q_lat = q_lat.view(nh, b, t, self.kv_lora_rank).transpose(0, 1).reshape(b, nh * t, self.kv_lora_rank)
+        q_lat = q_lat * self.scale
         q_rope = (q_rope * self.scale).reshape(b, nh * t, self.rope_dim)
         scores = None
         for queries, sources, weights in ((q_lat, lat_src, lat_w), (q_rope, rope_src, rope_w)):
@@ -171,7 +175,8 @@ class MLA(nn.Module):
             part = torch.matmul(p, src[:, 0])
             part = part if w is None else part * w
             o_lat = part if o_lat is None else o_lat + part
-        return torch.matmul(o_lat.view(b, nh, t, self.kv_lora_rank), w_uv.transpose(-1, -2))
+        o_lat = o_lat.view(b, nh, t, self.kv_lora_rank).transpose(0, 1).reshape(nh, b * t, self.kv_lora_rank)
+        return torch.matmul(o_lat, w_uv.transpose(-1, -2)).view(nh, b, t, self.v_dim).transpose(0, 1)
 
 
 __all__ = ["MLA", "LatentFusion"]
