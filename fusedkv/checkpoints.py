@@ -1,14 +1,106 @@
-"""Checks that turn a bad checkpoint directory into a clear message before transformers reads it.
+"""Checks that turn a bad checkpoint directory into a clear message before transformers reads it,
+and the integrity manifest that training checkpoints and trained models (`RUN/final/`) carry.
 
 transformers would warn and carry on when a `qwen3` config is loaded into a FusedKV model, and fail
 deep inside safetensors on a truncated file. Users get told what is wrong and how to fix it instead.
+
+Manifest: `manifest.json` lists the size and SHA-256 of every file of the directory; it is written
+last (atomically) by `write_manifest`, and `check_checkpoint_dir` (which `from_pretrained` calls)
+verifies it, so flipped bytes inside `model.safetensors` are refused instead of producing NaN. A
+model directory without a manifest (`save_pretrained` by a user, `fusedkv convert`) still loads. Files
+are hashed once per process (streamed in 4 MiB blocks) while their size and modification time stay.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+_BLOCK = 1 << 22
+# (path, device, inode, size, mtime_ns) -> SHA-256: a file is hashed once per process.
+_HASHED: dict[tuple, str] = {}
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 of a file, streamed; remembered while the file's size and mtime are unchanged."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _HASHED:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(_BLOCK):
+                h.update(block)
+        _HASHED[key] = h.hexdigest()
+    return _HASHED[key]
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_manifest(directory: str | Path, names=None, **fields) -> dict:
+    """fsync every file of `directory` (or `names`), then write `manifest.json` with their sizes and
+    SHA-256 atomically (temp file, fsync, rename). `fields` (e.g. step=) are stored alongside."""
+    directory = Path(directory)
+    if names is None:
+        names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {"format": MANIFEST_FORMAT, **fields, "files": {}}
+    for name in names:
+        path = directory / name
+        _fsync(path)
+        manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    _fsync(tmp)
+    os.replace(tmp, directory / MANIFEST)
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    """The manifest of `directory`, or None when it has none; ValueError when it is unreadable."""
+    mpath = Path(directory) / MANIFEST
+    if not mpath.is_file():
+        return None
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+        if not isinstance(files, dict) or not all("bytes" in v and "sha256" in v for v in files.values()):
+            raise TypeError("'files' must map names to their bytes and sha256")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{directory} is corrupt: unreadable {MANIFEST} ({e})") from e
+    return manifest
+
+
+def verify_manifest(directory: str | Path, what: str | None = None) -> dict | None:
+    """Check every file the manifest lists (present, same size, same SHA-256); ValueError naming the
+    file otherwise. Returns the manifest (None when the directory has none)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return None
+    what = what or str(directory)
+    for name, info in manifest["files"].items():
+        f = directory / name
+        if not f.is_file():
+            raise ValueError(f"{what} is corrupt: {name} is missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise ValueError(
+                f"{what} is corrupt: {name} has {size} bytes, the manifest says {info['bytes']} (truncated or "
+                "overwritten)"
+            )
+        if sha256_file(f) != info["sha256"]:
+            raise ValueError(
+                f"{what} is corrupt: {name} does not match its SHA-256 in {MANIFEST} (damaged bytes); "
+                f"restore it from a copy or a training checkpoint (if you changed it on purpose, delete {MANIFEST})"
+            )
+    return manifest
 
 
 def check_checkpoint_dir(path, config=None) -> None:
@@ -34,6 +126,7 @@ def check_checkpoint_dir(path, config=None) -> None:
     weights = sorted(p.glob("*.safetensors"))
     if not weights and not (p / "pytorch_model.bin").exists():
         raise ValueError(f"{p} has no weights (*.safetensors); the save did not finish or the files were removed")
+    verify_manifest(p)  # trained models (RUN/final) carry one; others pass
     for w in weights:
         _check_safetensors(w)
 

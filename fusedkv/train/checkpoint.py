@@ -8,7 +8,8 @@ A checkpoint is a directory `out_dir/checkpoints/step-NNNNNNNN/` holding
                           states (python, numpy, torch CPU, CUDA), the learning curve so far
     train_config.json     the resolved TrainConfig
     model_config.json     the FusedKVConfig
-    manifest.json         written last: step, and size + SHA-256 of every file above
+    manifest.json         written last: step, and size + SHA-256 of every file above (the same
+                          manifest as a trained model's final/, fusedkv/checkpoints.py)
 
 Atomicity: everything is written into a hidden temporary directory next to the others, fsynced,
 and only then renamed to its final name (a rename within one filesystem is atomic). A crash or
@@ -25,7 +26,6 @@ aborts at once (the last complete checkpoint is still intact).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -39,7 +39,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-FORMAT_VERSION = 1
+from ..checkpoints import MANIFEST_FORMAT, sha256_file, verify_manifest, write_manifest
+
+FORMAT_VERSION = MANIFEST_FORMAT  # names train/dcp.py uses
+_sha256 = sha256_file
+
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _FILES = ("model.safetensors", "optimizer.pt", "trainer_state.pt", "train_config.json", "model_config.json")
 
@@ -64,14 +68,6 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 def latest_checkpoint(root: str | Path) -> Path | None:
     ckpts = list_checkpoints(root)
     return ckpts[-1] if ckpts else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,15 +112,7 @@ def save_checkpoint(
         torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2, sort_keys=True) + "\n")
         (tmp / "model_config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
-        manifest = {"format": FORMAT_VERSION, "step": step, "files": {}}
-        for name in _FILES:
-            path = tmp / name
-            with path.open("rb+") as f:
-                os.fsync(f.fileno())
-            manifest["files"][name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        with (tmp / "manifest.json").open("rb+") as f:
-            os.fsync(f.fileno())
+        write_manifest(tmp, _FILES, step=step)  # last: its presence marks the files complete
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. signalled right after a resume)
             old = root / f".old-{final.name}-{os.getpid()}"
@@ -157,30 +145,11 @@ def verify_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} does not exist (or is not a directory)")
-    mpath = path / "manifest.json"
-    if not mpath.is_file():
-        raise ValueError(
-            f"checkpoint {path} is incomplete: it has no manifest.json (the save did not finish)"
-        )
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"checkpoint {path} is corrupt: unreadable manifest.json ({e})") from e
-    for name, info in files.items():
-        f = path / name
-        if not f.is_file():
-            raise ValueError(f"checkpoint {path} is corrupt: {name} is missing")
-        size = f.stat().st_size
-        if size != info["bytes"]:
-            raise ValueError(
-                f"checkpoint {path} is corrupt: {name} has {size} bytes, the manifest says "
-                f"{info['bytes']} (truncated or overwritten)"
-            )
-        if _sha256(f) != info["sha256"]:
-            raise ValueError(
-                f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in the manifest"
-            )
+    manifest = verify_manifest(path, what=f"checkpoint {path}")
+    if manifest is None:
+        raise ValueError(f"checkpoint {path} is incomplete: it has no manifest.json (the save did not finish)")
+    if "step" not in manifest:
+        raise ValueError(f"checkpoint {path} is corrupt: its manifest.json has no step")
     return manifest
 
 

@@ -439,7 +439,47 @@ def _check_model_overrides(model: dict) -> dict:
             close = difflib.get_close_matches(key, MODEL_FIELDS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"model.{key}: not a FusedKVConfig field{hint}")
-    return model
+    return {key: _coerce_model_field(key, value) for key, value in model.items()}
+
+
+def _model_field_types() -> dict:
+    """FusedKVConfig's annotations as types (they are strings under `from __future__ import annotations`)."""
+    out = {}
+    for f in dataclasses.fields(FusedKVConfig):
+        try:
+            out[f.name] = eval(f.type, {"list": list, "dict": dict}) if isinstance(f.type, str) else f.type
+        except Exception:  # e.g. Literal[...] of fields TrainConfig does not expose
+            pass
+    return out
+
+
+_MODEL_TYPES = _model_field_types()
+
+
+def _coerce_model_field(key: str, value):
+    """`model.hidden_size=abc` is refused here, naming the key, before any model is built."""
+    hint = _MODEL_TYPES.get(key)
+    if hint is None:
+        return value
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ValueError(f"model.{key}: must not be None")
+    errors = []
+    for t in args:
+        if t is type(None):
+            continue
+        if typing.get_origin(t) in (list, dict):
+            if isinstance(value, typing.get_origin(t)):
+                return value
+            errors.append(f"not a {typing.get_origin(t).__name__}")
+            continue
+        try:
+            return _coerce_one(t, value)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    raise ValueError(f"model.{key}={value!r}: expected {_type_name(hint)} ({'; '.join(errors)})")
 
 
 # ---- type coercion ------------------------------------------------------------------------------------

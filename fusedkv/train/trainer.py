@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoints import check_checkpoint_dir
+from ..checkpoints import check_checkpoint_dir, write_manifest
 from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
 from ..errors import RunError
@@ -45,7 +45,7 @@ from . import distributed as D
 from .config import TrainConfig
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
 from .optim import build_optimizer, build_scheduler
-from .rundir import RunDirBusy, RunDirLock
+from .rundir import RunDirBusy, RunDirLock, clear_previous_run
 
 # Fields a resumed run may change; any other difference would make it a different experiment.
 RESUME_MAY_CHANGE = {
@@ -292,16 +292,17 @@ class _Run:
             world_size=env.world_size,
         )
 
-        # Nothing has been written so far; from here on the run owns out_dir.
+        model, wrapped, opt, sched = self._build(mc, ckpt)
+        # Config validated, data ready, model built: only now may an old run be replaced. Nothing in
+        # out_dir was written or deleted before this point (but the lock file).
         if env.is_main:
             if cfg.overwrite and not cfg.resume:
-                for name in ("checkpoints", "final", "tb"):
-                    shutil.rmtree(self.out / name, ignore_errors=True)
+                removed = clear_previous_run(self.out)
+                if removed:
+                    self.say(f"--overwrite: removed the previous run's {', '.join(removed)} from {self.out}")
             self.out.mkdir(parents=True, exist_ok=True)
             ckpt_io.remove_stale_temporaries(ckpt_io.checkpoint_root(self.out))
         D.barrier(env)
-
-        model, wrapped, opt, sched = self._build(mc, ckpt)
         step, tokens, history = 0, 0, []
         if ckpt is not None:
             ts = ckpt["trainer_state"]
@@ -595,7 +596,8 @@ class _Run:
         return result
 
     def _save_final(self) -> Path:
-        """`save_pretrained` + tokenizer into out_dir/final, atomically (temp dir, then rename)."""
+        """`save_pretrained` + tokenizer + integrity manifest into out_dir/final, atomically (temp dir,
+        then rename)."""
         env = self.env
         sd = D.full_model_state_dict(self.model)  # collective under FSDP
         final = self.out / "final"
@@ -607,6 +609,7 @@ class _Run:
                 plain.load_state_dict(sd, strict=True)
                 plain.save_pretrained(str(tmp))
                 self.ds.load_tokenizer().save_pretrained(str(tmp))
+            write_manifest(tmp)  # sizes + SHA-256, verified by from_pretrained (checkpoints.py)
             if final.exists():
                 old = self.out / f".final.old-{os.getpid()}"
                 os.replace(final, old)

@@ -4,6 +4,8 @@ a checkpoint save, resuming from a corrupt latest checkpoint or a finished run."
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fusedkv import FusedKVForCausalLM
 from fusedkv.data import prepare_dataset, read_builtin_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,3 +106,70 @@ def test_second_run_into_the_same_out_is_refused_and_a_killed_run_leaves_no_lock
     assert resumed.returncode == 0, resumed.stderr
     rows = (out / "metrics.csv").read_text().strip().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(1, last + 3))
+
+
+def snapshot(root: Path) -> dict:
+    """Path -> SHA-256 of every file below root, but the lock file (proves nothing was touched)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def test_overwrite_touches_nothing_until_the_new_run_is_known_to_start(tmp_path, env, data):
+    out = tmp_path / "run"
+    first = run(env, *nano(data, out, "--max-steps", 2))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    assert {"summary.json", "learning_curves.png", "final/model.safetensors"} <= set(before)
+    for bad in (
+        ("--set", "model.rms_norm_eps=abc"),  # a type error in the model config
+        ("--set", "model.hidden_size=abc"),
+        ("--set", "model.num_attention_heads=5"),  # only the model constructor can tell
+        ("--data", tmp_path / "missing.txt"),  # fails while preparing data
+    ):
+        args = list(nano(data, out, "--max-steps", 2, "--overwrite"))
+        args[args.index("--data") + 1] = bad[1] if bad[0] == "--data" else data
+        p = run(env, *args, *(bad if bad[0] == "--set" else ()))
+        assert p.returncode == 2, p.stderr
+        msg = one_line_error(p)
+        assert "rms_norm_eps" in msg or "hidden_size" in msg or "num_attention_heads" in msg or "missing" in msg
+        assert snapshot(out) == before, f"{bad} changed the old run"
+    # A good --overwrite replaces the old run entirely: no stale checkpoint, event file or summary.
+    (out / "checkpoints" / "step-00000002").rename(out / "checkpoints" / "step-00000099")  # an "old" one
+    p = run(env, *nano(data, out, "--max-steps", 1, "--overwrite", "--plan", "vanilla"))
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"] == "vanilla" and summary["steps"] == 1
+    assert [c.name for c in (out / "checkpoints").iterdir()] == ["step-00000001"]
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def test_corrupt_final_weights_are_refused_on_load(tmp_path, env, data):
+    out = tmp_path / "run"
+    assert run(env, *nano(data, out, "--max-steps", 1)).returncode == 0
+    final = out / "final"
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["files"])
+    assert FusedKVForCausalLM.from_pretrained(final) is not None  # intact: loads
+    # Damage bytes inside the tensor data (the header still parses, sizes are unchanged).
+    weights = final / "model.safetensors"
+    good = weights.read_bytes()
+    raw = bytearray(good)
+    raw[len(raw) - 1000 : len(raw) - 996] = b"\xff\xff\xff\x7f"
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"model\.safetensors does not match its SHA-256"):
+        FusedKVForCausalLM.from_pretrained(final)
+    for args in (
+        ("-m", "fusedkv.cli", "generate", final, "--greedy", "--max-new-tokens", 3),
+        ("-m", "fusedkv.train.command", *nano(data, tmp_path / "next", "--init-from", final)),
+    ):
+        p = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True)
+        assert p.returncode == 2, p.stderr
+        assert "Traceback" not in p.stderr and "does not match its SHA-256" in p.stderr
+    # A model directory without a manifest (save_pretrained by a user, fusedkv convert) still loads.
+    weights.write_bytes(good)
+    FusedKVForCausalLM.from_pretrained(final).save_pretrained(tmp_path / "user-saved")
+    assert not (tmp_path / "user-saved" / "manifest.json").exists()
+    FusedKVForCausalLM.from_pretrained(tmp_path / "user-saved")
