@@ -124,18 +124,13 @@ def _add_generate(sub):
 
 
 def _run_generate(args) -> None:
-    import time
-
     import torch
     from transformers import AutoTokenizer
 
-    from .cache import kv_cache_nbytes
-    from .model import FusedKVForCausalLM, pack_for_decode
-    from .model.packing import PACKED_MAX_ROWS
+    from .generation import generate
+    from .model import FusedKVForCausalLM
 
     model = FusedKVForCausalLM.from_pretrained(args.checkpoint).to(args.device).eval()
-    if args.num_samples <= PACKED_MAX_ROWS:
-        pack_for_decode(model)  # one GEMV per projection group per step (fusedkv.model.packing)
     try:
         tok = AutoTokenizer.from_pretrained(args.checkpoint)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure means the same thing to the user
@@ -146,21 +141,24 @@ def _run_generate(args) -> None:
     ids = tok([args.prompt] * args.num_samples, return_tensors="pt").input_ids.to(args.device)
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
-    torch.manual_seed(args.seed)
-    sampling = dict(do_sample=False) if args.greedy else dict(
-        do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or 0,
-                             return_dict_in_generate=True, **sampling)
-    elapsed = time.perf_counter() - start
-    for row in out.sequences:
-        print(tok.decode(row, skip_special_tokens=True))
+    eos = model.config.eos_token_id if model.config.eos_token_id is not None else tok.eos_token_id
+    # The package's own loop: the compact static cache, prefill skipping, and the weight layout the
+    # batch decodes fastest with (fusedkv.model.packing).
+    result = generate(model, ids, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                      top_k=None if args.greedy else args.top_k, top_p=1.0 if args.greedy else args.top_p,
+                      eos_token_id=eos, generator=torch.Generator(args.device).manual_seed(args.seed),
+                      weight_layout="auto")
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    for row in result.tokens.tolist():
+        new = row[ids.shape[1]:]
+        cut = next((k + 1 for k, t in enumerate(new) if t in stops), len(new))  # up to its first EOS
+        print(tok.decode(row[:ids.shape[1]] + new[:cut], skip_special_tokens=True))
         print("-" * 40)
-    new = out.sequences.shape[1] - ids.shape[1]
+    new = result.tokens.shape[1] - ids.shape[1]
+    elapsed = result.ttft_s + sum(result.step_s)
     print(f"plan {model.config.kv_sharing}: {new} new tokens x {ids.shape[0]} in {elapsed:.2f}s "
-          f"({new * ids.shape[0] / elapsed:.1f} tok/s); KV cache held {kv_cache_nbytes(out.past_key_values):,} bytes",
-          file=sys.stderr)
+          f"({new * ids.shape[0] / elapsed:.1f} tok/s, first token after {result.ttft_s * 1e3:.0f} ms); "
+          f"KV cache held {result.cache_bytes:,} bytes", file=sys.stderr)
 
 
 def register_convert(sub):

@@ -3,7 +3,12 @@
 `model.generate()` (transformers) works with every plan; this loop exists for speed and measurement:
 a preallocated `StaticKVCache` for the storage layers, prefill that asks only for the last position
 (so reconstruction layers skip the rest of the prompt), and one forward per new token with nothing
-else in the way. It records time-to-first-token and every decode step, which `fusedkv bench` reports.
+else in the way. It records time-to-first-token and every decode step, which `fusedkv bench` reports,
+and it is the loop `fusedkv generate` samples with.
+
+Padding: the model takes left-padded batches (positions count real tokens only). A right-padded batch
+(what a tokenizer that pads on the right gives) is re-aligned to the left before prefill, so every
+row continues from its own last real token; a mask with holes inside a row is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
 
 @dataclass
 class GenerationResult:
-    tokens: torch.Tensor  # [B, prompt + new]
+    tokens: torch.Tensor  # [B, prompt + new]: the caller's input_ids as given, then the new tokens
     ttft_s: float
     step_s: list[float] = field(default_factory=list)
     cache_bytes: int = 0
@@ -34,15 +39,46 @@ class GenerationResult:
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, V] logits -> [B, 1] token ids; temperature 0 is greedy."""
+                generator: torch.Generator | None = None, top_p: float = 1.0) -> torch.Tensor:
+    """[B, V] logits -> [B, 1] token ids; temperature 0 is greedy. `top_k` keeps the k likeliest tokens,
+    `top_p` < 1 the smallest set whose probability reaches top_p (nucleus sampling; always >= 1 token)."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+
+
+def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens to the right end (left padding), whatever side the padding was on.
+    Rows must hold one contiguous run of real tokens; a row with holes, or with none, is refused."""
+    valid = attention_mask.bool()
+    batch, width = valid.shape
+    lengths = valid.sum(-1)
+    if bool((lengths == 0).any()):
+        raise ValueError(f"attention_mask rows {(lengths == 0).nonzero().flatten().tolist()} have no real token; "
+                         "drop empty prompts from the batch")
+    first = valid.long().argmax(-1)
+    last = width - 1 - valid.flip(-1).long().argmax(-1)
+    holes = (last - first + 1) != lengths
+    if bool(holes.any()):
+        raise ValueError(f"attention_mask rows {holes.nonzero().flatten().tolist()} have padding between real "
+                         "tokens; pad each prompt on one side only (left or right)")
+    if bool((last == width - 1).all()):
+        return input_ids, attention_mask  # already left-padded: nothing to move
+    pos = torch.arange(width, device=input_ids.device)
+    start = width - lengths  # where each row's real tokens begin once left-aligned
+    real = pos[None, :] >= start[:, None]
+    src = (first[:, None] + pos[None, :] - start[:, None]).clamp(0, width - 1)
+    ids = torch.where(real, input_ids.gather(1, src), torch.zeros_like(input_ids))
+    return ids, real.to(attention_mask.dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -54,8 +90,12 @@ def _sync(device: torch.device) -> None:
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
-             weight_layout: str = "keep", cache_factory=None) -> GenerationResult:
-    """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`).
+             weight_layout: str = "keep", cache_factory=None, top_p: float = 1.0) -> GenerationResult:
+    """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`, an id or a list of ids;
+    rows that finish earlier keep sampling, cut them at their first EOS).
+
+    `attention_mask` marks real tokens (1) and padding (0), on either side of each row (see the module
+    docstring); the result keeps `input_ids` as given and appends the new tokens after them.
 
     `weight_layout`: "keep" (default) runs the model as the caller laid it out. "auto" first puts the
     weights in the layout this batch decodes fastest with (`fusedkv.model.packing.set_decode_layout`:
@@ -82,16 +122,22 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     else:
         cache = StaticKVCache(model.config, batch, total, dtype, device) if static_cache else None
     mask = attention_mask
+    prompt_ids = input_ids
     if mask is not None:  # grow the padding mask in place instead of concatenating every step
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}; "
+                             "give one mask entry per token")
+        prompt_ids, prompt_mask = left_align(input_ids, attention_mask)
         mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
-        mask[:, :prompt_len] = attention_mask
+        mask[:, :prompt_len] = prompt_mask
+    eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
 
     _sync(device)
     start = time.perf_counter()
-    out = model(input_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
+    out = model(prompt_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
                 use_cache=True, logits_to_keep=1)
     cache = out.cache
-    token = sample_next(out.logits[:, -1], temperature, top_k, generator)
+    token = sample_next(out.logits[:, -1], temperature, top_k, generator, top_p)
     _sync(device)
     ttft = time.perf_counter() - start
 
@@ -99,13 +145,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     steps: list[float] = []
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for pos in range(prompt_len, total - 1):
-        if eos_token_id is not None:
-            done |= token[:, 0] == eos_token_id
+        if eos is not None:
+            done |= torch.isin(token[:, 0], eos)
             if bool(done.all()):
                 break
         t0 = time.perf_counter()
         out = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache, use_cache=True)
-        token = sample_next(out.logits[:, -1], temperature, top_k, generator)
+        token = sample_next(out.logits[:, -1], temperature, top_k, generator, top_p)
         _sync(device)
         steps.append(time.perf_counter() - t0)
         tokens.append(token)
