@@ -45,7 +45,7 @@ class FusedKVConfig(PreTrainedConfig):
             like other parameters) or "iterative" (the iterative architecture with its carried K/V).
         fusion_iterative_init: (carry, fixed) initial coefficients of the iterative recurrence
             K^i = carry * K^{i-1} + fixed * K^1, which "equivalent" unrolls.
-        tie_rope_pairs: tie key fusion weights across each RoPE rotation pair (SPEC section 2). Only
+        tie_rope_pairs: tie key fusion weights across each RoPE rotation pair (paper Sec. 2.4, App. A.4). Only
             switch off to demonstrate why it is needed.
 
     Mixture of experts (Qwen3-MoE's names and meaning; `fusedkv/model/moe.py`), off when num_experts=0:

@@ -1,7 +1,7 @@
 """The KV-sharing plan: which layers store a KV cache and where every other layer reads its K and V.
 
 This is the one place that knows what "vanilla", "cla", "yoco", "fusedkv-lite" and "fusedkv" mean
-(SPEC section 1). Everything else (the model, the cache, the benchmarks, the CLI table) asks the
+(paper Sec. 2.1-2.3, Table 1). Everything else (the model, the cache, the benchmarks, the CLI table) asks the
 plan instead of testing plan names. A plan is a pure, immutable value: a tuple of `LayerKV`, one per
 layer, built from a plan name or a custom source map and validated once.
 
@@ -9,7 +9,7 @@ Layer indices are 0-based in code. The paper and the user-facing custom source m
 ("K from layer 8, V from layer 1"); `custom_plan` converts at the boundary.
 
 Attention types: every layer has one ("full_attention" or "sliding_attention", Qwen3's names). A
-reconstruction layer must read sources of its own type (SPEC section 7, SWA hybrids): a window layer
+reconstruction layer must read sources of its own type (paper App. A.6, SWA hybrids): a window layer
 must not read a full-length source through a window mask, nor a full layer a truncated window cache.
 The named plans pick "first" and "middle" sources per attention type, so hybrids need no new code.
 """
@@ -181,7 +181,7 @@ class KVSharingPlan:
     @property
     def first_skippable_layer(self) -> int:
         """Layers from here on store nothing, so during prefill only the positions whose outputs are
-        wanted need to pass through them (SPEC section 3). Equals num_layers when none can be skipped."""
+        wanted need to pass through them (paper Sec. 2.5). Equals num_layers when none can be skipped."""
         return max(self.storage_layers) + 1
 
     # ---- capacity and I/O, in elements per token per (kv head x head_dim) -------------------------
@@ -191,7 +191,7 @@ class KVSharingPlan:
 
     def elements_read_per_token(self) -> int:
         """K and V vectors read per cached token in one decode step: each layer reads every source
-        of each side once (a fused layer reads 2 K + 2 V tensors, SPEC Table 1)."""
+        of each side once (a fused layer reads 2 K + 2 V tensors, paper Table 1)."""
         return sum(len(layer.k_sources) + len(layer.v_sources) for layer in self.layers)
 
     def describe(self) -> list[str]:
@@ -241,7 +241,7 @@ def build_plan(
 
     `layer_types[i]` is layer i's attention type (default all full). `shared_types` restricts which
     attention types the upper half reconstructs (default: all); upper layers of other types keep their
-    own cache. This gives the SWA hybrids of SPEC section 7: `shared_types=["sliding_attention"]` is
+    own cache. This gives the SWA hybrids of paper App. A.6: `shared_types=["sliding_attention"]` is
     "+W", the default is "+WF".
     """
     if name not in PLAN_NAMES:

@@ -1,4 +1,4 @@
-"""Learned cross-layer fusion weights of one reconstruction layer (SPEC sections 1, 2 and 5).
+"""Learned cross-layer fusion weights of one reconstruction layer (paper Sec. 2.2-2.4, Eqs. 4-8; App. A.3).
 
     K^i = sum_s a_{i,s} (.) K^s        V^i = sum_s b_{i,s} (.) V^s
 
@@ -7,11 +7,11 @@ mode, the dense-fusion exploration of Fig. 2); a "reuse" side has no weights at 
 
 Key weights are tied across each RoPE rotation pair: the fusion acts on post-RoPE keys, and only
 equal weights on both coordinates of a rotation commute with it, leaving attention scores a function
-of relative position (SPEC section 2). With the rotate-half layout, channel j pairs with j + D/2, so
+of relative position (paper Sec. 2.4, Eqs. 7-8, App. A.4). With the rotate-half layout, channel j pairs with j + D/2, so
 the key parameter stores D/2 values per head and is expanded as [w, w]. The tie is therefore
 structural: training cannot break it.
 
-Initialisation (SPEC section 5, Table 5):
+Initialisation (paper App. A.3, Table 5):
   * "iterative": layer i fuses the previous reconstruction layer's K (a carry, starting at the
     second source K^n) with the fixed first source K^1: K^i = c_i (.) K^{i-1} + f_i (.) K^1.
     Weights start at (f, c) = `fusion_iterative_init`.

@@ -5,7 +5,7 @@ The model is a transformers `PreTrainedModel`: `save_pretrained` / `from_pretrai
 `DynamicCache`: only storage layers ever write to it, so reconstruction layers hold nothing and the
 cache is exactly as large as the plan says (`fusedkv.cache.kv_cache_nbytes`).
 
-Prefill skipping (SPEC section 3): once every remaining layer is a reconstruction layer, their K/V no
+Prefill skipping (paper Sec. 2.5): once every remaining layer is a reconstruction layer, their K/V no
 longer depend on their own hidden states, so when only the last `logits_to_keep` positions' outputs
 are wanted (as in `generate`) only those positions continue through the upper layers.
 """
