@@ -26,6 +26,7 @@ aborts at once (the last complete checkpoint is still intact).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -40,6 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoints import MANIFEST_FORMAT, sha256_file, verify_manifest, write_manifest
+from ..errors import RunError
 
 FORMAT_VERSION = MANIFEST_FORMAT  # names train/dcp.py uses
 _sha256 = sha256_file
@@ -95,25 +97,29 @@ def save_checkpoint(
 ) -> Path:
     """Write a complete checkpoint for `step` atomically and prune older ones (rank 0 only)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    current = tmp  # the file being written, for the message if the disk is full
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         # safetensors needs contiguous, unshared tensors; the gathered state dict already is on CPU.
-        save_file(
-            {k: v.contiguous() for k, v in model_state.items()},
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        torch.save(optim_state, tmp / "optimizer.pt")
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2, sort_keys=True) + "\n")
-        (tmp / "model_config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
+        current = tmp / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(current), metadata={"format": "pt"})
+        current = tmp / "optimizer.pt"
+        torch.save(optim_state, current)
+        current = tmp / "trainer_state.pt"
+        torch.save(trainer_state, current)
+        current = tmp / "train_config.json"
+        current.write_text(json.dumps(train_config, indent=2, sort_keys=True) + "\n")
+        current = tmp / "model_config.json"
+        current.write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
+        current = tmp / "manifest.json"
         write_manifest(tmp, _FILES, step=step)  # last: its presence marks the files complete
         _fsync_dir(tmp)
+        current = final
         if final.exists():  # the same step saved again (e.g. signalled right after a resume)
             old = root / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
@@ -122,6 +128,16 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
+    except Exception as e:
+        reason = write_failure(e, current)
+        if reason is None:
+            raise
+        last = latest_checkpoint(root)
+        raise RunError(
+            f"could not write {current} ({reason}): the checkpoint of step {step} was not saved and its "
+            f"temporary directory was removed; the last good checkpoint is {last or '(none)'}. Free some space "
+            f"and continue with `fusedkv train --resume {root.parent}`"
+        ) from e
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -129,6 +145,26 @@ def save_checkpoint(
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_failure(e: BaseException, path: str | Path | None = None) -> str | None:
+    """Why a write failed, if `e` is a failed write (OSError; safetensors' and torch.save's own errors
+    for a full disk); None for anything else. `path`: the file, to look at the free space left."""
+    if isinstance(e, OSError):
+        return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    text = str(e)
+    if "No space left" in text:
+        return "no space left on the device"
+    if type(e).__name__ == "SafetensorError" and "I/O error" in text:
+        return text
+    if isinstance(e, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text):
+        # torch.save's zip writer does not say why; a (nearly) full disk is by far the likeliest.
+        try:
+            full = path is not None and shutil.disk_usage(Path(path).parent).free < (1 << 20)
+        except OSError:
+            full = False
+        return "no space left on the device" if full else "the file could not be written in full; is the disk full?"
+    return None
 
 
 def remove_stale_temporaries(root: str | Path) -> None:

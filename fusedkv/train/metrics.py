@@ -42,8 +42,11 @@ class MetricsLogger:
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
-        self._csv.writerow({k: _fmt(row.get(k)) for k in FIELDS})
-        self._file.flush()
+        try:
+            self._csv.writerow({k: _fmt(row.get(k)) for k in FIELDS})
+            self._file.flush()
+        except OSError as e:  # name the file (a failed write() does not)
+            raise OSError(e.errno, e.strerror, str(self.csv_path)) from e
         if self._tb is not None:
             step = row["step"]
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_ppl"):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..checkpoints import check_checkpoint_dir, write_manifest
 from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
-from ..errors import RunError
+from ..errors import RunError, describe_os_error
 from ..model import FusedKVForCausalLM
 from . import checkpoint as ckpt_io
 from . import data as data_setup
@@ -321,7 +321,13 @@ class _Run:
             del ckpt  # the state dicts can be large
         self.model, self.wrapped, self.opt, self.sched, self.batches = model, wrapped, opt, sched, batches
         self.mc, self.ds, self.accum, self.total = mc, ds, accum, total
-        return self._loop(step, tokens, history, t_start)
+        try:
+            return self._loop(step, tokens, history, t_start)
+        except OSError as e:  # metrics, TensorBoard, summary: a full disk is a failure, not a traceback
+            raise RunError(
+                f"{describe_os_error(e)}; the last good checkpoint is {self._last_good()}: free some space and "
+                f"continue with `fusedkv train --resume {self.out}`"
+            ) from e
 
     def _build(self, mc: FusedKVConfig, ckpt):
         cfg, env = self.cfg, self.env
@@ -595,6 +601,9 @@ class _Run:
             self.say(format_summary(result))
         return result
 
+    def _last_good(self) -> str:
+        return str(ckpt_io.latest_checkpoint(ckpt_io.checkpoint_root(self.out)) or "(none)")
+
     def _save_final(self) -> Path:
         """`save_pretrained` + tokenizer + integrity manifest into out_dir/final, atomically (temp dir,
         then rename)."""
@@ -603,20 +612,33 @@ class _Run:
         final = self.out / "final"
         if env.is_main:
             tmp = self.out / f".final.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            with _quiet_transformers(not self.verbose):
-                plain = FusedKVForCausalLM(self.mc)  # unwrapped, on CPU, whatever the training layout
-                plain.load_state_dict(sd, strict=True)
-                plain.save_pretrained(str(tmp))
-                self.ds.load_tokenizer().save_pretrained(str(tmp))
-            write_manifest(tmp)  # sizes + SHA-256, verified by from_pretrained (checkpoints.py)
-            if final.exists():
-                old = self.out / f".final.old-{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                with _quiet_transformers(not self.verbose):
+                    plain = FusedKVForCausalLM(self.mc)  # unwrapped, on CPU, whatever the training layout
+                    plain.load_state_dict(sd, strict=True)
+                    plain.save_pretrained(str(tmp))
+                    self.ds.load_tokenizer().save_pretrained(str(tmp))
+                write_manifest(tmp)  # sizes + SHA-256, verified by from_pretrained (checkpoints.py)
+                if final.exists():
+                    old = self.out / f".final.old-{os.getpid()}"
+                    os.replace(final, old)
+                    os.replace(tmp, final)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(tmp, final)
+            except Exception as e:
+                reason = ckpt_io.write_failure(e, tmp / "model.safetensors")
+                if reason is None:
+                    raise
+                where = getattr(e, "filename", None) or tmp
+                raise RunError(
+                    f"could not write the final model ({where}: {reason}); its temporary directory was removed. "
+                    f"Training finished and the last good checkpoint is {self._last_good()}: free some space "
+                    f"and run `fusedkv train --resume {self.out}` to write {final}"
+                ) from e
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         D.barrier(env)
         return final
 

@@ -173,3 +173,44 @@ def test_corrupt_final_weights_are_refused_on_load(tmp_path, env, data):
     FusedKVForCausalLM.from_pretrained(final).save_pretrained(tmp_path / "user-saved")
     assert not (tmp_path / "user-saved" / "manifest.json").exists()
     FusedKVForCausalLM.from_pretrained(tmp_path / "user-saved")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size (root only: skipped otherwise); unmounted afterwards."""
+    mounted = []
+
+    def mount(size_bytes: int) -> Path:
+        d = tmp_path / f"disk{len(mounted)}"
+        d.mkdir()
+        opts = f"size={max(size_bytes // 1024, 64)}k"
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)]).returncode:
+            pytest.skip("needs root to mount a small tmpfs")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def test_full_disk_during_a_checkpoint_save(tmp_path, env, data, small_disk):
+    # How much one checkpoint takes, measured on a normal disk.
+    probe = tmp_path / "probe"
+    assert run(env, *nano(data, probe, "--max-steps", 1)).returncode == 0
+    ckpt_bytes = sum(f.stat().st_size for f in (probe / "checkpoints").rglob("*") if f.is_file())
+    # Room for the first checkpoint and half of the second.
+    out = small_disk(int(1.5 * ckpt_bytes) + 256 * 1024) / "run"
+    p = run(env, *nano(data, out, "--max-steps", 4, "--set", "ckpt_every=1"))
+    assert p.returncode == 1, p.stderr
+    msg = one_line_error(p)
+    assert "no space left on the device" in msg, msg
+    assert f"could not write {out}/checkpoints/.tmp-step-" in msg  # the file that failed
+    good = f"{out}/checkpoints/step-00000001"
+    assert f"the last good checkpoint is {good}" in msg, msg
+    # The failed save left no temporary directory; the good checkpoint verifies and resumes.
+    assert [c.name for c in (out / "checkpoints").iterdir()] == ["step-00000001"]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(out.parent)], check=True)
+    p = run(env, "--out", out, "--resume", "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
