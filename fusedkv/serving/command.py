@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import argtypes
 from ..errors import RunError, UsageError
 
-INSTALL_HINT = "scripts/install-vllm.sh (or see README: Serving)"
+INSTALL_HINT = "scripts/install-vllm.sh"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -51,7 +51,7 @@ def register(sub) -> None:
         "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API (vLLM)",
         description="Start vLLM's OpenAI-compatible server (/v1/completions, /v1/models, ...) for a FusedKV "
         "checkpoint, with the fusedkv vLLM plugin: only storage layers hold KV-cache blocks, so half plans fit "
-        "twice the sequences in the same --kv-cache-memory. Needs the vLLM environment (" + INSTALL_HINT + "). "
+        "twice the sequences in the same --kv-cache-memory. Needs the vLLM environment: " + INSTALL_HINT + ". "
         "Arguments after `--` are passed to vLLM unchanged.")
     p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -65,7 +65,7 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=argtypes.int_range(1), default=None,
                    help="most sequences in flight at once (default: vLLM's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (default auto: the checkpoint's)")
+                   help="weight and activation dtype (default auto: vLLM runs float32 checkpoints in 16 bits)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint path)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="skip torch.compile (starts about a minute sooner on CPU; decodes somewhat slower)")

@@ -26,7 +26,8 @@ import time
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                 max_model_len=args.max_model_len, enforce_eager=not args.compile, seed=0,
-                max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, skip_tokenizer_init=True)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=False, skip_tokenizer_init=True)
 
 
 def run_one(model: str, prompts: list[list[int]], args) -> dict:
@@ -35,6 +36,7 @@ def run_one(model: str, prompts: list[list[int]], args) -> dict:
 
     llm = LLM(model=model, **engine_kwargs(args))
     cache = llm.llm_engine.vllm_config.cache_config
+    hf_config = llm.llm_engine.vllm_config.model_config.hf_config
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True,
                             prompt_logprobs=0 if args.prompt_logprobs else None, detokenize=False)
     start = time.perf_counter()
@@ -47,7 +49,9 @@ def run_one(model: str, prompts: list[list[int]], args) -> dict:
             # Entry i (i >= 1) maps token ids to logprobs; the prompt's own token is always among them.
             row["prompt_logprobs"] = [entry[tok].logprob for tok, entry in zip(prompt[1:], out.prompt_logprobs[1:])]
         rows.append(row)
-    result = {"model": model, "rows": rows, "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+    result = {"model": model, "rows": rows, "kv_heads": hf_config.num_key_value_heads,
+              "storage_layers": list(hf_config.plan.storage_layers),
+              "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": cache.kv_cache_size_tokens, "max_concurrency": cache.kv_cache_max_concurrency,
               "elapsed_s": elapsed, "generated_tokens": sum(len(r["tokens"]) for r in rows)}
     del llm
@@ -66,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="KV-cache bytes (default 64 MiB)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step; below the prompt length it splits prefills into chunks")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
