@@ -22,7 +22,8 @@ import importlib
 import sys
 
 from . import argtypes
-from .errors import EXIT_USAGE, debug_enabled, run_command
+from .argtypes import Parser, add_debug_flag
+from .errors import debug_enabled, run_command
 from .plan import VANILLA
 
 EPILOG = """\
@@ -32,14 +33,6 @@ exit status: 0 done, 2 bad input (a flag, a path, a config), 1 failure while run
 
 start with `fusedkv train` (a tiny model on the built-in corpus), then
 `fusedkv generate runs/tiny-fusedkv/final`; `fusedkv COMMAND --help` for each command."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag reported in one line (usage is one `--help` away)."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
 
 
 def _from_module(module: str):
@@ -197,39 +190,35 @@ _COMMANDS = (
     "fusedkv.experiments.command",
     "fusedkv.bench.command",
     "fusedkv.analysis.command",
+    "fusedkv.serving.command",
 )
-
-_DEBUG_HELP = "on an error, show the full traceback instead of one line (also: FUSEDKV_DEBUG=1)"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="fusedkv", description="Train, evaluate and serve decoder LMs with half-size KV caches "
                     "(FusedKV, arXiv:2512.03870).", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version="fusedkv 0.1.0")
-    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    add_debug_flag(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for entry in _COMMANDS:
         register = _from_module(entry) if isinstance(entry, str) else entry
         if register is not None:
             register(sub)
     for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the global value
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+        add_debug_flag(p, default=argparse.SUPPRESS)
+    parser.commands = sub.choices
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """The `fusedkv` command; returns the exit status (see `fusedkv.errors`)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the subcommand's parser, so the message names the command
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
     return run_command(args.command, args.func, args, debug=debug_enabled(args.debug))
-
-
-def run_standalone(command: str, argv: list[str] | None = None) -> int:
-    """`python -m fusedkv.<pkg>.command ARGS` is `fusedkv COMMAND ARGS`: one parser, one error policy."""
-    return main([command, *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -11,12 +11,16 @@ Library code raises ordinary exceptions with messages a user can act on:
   * anything else is a bug: one line saying so and how to see the traceback, exit 1.
 
 `--debug` (or `FUSEDKV_DEBUG=1`) re-raises instead, so the full traceback is shown.
+
+`run_command` applies this policy around one command's handler; `fusedkv.cli.main` and the stand-alone
+entry points (`python -m fusedkv.train.command`) both go through it, so every command reports alike.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 
 EXIT_OK = 0
@@ -40,6 +44,28 @@ class RunError(RuntimeError):
 
 def debug_enabled(argv_flag: bool = False) -> bool:
     return argv_flag or os.environ.get("FUSEDKV_DEBUG", "") not in ("", "0", "false", "no")
+
+
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """Refuse a device this build or machine cannot use, before any work starts (torch would fail later
+    with an AssertionError deep inside model loading)."""
+    if device in (None, "", "auto", "cpu"):
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"{flag} {device} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise UsageError(f"{flag} {device}: {why}; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"{flag} {device}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                             f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type != "cpu":
+        raise UsageError(f"{flag} {device}: fusedkv runs on cpu or cuda, not {dev.type}")
 
 
 def describe_os_error(e: OSError) -> str:
@@ -70,6 +96,9 @@ def exit_code_and_message(e: BaseException) -> tuple[int, str]:
         return EXIT_FAILURE, describe_os_error(e)
     if isinstance(e, ValueError):
         return EXIT_USAGE, str(e)
+    if "No space left on device" in str(e) or "StorageFull" in str(e):
+        # safetensors (and some C++ writers) report ENOSPC as their own exception type, without the file.
+        return EXIT_FAILURE, "no space left on the device while writing a file; free some disk space and retry"
     if isinstance(e, RuntimeError) and "enforce fail at inline_container" in str(e):
         # torch.save's zip writer reports a full disk this way.
         return EXIT_FAILURE, "could not finish writing a checkpoint file (is the disk full?); free space and retry"
@@ -79,5 +108,22 @@ def exit_code_and_message(e: BaseException) -> tuple[int, str]:
 
 def report(command: str, e: BaseException) -> int:
     code, message = exit_code_and_message(e)
-    print(f"fusedkv {command}: error: {message}", file=sys.stderr)
+    message = re.sub(r"\s*\n\s*", " ", message.strip())  # one line, even for a library's multi-line message
+    prefix = f"fusedkv {command}" if command else "fusedkv"
+    print(f"{prefix}: {message if code == EXIT_INTERRUPTED else 'error: ' + message}", file=sys.stderr)
     return code
+
+
+def run_command(command: str, handler, args, debug: bool = False) -> int:
+    """Run `handler(args)` under the error policy: its int result (or 0) is the exit code; an exception
+    becomes one line on stderr and its exit code, or propagates with its traceback under --debug."""
+    try:
+        check_device(getattr(args, "device", None))
+        result = handler(args)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the policy decides; KeyboardInterrupt included
+        if debug_enabled(debug):
+            raise
+        return report(command, e)
+    return result if isinstance(result, int) else EXIT_OK

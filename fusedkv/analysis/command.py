@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import argtypes
+from ..errors import UsageError
+
 
 def register(sub) -> None:
     p = sub.add_parser("analyze", help="the paper's analyses as pictures (dense-fusion heat maps, gradient norms)",
@@ -11,14 +14,17 @@ def register(sub) -> None:
                        "(Fig. 2; train one with `fusedkv compare dense`). grads: per-layer L2 norms of the "
                        "Q/K/V projection gradients over training steps (Fig. 9).")
     p.add_argument("analysis", choices=["dense", "grads"])
-    p.add_argument("checkpoint", help="trained checkpoint directory (with its tokenizer)")
-    p.add_argument("--out", default=None, help="PNG path (default: next to the checkpoint)")
-    p.add_argument("--steps", type=int, default=60, help="grads: training steps to record")
+    p.add_argument("checkpoint", type=argtypes.non_empty, help="trained checkpoint directory (with its tokenizer)")
+    p.add_argument("--out", default=None, type=argtypes.non_empty, help="PNG path (default: next to the checkpoint)")
+    p.add_argument("--steps", type=argtypes.int_range(1, 1_000_000), default=60,
+                   help="grads: training steps to record (default 60)")
     p.add_argument("--from-scratch", action="store_true",
                    help="grads: re-initialise the checkpoint's architecture and record from step 0")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--data", default="builtin", help="grads: text source (tokenised with the checkpoint's tokenizer)")
+    p.add_argument("--batch-size", type=argtypes.int_range(1, 4096), default=8, help="grads: sequences per step")
+    p.add_argument("--seq-len", type=argtypes.int_range(2), default=128,
+                   help="grads: tokens per sequence, at most the model context (default 128)")
+    p.add_argument("--data", default="builtin", type=argtypes.non_empty,
+                   help="grads: text source (tokenised with the checkpoint's tokenizer)")
     p.set_defaults(func=run)
 
 
@@ -28,6 +34,8 @@ def run(args) -> None:
     from ..model import FusedKVForCausalLM
 
     ckpt = Path(args.checkpoint)
+    if args.out is not None and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
+        raise UsageError(f"--out {args.out}: give a PNG file name in an existing directory")
     model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
     if args.analysis == "dense":
         from .dense import dense_coefficients, plot_dense_heatmaps
@@ -43,6 +51,8 @@ def run(args) -> None:
     from ..data import TokenBatches, prepare_dataset
     from .gradients import plot_gradient_norms, record_gradient_norms
 
+    if args.seq_len > model.config.max_position_embeddings:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model context {model.config.max_position_embeddings}")
     if args.from_scratch:
         torch.manual_seed(0)
         model = FusedKVForCausalLM(model.config)

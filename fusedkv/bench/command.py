@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .. import argtypes
+from ..errors import UsageError
 from ..plan import COMPARED_PLANS, GQA, PLAN_CHOICES, VANILLA, resolve_plan_choice
 
 
@@ -16,22 +18,26 @@ def register(sub) -> None:
         "transformers' Qwen3ForCausalLM.generate on the same vanilla weights.")
     p.add_argument("--plans", default=",".join(COMPARED_PLANS),
                    help=f"comma-separated plans (from {', '.join(PLAN_CHOICES)}; PLAN+{GQA} for half the KV heads)")
-    p.add_argument("--prompt-lens", default="256,1024,2048", help="comma-separated prompt lengths")
-    p.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=16, help="decode steps per measurement")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--prompt-lens", type=argtypes.int_list(1, 1 << 20), default=[256, 1024, 2048],
+                   help="comma-separated prompt lengths (default 256,1024,2048)")
+    p.add_argument("--batch-sizes", type=argtypes.int_list(1, 4096), default=[1, 4],
+                   help="comma-separated batch sizes (default 1,4)")
+    p.add_argument("--new-tokens", type=argtypes.int_range(1, 1 << 20), default=16,
+                   help="decode steps per measurement (default 16)")
+    p.add_argument("--repeats", type=argtypes.int_range(1, 1000), default=3, help="interleaved repeats (default 3)")
+    p.add_argument("--layers", type=argtypes.int_range(2, 1024), default=8, help="decoder layers, even (default 8)")
+    p.add_argument("--hidden", type=argtypes.int_range(2, 1 << 16), default=512, help="hidden size (default 512)")
+    p.add_argument("--heads", type=argtypes.int_range(1, 1024), default=8, help="attention heads (default 8)")
+    p.add_argument("--head-dim", type=argtypes.int_range(2, 1024), default=64, help="head dim, even (default 64)")
+    p.add_argument("--vocab", type=argtypes.int_range(2, 1 << 20), default=8192, help="vocabulary (default 8192)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers Qwen3 baseline")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=argtypes.int_range(1, 1024), default=None,
                    help="torch CPU threads (default: torch's choice; 1 avoids OpenMP stalls on a loaded machine)")
-    p.add_argument("--json", dest="json_path", help="also write the rows as JSON here")
-    p.add_argument("--plot", default=None, help="PNG of TTFT/TPOT ratios against prompt length")
+    p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="also write the rows as JSON here")
+    p.add_argument("--plot", default=None, type=argtypes.non_empty,
+                   help="PNG of TTFT/TPOT ratios against prompt length")
     p.add_argument("--gpu-suite", action="store_true",
                    help="run the GPU suite instead (kernels vs SDPA, TTFT/TPOT at 8k-128k in bf16); needs CUDA")
     p.set_defaults(func=run)
@@ -46,6 +52,8 @@ def run(args) -> None:
         return gpu_main([])
     from .inference import BenchShape, format_table, plot, run_inference_bench
 
+    _check_outputs(args.json_path, args.plot)
+
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -59,8 +67,7 @@ def run(args) -> None:
                        num_attention_heads=args.heads, head_dim=args.head_dim, vocab_size=args.vocab)
     from tqdm import tqdm
 
-    lens = [int(x) for x in args.prompt_lens.split(",")]
-    batches = [int(x) for x in args.batch_sizes.split(",")]
+    lens, batches = args.prompt_lens, args.batch_sizes
     total = args.repeats * len(lens) * len(batches) * (len(set(plans) | {VANILLA}) + (0 if args.no_hf else 1))
     bar = tqdm(total=total, desc="bench", unit="run")
 
@@ -80,3 +87,15 @@ def run(args) -> None:
     if args.plot:
         plot(rows, args.plot)
         print(f"\nplot: {args.plot}")
+
+
+def _check_outputs(*paths: str | None) -> None:
+    """Output files are checked before minutes of measuring, not when the results are written."""
+    for path in paths:
+        if path is None:
+            continue
+        out = Path(path)
+        if out.is_dir():
+            raise UsageError(f"{out} is a directory; give a file name")
+        if not out.parent.is_dir():
+            raise UsageError(f"{out}: directory {out.parent} does not exist")

@@ -33,6 +33,7 @@ from .sources import (
     TextSource,
     iter_documents,
     read_builtin_text,
+    read_text_file,
     resolve_source,
 )
 from .tokenizer import (
@@ -66,6 +67,7 @@ __all__ = [
     "num_eval_windows",
     "prepare_dataset",
     "read_builtin_text",
+    "read_text_file",
     "resolve_source",
     "save_tokenizer",
     "tokenizer_sha256",

@@ -146,6 +146,10 @@ def iter_eval_batches(shard, seq_len: int, batch_size: int, max_batches: int | N
     (global) number of batches for a quick estimate; with ``world_size > 1`` batch ``j`` goes to rank
     ``j % world_size`` so ranks split the work without overlap.
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_batches is not None and max_batches < 0:
+        raise ValueError(f"max_batches must be >= 0, got {max_batches}")
     tokens = _as_tokens(shard)
     _check_length(tokens, seq_len, f"evaluation shard {getattr(shard, 'path', '')}".strip())
     n_windows = (len(tokens) - 1) // seq_len

@@ -19,6 +19,9 @@ Supported specs (see :func:`resolve_source`):
 Whitespace-only documents are skipped; a source that yields no non-empty document raises
 ``ValueError`` when it is iterated, and a missing path raises ``ValueError`` when it is resolved,
 so that a typo fails at once with a message saying how to fix it rather than deep inside training.
+Text must be UTF-8: a file that is mostly not (random bytes, an executable) is refused naming it
+(:func:`read_text_file`); a few stray bytes are replaced with a warning naming the file and line; a
+.jsonl line that is not UTF-8 is an error naming the file and line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import lzma
 import re
 import tarfile
@@ -33,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..utils import hub_offline_mode, hub_unreachable_reason  # noqa: F401 (used here and re-exported)
+
+log = logging.getLogger(__name__)
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 SHAKESPEARE_ARCHIVE = CORPUS_DIR / "shakespeare-works.tar.xz"
@@ -43,6 +49,44 @@ KJV_FILE = CORPUS_DIR / "kjv.txt.xz"
 # between two blank lines, so requiring the blank lines makes the match unambiguous (it finds
 # exactly the Bible's 1189 chapters).
 _KJV_HEADING = re.compile(r"(?:\A|\n\n)((?:[1-3] )?[A-Z][A-Za-z ]*?) (\d+)\n\n")
+
+
+# Above this share of undecodable bytes and control characters a file is binary, not text with a few bad
+# bytes: random bytes score ~50%, executables well above 10%, a Latin-1 text mistaken for UTF-8 ~1-3%.
+BINARY_FRACTION = 0.10
+# Bytes that never occur in text: C0 controls other than tab, newline, vertical tab, form feed and
+# carriage return, and DEL. bytes.translate deletes all others, leaving just these to count.
+_TEXT_BYTES = bytes(b for b in range(256) if not (b < 32 and b not in b"\t\n\x0b\x0c\r") and b != 127)
+
+
+def read_text_file(path: str | Path) -> str:
+    """The UTF-8 text of a file. Refuses, naming the file, one that is mostly not text; replaces a few
+    undecodable bytes (with a warning naming the file and the first bad line) rather than abort a long run."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+        first_bad = None
+    except UnicodeDecodeError as e:
+        text = data.decode("utf-8", errors="replace")
+        first_bad = e.start
+    undecodable = 0 if first_bad is None else text.count("\ufffd")
+    control = len(data.translate(None, _TEXT_BYTES))
+    if undecodable + control > BINARY_FRACTION * max(1, len(text)):
+        if first_bad is None:
+            first_bad = len(data) - len(data.lstrip(_TEXT_BYTES))
+        line = data[:first_bad].count(b"\n") + 1
+        share = 100 * (undecodable + control) / max(1, len(text))
+        raise ValueError(
+            f"{path} does not look like text: {share:.0f}% of it is undecodable bytes or control characters "
+            f"(from line {line}). fusedkv reads UTF-8 text; pass text files (a text file in another encoding: "
+            f"convert it first, e.g. iconv -f LATIN1 -t UTF-8)."
+        )
+    if first_bad is not None:
+        line = data[:first_bad].count(b"\n") + 1
+        log.warning("%s: %d bytes are not UTF-8 (first on line %d); read them as U+FFFD. Convert the file to "
+                    "UTF-8 to keep those characters.", path, undecodable, line)
+    return text
 
 
 class Source:
@@ -163,8 +207,7 @@ class TextSource(Source):
     def _iter_raw(self) -> Iterator[tuple[str, str]]:
         root = self.path if self.path.is_dir() else self.path.parent
         for p in self.files:
-            # errors="replace": a stray bad byte should not abort a multi-hour preparation run.
-            yield str(p.relative_to(root)), p.read_text(encoding="utf-8", errors="replace")
+            yield str(p.relative_to(root)), read_text_file(p)
 
     def fingerprint(self) -> str:
         root = self.path if self.path.is_dir() else self.path.parent
@@ -183,8 +226,13 @@ class JsonlSource(Source):
         self.text_field = text_field
 
     def _iter_raw(self) -> Iterator[tuple[str, str]]:
-        with open(self.path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(self.path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{self.spec}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                     f"{e.start + 1}); JSON lines must be UTF-8 text.") from None
                 if not line.strip():
                     continue
                 try:

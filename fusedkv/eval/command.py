@@ -7,6 +7,9 @@ import math
 import tempfile
 from pathlib import Path
 
+from .. import argtypes
+from ..errors import UsageError
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -14,44 +17,96 @@ def register(sub) -> None:
         description="Evaluate a checkpoint. By default: loss and perplexity on the built-in corpus's held-out "
         "works (tokenised with the checkpoint's tokenizer) and the shipped offline lm-eval tasks. Add "
         "--text FILE for sliding-window perplexity of any text, --wikitext (needs the hub), --tasks paper "
-        "for the paper's seven 5-shot tasks (needs the hub), --ruler for the long-context suite.")
-    p.add_argument("checkpoint")
-    p.add_argument("--val", default=None,
+        "for the paper's seven 5-shot tasks (needs the hub), --ruler for the long-context suite. A loss that "
+        "is not finite (corrupt weights) is an error (exit 1), never a number.")
+    p.add_argument("checkpoint", type=argtypes.non_empty, help="checkpoint directory (config, weights, tokenizer)")
+    p.add_argument("--val", default=None, type=argtypes.non_empty,
                    help="token split for validation loss: a prepared dataset dir or a .bin "
                    "(default: the built-in held-out works)")
-    p.add_argument("--seq-len", type=int, default=None, help="window for validation loss (default: model context)")
-    p.add_argument("--max-batches", type=int, default=100)
-    p.add_argument("--text", default=None, help="sliding-window perplexity of this text file")
+    p.add_argument("--seq-len", type=argtypes.int_range(2), default=None,
+                   help="window for validation loss and perplexity, at most the model context (default: it)")
+    p.add_argument("--max-batches", type=argtypes.positive_int, default=100,
+                   help="validation batches (default 100)")
+    p.add_argument("--text", default=None, type=argtypes.non_empty,
+                   help="sliding-window perplexity of this UTF-8 text file")
     p.add_argument("--wikitext", action="store_true", help="WikiText-2 test perplexity (downloads through datasets)")
-    p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: half the window)")
-    p.add_argument("--tasks", default="local",
+    p.add_argument("--stride", type=argtypes.positive_int, default=None,
+                   help="sliding-window stride (default: half the window)")
+    p.add_argument("--tasks", default="local", type=argtypes.non_empty,
                    help="lm-eval tasks: 'local' (shipped offline tasks), 'paper' (7 tasks, 5-shot), 'none', "
                    "or comma-separated names")
-    p.add_argument("--limit", type=float, default=None, help="lm-eval: items per task")
-    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=argtypes.float_range(0, lo_open=True), default=None,
+                   help="lm-eval: items per task (a number below 1 is a fraction of each task)")
+    p.add_argument("--num-fewshot", type=argtypes.non_negative_int, default=None,
+                   help="lm-eval: examples in each prompt (default: each task's)")
     p.add_argument("--ruler", action="store_true", help="run the RULER-style synthetic suite")
-    p.add_argument("--ruler-lengths", default="512,1024")
-    p.add_argument("--ruler-tasks", default=None, help="comma-separated RULER tasks (default: all)")
-    p.add_argument("--ruler-samples", type=int, default=10)
-    p.add_argument("--ruler-max-new-tokens", type=int, default=None,
+    p.add_argument("--ruler-lengths", type=argtypes.int_list(2), default=[512, 1024],
+                   help="comma-separated context lengths, each at most the model context (default 512,1024)")
+    p.add_argument("--ruler-tasks", type=argtypes.name_list(), default=None,
+                   help="comma-separated RULER tasks (default: all)")
+    p.add_argument("--ruler-samples", type=argtypes.positive_int, default=10, help="samples per task and length")
+    p.add_argument("--ruler-max-new-tokens", type=argtypes.positive_int, default=None,
                    help="answer budget for every RULER task (default: RULER's per-task budgets, 30-128)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--json", dest="json_path", help="write all results as JSON here")
+    p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
+    p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="write all results as JSON here")
     p.set_defaults(func=run)
+
+
+def _check_inputs(args) -> None:
+    """Every path and name the flags give, checked before the model is loaded or any work is done."""
+    if args.text is not None and not Path(args.text).is_file():
+        what = "is a directory" if Path(args.text).is_dir() else "does not exist"
+        raise UsageError(f"--text {args.text} {what}; give a text file")
+    if args.val is not None and not Path(args.val).exists():
+        raise UsageError(f"--val {args.val}: no such file or directory")
+    if args.json_path is not None:
+        out = Path(args.json_path)
+        if out.is_dir():
+            raise UsageError(f"--json {out} is a directory; give a file name")
+        if not out.parent.is_dir():
+            raise UsageError(f"--json {out}: directory {out.parent} does not exist")
+    if args.ruler_tasks:
+        from .ruler_tasks import TASKS
+
+        unknown = [t for t in args.ruler_tasks if t not in TASKS]
+        if unknown:
+            raise UsageError(f"--ruler-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    if args.tasks not in ("local", "paper", "none"):
+        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        if not names:
+            raise UsageError("--tasks: no task names given; use local, paper, none or comma-separated names")
 
 
 def run(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from ..data import read_text_file
     from ..model import FusedKVForCausalLM
 
+    _check_inputs(args)
+    text = read_text_file(args.text) if args.text else None  # a binary file is refused before the model loads
+    if text is not None and not text.strip():
+        raise UsageError(f"--text {args.text} is empty")
     ckpt = Path(args.checkpoint)
     model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"{ckpt}: tokenizer has {len(tok)} tokens, model vocab_size={model.config.vocab_size}")
-    window = args.seq_len or model.config.max_position_embeddings
+    context = model.config.max_position_embeddings
+    if args.seq_len and args.seq_len > context:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model context {context}; use at most {context}")
+    if args.ruler and max(args.ruler_lengths) > context:
+        raise UsageError(f"--ruler-lengths {max(args.ruler_lengths)} exceeds the model context {context}; "
+                         "continue training at a longer context first")
+    if args.ruler:
+        from .ruler_tasks import TASKS
+
+        budget = args.ruler_max_new_tokens or max(TASKS[t].max_new_tokens for t in args.ruler_tasks or TASKS)
+        if min(args.ruler_lengths) <= budget:
+            raise UsageError(f"--ruler-lengths {min(args.ruler_lengths)} leaves no room for a prompt: the answer "
+                             f"budget is {budget} tokens (--ruler-max-new-tokens); use longer lengths")
+    window = args.seq_len or context
     report: dict = {"checkpoint": str(ckpt), "plan": model.config.kv_sharing}
 
     with torch.inference_mode():
@@ -61,10 +116,7 @@ def run(args) -> None:
         from .perplexity import text_perplexity, wikitext_perplexity
 
         stride = args.stride or window // 2
-        if args.text:
-            text = Path(args.text).read_text(encoding="utf-8", errors="replace")
-            if not text.strip():
-                raise ValueError(f"{args.text} is empty")
+        if text is not None:
             r = text_perplexity(model, tok, text, max_length=window, stride=stride)
             report["text_ppl"] = r["ppl"]
             print(f"{args.text}: perplexity {r['ppl']:.2f} over {r['num_tokens']} tokens "
@@ -81,8 +133,13 @@ def run(args) -> None:
         if shots is None and args.tasks == "paper":
             shots = PAPER_NUM_FEWSHOT
         limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-        res = run_lm_eval(model, tok, tasks=names, num_fewshot=shots, limit=limit,
-                          batch_size=args.batch_size)["results"]
+        try:
+            res = run_lm_eval(model, tok, tasks=names, num_fewshot=shots, limit=limit,
+                              batch_size=args.batch_size)["results"]
+        except KeyError as e:
+            if "not a registered task" not in str(e):
+                raise
+            raise UsageError(f"--tasks {args.tasks}: {e.args[0]} (lm_eval --tasks list shows them)") from None
         report["tasks"] = res
         for name, metrics in sorted(res.items()):
             if "acc" in metrics:
@@ -94,12 +151,7 @@ def run(args) -> None:
     if args.ruler:
         from .ruler import format_table, run_ruler
 
-        lengths = [int(x) for x in args.ruler_lengths.split(",")]
-        if max(lengths) > model.config.max_position_embeddings:
-            raise ValueError(f"--ruler-lengths {max(lengths)} exceeds the model context "
-                             f"{model.config.max_position_embeddings}; continue training at a longer context first")
-        tasks = args.ruler_tasks.split(",") if args.ruler_tasks else None
-        r = run_ruler(model, tok, tasks=tasks, lengths=lengths, num_samples=args.ruler_samples,
+        r = run_ruler(model, tok, tasks=args.ruler_tasks, lengths=args.ruler_lengths, num_samples=args.ruler_samples,
                       batch_size=args.batch_size, max_new_tokens=args.ruler_max_new_tokens)
         report["ruler"] = {"scores": r["scores"], "average": r["average"], "overall": r["overall"]}
         print(format_table(r))

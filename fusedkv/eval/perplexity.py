@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import RunError
 from ..utils import hub_unreachable_reason
 from ..utils import model_device as _model_device
 
@@ -98,6 +99,8 @@ def sliding_window_perplexity(
         raise ValueError("need at least two tokens to score anything")
     if max_length < 2:
         raise ValueError("max_length must be >= 2")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     stride = max(1, min(stride, max_length - 1))
     device = torch.device(device) if device is not None else _model_device(model)
     ids = token_ids.to(torch.long)
@@ -123,7 +126,15 @@ def sliding_window_perplexity(
         nll_sum += float(nll.sum(dtype=torch.float64))
         num_tokens += int((tgt != -100).sum())
 
+    _check_finite(nll_sum, "the sliding-window loss")
     return {"nll_sum": nll_sum, "num_tokens": num_tokens, "ppl": math.exp(nll_sum / num_tokens)}
+
+
+def _check_finite(loss: float, what: str) -> None:
+    """A NaN or infinite loss is a failure (corrupt weights, an overflow), never a number to report."""
+    if not math.isfinite(loss):
+        raise RunError(f"{what} is {loss}: the model's logits are not finite (corrupt or diverged weights, or an "
+                       "overflow in this dtype); check the checkpoint, or evaluate in float32")
 
 
 def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -165,6 +176,7 @@ def validation_loss(
         count += int((labels != -100).sum())
     if count == 0:
         raise ValueError("no scored tokens in the validation batches")
+    _check_finite(total, "the validation loss")
     return total / count
 
 

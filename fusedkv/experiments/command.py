@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import argtypes
+from ..errors import UsageError
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -13,14 +16,18 @@ def register(sub) -> None:
         "results.md (mean ± std over seeds) and curves.png. Shipped experiments: main (Table 2), sources "
         "(Table 17), reversed (Fig. 8), init (Table 5), dense (Fig. 2). Finished runs are reused, so an "
         "interrupted comparison resumes.")
-    p.add_argument("experiment", nargs="?", default="main", help="shipped experiment name or YAML path")
-    p.add_argument("--out", default=None, help="output directory (default runs/compare-<name>)")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the file's)")
+    p.add_argument("experiment", nargs="?", default="main", type=argtypes.non_empty,
+                   help="shipped experiment name (main, sources, reversed, init, dense) or YAML path")
+    p.add_argument("--out", default=None, type=argtypes.non_empty,
+                   help="output directory (default runs/compare-<name>)")
+    p.add_argument("--seeds", default=None, type=argtypes.int_list(0, 2**32 - 1),
+                   help="comma-separated seeds (default: the file's)")
     p.add_argument("--preset", default=None,
                    help="replace the file's small base with a training preset (e.g. 332m on a GPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a training field for every run, e.g. --set max_steps=50 (repeatable)")
-    p.add_argument("--task-limit", type=int, default=40, help="items per local lm-eval task (0: skip tasks)")
+    p.add_argument("--task-limit", type=argtypes.non_negative_int, default=40,
+                   help="items per local lm-eval task (0: skip tasks; default 40)")
     p.set_defaults(func=run)
 
 
@@ -29,6 +36,7 @@ def run(args) -> None:
 
     from .runner import load_experiment, plot_curves, run_experiment, summary_table
 
+    _check_experiment_file(args.experiment)
     spec = load_experiment(args.experiment)
     overrides: dict = {}
     for item in args.overrides:
@@ -40,7 +48,7 @@ def run(args) -> None:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    seeds = args.seeds
     name = spec.get("name", Path(args.experiment).stem)
     out = Path(args.out or f"runs/compare-{name}")
     results = run_experiment(spec, out, seeds, args.preset, overrides, args.task_limit)
@@ -49,3 +57,29 @@ def run(args) -> None:
     (out / "results.md").write_text(f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
     print(table)
     print(f"\nwrote {out / 'results.md'} and {out / 'curves.png'}")
+
+
+def _check_experiment_file(name_or_path: str) -> None:
+    """A YAML path is read and parsed here first, so a binary, malformed or non-mapping file is reported
+    in one line naming it (a shipped name is checked by `load_experiment`)."""
+    import yaml
+
+    path = Path(name_or_path)
+    if not path.suffix:
+        return
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory; give an experiment YAML file")
+    if not path.exists():
+        raise UsageError(f"{path}: no such experiment file")
+    try:
+        spec = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path} is not a UTF-8 YAML file ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if spec is not None and not isinstance(spec, dict):
+        raise UsageError(f"{path}: an experiment file is a mapping (name, base, runs, seeds), got a "
+                         f"{type(spec).__name__}")
+    runs = (spec or {}).get("runs", [])
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise UsageError(f"{path}: 'runs' must be a list of mappings, each with a name and a plan")

@@ -22,8 +22,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, debug_enabled, report
+from . import checkpoint as ckpt_io
 from .config import DISTRIBUTED_MODES, PLANS, PRESET_NAMES, resolve_config
-from .rundir import RunDirLock
+from .rundir import RunDirLock, find_resume_checkpoint
 
 DESCRIPTION = """\
 Pre-train a FusedKV decoder (or any KV-sharing plan) with the paper's recipe: AdamW (0.9, 0.95),
@@ -52,7 +53,7 @@ examples:
   fusedkv train --plan vanilla                      # -> runs/tiny-vanilla
   fusedkv train --preset nano --max-steps 20        # seconds; for smoke tests
   fusedkv train --data my_texts/ --set vocab_size=8192 --set max_tokens=20M
-  fusedkv train --out runs/tiny-fusedkv --resume    # continue after Ctrl-C or a crash
+  fusedkv train --resume runs/tiny-fusedkv          # continue after Ctrl-C or a crash
   fusedkv train --init-from runs/tiny-fusedkv/final --rope-base 50000 --set seq_len=512 \\
                 --out runs/tiny-fusedkv-512           # continued training at a longer context
   torchrun --nproc_per_node=2 -m fusedkv.train.command --distributed fsdp --preset nano
@@ -100,9 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nargs="?",
         const=True,
         default=None,
-        metavar="CHECKPOINT",
-        help="continue the run in --out from its latest checkpoint (or from CHECKPOINT); "
-        "the saved settings are reused",
+        metavar="RUN_DIR",
+        help="continue a run from its newest intact checkpoint: the run in --out, or RUN_DIR (a run "
+        "directory, or one of its checkpoints/step-N); the saved settings are reused",
     )
     g.add_argument(
         "--overwrite",
@@ -147,8 +148,6 @@ def build_config(args: argparse.Namespace, hold: contextlib.ExitStack | None = N
 
     With `hold`, the run directory to resume is locked (rundir.RunDirLock) before its checkpoint is
     read, so a run still writing there is reported as such instead of being read half-way."""
-    from . import checkpoint as ckpt_io
-
     flags = dict(
         preset=args.preset,
         plan=args.plan,
@@ -168,23 +167,32 @@ def build_config(args: argparse.Namespace, hold: contextlib.ExitStack | None = N
     )
     if not args.resume:
         return resolve_config(args.config, args.sets, **flags)
-    first = resolve_config(args.config, args.sets, **{**flags, "resume": None})
-    if isinstance(args.resume, str):
-        path = args.resume
-    else:
-        path = ckpt_io.latest_checkpoint(ckpt_io.checkpoint_root(first.out_dir))
-        if path is None:
-            raise ValueError(
-                f"nothing to resume: {first.out_dir}/checkpoints holds no checkpoint "
-                "(pass --out DIR of the run to continue)"
-            )
-    # The run directory is where the checkpoint lies now (runs may be moved), not the saved out_dir.
-    out_dir = args.out or (str(Path(path).parent.parent) if isinstance(args.resume, str) else first.out_dir)
+    # --resume alone continues --out (or the default run directory); --resume DIR names a run directory
+    # or one checkpoint. rundir.find_resume_checkpoint decides (here and in train()).
+    target = args.resume if isinstance(args.resume, str) else (
+        args.out or resolve_config(args.config, args.sets, **{**flags, "resume": None}).out_dir
+    )
+    run_dir = args.out or _run_dir_of(target)
     if hold is not None and _is_rank0():
-        hold.enter_context(RunDirLock(out_dir))
-    saved = ckpt_io.read_train_config(path)
+        hold.enter_context(RunDirLock(run_dir))
+    point = find_resume_checkpoint(target)
+    if _is_rank0():
+        for w in point.warnings:
+            print(f"fusedkv train: warning: {w}", file=sys.stderr)
+    saved = ckpt_io.read_train_config(point.checkpoint)
     saved.update(resume=False, overwrite=False, progress=True)
-    return resolve_config(args.config, args.sets, base=saved, **{**flags, "out_dir": out_dir})
+    # The run continues where the checkpoint lies now (runs may be moved), not in the saved out_dir.
+    return resolve_config(
+        args.config, args.sets, base=saved, **{**flags, "resume": str(point.checkpoint), "out_dir": run_dir}
+    )
+
+
+def _run_dir_of(target: str) -> str:
+    """The run directory of a --resume target: itself, or the run a checkpoint directory belongs to."""
+    p = Path(target)
+    if not ckpt_io.checkpoint_root(p).is_dir() and p.parent.name == "checkpoints":
+        return str(p.parent.parent)
+    return str(p)
 
 
 def _is_rank0() -> bool:
@@ -219,14 +227,20 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    """`python -m fusedkv.train.command` (what torchrun launches): `fusedkv train`'s parser and error policy."""
+    from ..argtypes import Parser, add_debug_flag
+    from ..errors import run_command
+
+    parser = Parser(
         prog="fusedkv train",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
-    return handle(parser.parse_args(argv))
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    return run_command("train", handle, args, debug=args.debug)
 
 
 if __name__ == "__main__":

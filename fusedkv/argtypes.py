@@ -1,0 +1,128 @@
+"""Argument types for the `fusedkv` command line: every numeric flag is range-checked while parsing.
+
+`Parser` is the argparse parser every `fusedkv` command uses (a bad flag is one line on stderr, exit 2) and
+`add_debug_flag` the one `--debug` flag; both also serve stand-alone entry points such as
+`python -m fusedkv.train.command`, which sit below `fusedkv.cli` and cannot import it.
+
+Each factory returns a function for argparse's `type=`; a bad value raises `argparse.ArgumentTypeError`,
+which argparse reports as "argument --flag: <why>" with exit code 2 before any work starts. Integers
+are capped at 2**31 - 1 so that a huge value is refused here instead of overflowing a tensor shape, and
+floats must be finite (`float("nan")` parses, and would otherwise slip through every comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+INT_MAX = 2**31 - 1
+EXIT_USAGE = 2  # fusedkv.errors.EXIT_USAGE, as argparse itself uses
+
+DEBUG_HELP = "on an error, show the full traceback instead of one line (also: FUSEDKV_DEBUG=1)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (usage is one `--help` away)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def add_debug_flag(parser: argparse.ArgumentParser, default=False) -> None:
+    """`--debug`; a subcommand passes default=argparse.SUPPRESS so that it keeps the global flag's value."""
+    parser.add_argument("--debug", action="store_true", default=default, help=DEBUG_HELP)
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def int_range(lo: int = 1, hi: int = INT_MAX):
+    """An integer in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        value = _parse_int(text)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(_out_of_range(value, lo, hi))
+        return value
+
+    parse.__name__ = f"integer in [{lo}, {hi}]"
+    return parse
+
+
+def float_range(lo: float = 0.0, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
+    """A finite float in the interval from lo to hi (either end open on request)."""
+
+    def parse(text: str) -> float:
+        value = _parse_float(text)
+        if value < lo or value > hi or (lo_open and value == lo) or (hi_open and value == hi):
+            left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise argparse.ArgumentTypeError(f"must be in {left}{lo:g}, {hi:g}{right}, got {value:g}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def int_list(lo: int = 1, hi: int = INT_MAX):
+    """A comma-separated, non-empty list of integers in [lo, hi], e.g. "256,1024"."""
+    item = int_range(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        parts = [p for p in str(text).split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError("expected a comma-separated list of integers, got nothing")
+        return [item(p) for p in parts]
+
+    parse.__name__ = "list of integers"
+    return parse
+
+
+def name_list(choices: tuple[str, ...] | None = None):
+    """A comma-separated, non-empty list of names, each one of `choices` when given."""
+
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in str(text).split(",") if p.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError("expected a comma-separated list of names, got nothing")
+        unknown = [n for n in names if choices is not None and n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+        return names
+
+    parse.__name__ = "list of names"
+    return parse
+
+
+def non_empty(text: str) -> str:
+    """A string that is not empty or only whitespace (paths, names)."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _out_of_range(value: int, lo: int, hi: int) -> str:
+    if hi == INT_MAX:
+        return f"must be at least {lo}, got {value}" if value < lo else f"must be at most {hi:,}, got {value:,}"
+    return f"must be between {lo} and {hi}, got {value}"
+
+
+positive_int = int_range(1)
+non_negative_int = int_range(0)
+seed = int_range(0, 2**32 - 1)  # numpy's RandomState takes seeds in [0, 2**32)
+positive_float = float_range(0.0, lo_open=True)
