@@ -122,7 +122,10 @@ def activation_bytes_per_token(mc: FusedKVConfig, dtype: str = "float32", checkp
     fp32: every saved tensor has 4 bytes per element. bf16 autocast: the residual stream, RMSNorm
     (run in fp32) and the loss stay fp32; projections, RoPE'd Q/K, V and attention outputs are bf16."""
     if getattr(mc, "num_experts", 0):
-        raise ValueError("plan-run models dense MLPs only; this config has num_experts > 0 (MoE)")
+        raise ValueError("plan-run counts activations of dense MLPs only; this config has num_experts > 0 (MoE)")
+    if getattr(mc, "kv_lora_rank", None) is not None:
+        raise ValueError("plan-run counts activations of standard attention only; this config uses latent "
+                         "attention (kv_lora_rank is set)")
     h, a, g, d, i, V = (mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                         mc.intermediate_size, mc.vocab_size)
     ad, gd = a * d, g * d
