@@ -1,0 +1,273 @@
+"""Reduced-precision weights for CPU decoding: 16-bit and int8 weight-only projections.
+
+At batch 1 a decode step streams every projection weight once, so its time is roughly weight bytes
+divided by memory bandwidth: 16-bit weights halve it and int8 quarters it (plus one scale per output
+channel). `reduce_precision(model, fmt)` swaps every projection and the LM head for a `ReducedLinear`
+that stores its weight in `fmt` and keeps everything else (embeddings, norms, fusion weights, the
+residual stream, attention, softmax) in the model's own dtype, as llama.cpp does: only the inputs of
+the products are rounded to the weight's kind.
+
+Formats and kernels (all PyTorch's own CPU kernels, no extension):
+  * `bfloat16` / `float16`: `F.linear` on 16-bit operands (f32 accumulation). For one-row products
+    the vectorised GEMV fast path is used; oneDNN's bf16 route is turned off around it because at one
+    row it is the slower of the two (`benchmarks/cpu_decode.py --kernels`).
+  * `int8`: symmetric per-output-channel quantisation (scale = max |w| / 127 per row of W) run by
+    `torch.ops.aten._weight_int8pack_mm`, the kernel behind PyTorch's / torchao's int8 weight-only
+    CPU path; its activations are 16-bit (the f32-activation variant is several times slower).
+  * Products with many rows (prefill, large batches) dequantise the weight to the activation dtype
+    and run the ordinary f32 GEMM: the conversion is cheap next to a many-row product and keeps
+    time-to-first-token at the f32 model's level.
+
+Which 16-bit kind a processor should use is decided once, from /proc/cpuinfo: bf16 where it has
+native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts f16 in hardware;
+bf16 there is emulated and was measured ~24x slower). `weight_format("half")` applies that rule.
+
+Projections that read the same input (Q|K|V of a storage layer, gate|up) share one buffer, so a
+one-row step runs one product per group, like `fusedkv.model.packing` does for f32. The swapped
+model is for inference: its reduced weights are buffers, not parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Up to this many input rows a product runs the reduced-precision GEMV kernel (`ReducedLinear`).
+GEMV_MAX_ROWS = {"bfloat16": 2, "float16": 2, "int8": 16}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """True when the processor has bf16 dot-product instructions (AVX-512 BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def half_dtype() -> torch.dtype:
+    """The 16-bit weight kind for this processor: bf16 with native bf16 arithmetic, else f16."""
+    return torch.bfloat16 if native_bf16() else torch.float16
+
+
+def weight_format(name: str) -> str:
+    """Normalise a user's weight-format name ("f32", "bf16", "fp16", "half", "int8", ...)."""
+    aliases = {"f32": "float32", "fp32": "float32", "float": "float32", "bf16": "bfloat16", "f16": "float16",
+               "fp16": "float16", "half": str(half_dtype()).removeprefix("torch."), "q8": "int8"}
+    fmt = aliases.get(name, name)
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {name!r}: choose one of {', '.join(WEIGHT_FORMATS)} (or half, bf16, f16)")
+    return fmt
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: W ~= q * scale[:, None], |q| <= 127. Returns (q, f32 scale)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+@functools.lru_cache(maxsize=1)
+def int8_activation_dtype() -> torch.dtype:
+    """The activation dtype `_weight_int8pack_mm` runs fastest with on this processor, measured once
+    on a decode-sized product (its speed differs several-fold between them, and by processor). The
+    fastest of interleaved rounds counts, so other jobs on a shared machine do not sway the choice."""
+    import time
+
+    w = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
+    args = {dt: (torch.randn(1, 512, dtype=dt), w, torch.rand(1024, dtype=dt))
+            for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per-core speed is what differs; a busy second core would only add noise
+    try:
+        for a in args.values():
+            torch.ops.aten._weight_int8pack_mm(*a)  # first calls allocate
+        best = dict.fromkeys(args, float("inf"))
+        for _ in range(9):
+            for dt, a in args.items():
+                t0 = time.perf_counter()
+                torch.ops.aten._weight_int8pack_mm(*a)
+                best[dt] = min(best[dt], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return min(best, key=best.get)
+
+
+class ReducedLinear(nn.Module):
+    """`y = x W^T + b` with W stored in 16 bits, or int8 with per-output-channel scales.
+
+    `x` and `y` keep the caller's dtype; only the product's operands are rounded. The weight is a
+    row-major [out, in] buffer (every kernel used reads it so); `weight` may be a row slice of a
+    shared buffer (`ReducedGroup`).
+
+    Which kernel runs depends on the number of input rows (measured by `benchmarks/cpu_decode.py
+    --kernels`): up to `GEMV_MAX_ROWS[fmt]` the reduced-precision GEMV kernel; above it bf16 weights
+    run oneDNN's bf16 GEMM (native bf16 processors only) and the others are dequantised for the GEMM
+    of the activation dtype, so prefill is no slower than in f32."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str):
+        super().__init__()
+        self.fmt = fmt
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)  # int8 only: [out] in the kernel's dtype
+        self.register_buffer("bias", bias, persistent=False)
+        self.kernel_dtype = scale.dtype if fmt == "int8" else weight.dtype
+        self.gemv_max_rows = GEMV_MAX_ROWS[fmt]
+        # Many rows: bf16 (on a bf16 processor) keeps its 16-bit operands for oneDNN; others dequantise.
+        self.gemm_dtype = self.kernel_dtype if self.kernel_dtype == torch.bfloat16 and native_bf16() else None
+
+    @classmethod
+    def from_linears(cls, linears: list[nn.Linear], fmt: str) -> ReducedLinear:
+        """One reduced module over the stacked weights of `linears` (which share their input)."""
+        weight = torch.cat([m.weight.detach() for m in linears]).float()
+        biases = [m.bias for m in linears]
+        bias = torch.cat([b.detach() for b in biases]).float() if all(b is not None for b in biases) else None
+        if any(b is not None for b in biases) and bias is None:
+            raise ValueError("grouped projections must all have a bias or none")
+        if fmt == "int8":
+            q, scale = quantize_int8(weight)
+            return cls(q, scale.to(int8_activation_dtype()), bias, fmt)
+        return cls(weight.to(_DTYPES[fmt]).contiguous(), None, bias, fmt)
+
+    def slice(self, start: int, stop: int) -> ReducedLinear:
+        """A module over output rows [start, stop) that shares this one's storage."""
+        return ReducedLinear(self.weight[start:stop], None if self.scale is None else self.scale[start:stop],
+                             None if self.bias is None else self.bias[start:stop], self.fmt)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == "int8":
+            return self.weight.to(dtype) * self.scale.to(dtype)[:, None]
+        return self.weight.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= self.gemv_max_rows:
+            y = self._gemv(x.reshape(rows, self.in_features).to(self.kernel_dtype))
+        elif self.gemm_dtype is not None:
+            y = F.linear(x.reshape(rows, self.in_features).to(self.gemm_dtype), self.dequantized(self.gemm_dtype))
+        else:
+            y = F.linear(x.reshape(rows, self.in_features), self.dequantized(x.dtype))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        if self.kernel_dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+            return F.linear(x, self.weight)
+        # bf16 at a row or two: ATen's vectorised GEMV, not oneDNN (slower there, faster above).
+        enabled = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return F.linear(x, self.weight)
+        finally:
+            torch._C._set_mkldnn_enabled(enabled)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class ReducedGroup:
+    """Q|K|V (or gate|up) in one `ReducedLinear`, in the interface of `packing.PackedLinears` that
+    `packing.project` calls: `active()` and `__call__(x) -> one output per projection`."""
+
+    def __init__(self, linear: ReducedLinear, sizes: list[int]):
+        self.linear, self.sizes = linear, sizes
+
+    def active(self) -> bool:
+        return True  # the modules view this group's storage for good: nothing can re-lay them out
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+
+def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], ReducedGroup]:
+    whole = ReducedLinear.from_linears(linears, fmt)
+    parts, offset = [], 0
+    for m in linears:
+        parts.append(whole.slice(offset, offset + m.out_features))
+        offset += m.out_features
+    return parts, ReducedGroup(whole, [m.out_features for m in linears])
+
+
+def _fix_layout(module: nn.Module) -> None:
+    """A reduced module has one layout, the kernels' (grouped, row-major): `fusedkv.model.packing`'s
+    re-layout requests (`pack_for_decode`, `drop_packing`) become no-ops for this instance."""
+    module.pack_for_decode = module.drop_packing = lambda: None
+    module.is_packed = lambda: True
+
+
+@torch.no_grad()
+def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
+    """Store every projection and the LM head of `model` in `fmt` (see the module docstring); the rest
+    of the model keeps its dtype. In place; returns the model. "float32" leaves it unchanged."""
+    from .attention import Attention
+    from .layers import SwiGLU
+    from .packing import unpack_weights
+
+    fmt = weight_format(fmt)
+    if fmt == "float32":
+        return model
+    if fmt == "int8" and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        raise ValueError("--weights int8 needs torch.ops.aten._weight_int8pack_mm (PyTorch >= 2.3)")
+    if is_reduced(model):
+        raise ValueError("the model's weights are already reduced; reduce a fresh float model")
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ValueError("reduced-precision weights are a CPU decode path; on a GPU use --dtype bfloat16 for "
+                         "the whole model instead")
+    unpack_weights(model)  # plain row-major nn.Linear weights to read from
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.layer.stores:
+                (module.q_proj, module.k_proj, module.v_proj), module.packed_qkv = _grouped(
+                    [module.q_proj, module.k_proj, module.v_proj], fmt)
+            else:
+                module.q_proj = ReducedLinear.from_linears([module.q_proj], fmt)
+            module.o_proj = ReducedLinear.from_linears([module.o_proj], fmt)
+            _fix_layout(module)
+        elif isinstance(module, SwiGLU):
+            (module.gate_proj, module.up_proj), module.packed_gate_up = _grouped(
+                [module.gate_proj, module.up_proj], fmt)
+            module.down_proj = ReducedLinear.from_linears([module.down_proj], fmt)
+            _fix_layout(module)
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear):
+        # An LM head tied to the embeddings stays tied in f32 in the embedding table; the head's copy
+        # is the reduced one (decode reads the head every step, the embedding one row).
+        model.lm_head = ReducedLinear.from_linears([head], fmt)
+        model.config.tie_word_embeddings = False
+    model.reduced_precision = fmt
+    return model
+
+
+def is_reduced(model: nn.Module) -> bool:
+    return getattr(model, "reduced_precision", None) is not None
+
+
+def weight_nbytes(model: nn.Module) -> int:
+    """Bytes a decode step streams for weights: every projection and the LM head (reduced or not),
+    excluding the embedding table (one row read per token)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, ReducedLinear):
+            total += sum(t.numel() * t.element_size() for t in (m.weight, m.scale, m.bias) if t is not None)
+        elif isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+            total += 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
+    return total
