@@ -73,7 +73,8 @@ def sharded_save(ckpt: ShardedCheckpointer, step: int, model, opt, env) -> tuple
     return slowest(blocked, env), slowest(total, env), sum(p.stat().st_size for p in mine)
 
 
-def bench_preset(preset: str, sets: list[str], mode: str, repeats: int, out: Path, env) -> dict:
+def bench_preset(preset: str, sets: list[str], mode: str, repeats: int, out: Path, env,
+                 label: str | None = None) -> dict:
     from fusedkv.train.config import resolve_config
 
     cfg = resolve_config(overrides=sets, preset=preset, data="builtin", progress=False)
@@ -110,7 +111,7 @@ def bench_preset(preset: str, sets: list[str], mode: str, repeats: int, out: Pat
     else:
         gathered_bytes = [bytes_per_rank]
     return {
-        "preset": preset,
+        "preset": label or preset + (" (" + ", ".join(sets) + ")" if sets else ""),
         "params": params,
         "mode": mode,
         "world_size": env.world_size,
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--presets", nargs="+", default=["nano", "tiny"])
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="TrainConfig overrides for every preset (e.g. model.hidden_size=512)")
+    p.add_argument("--label", help="name of the row(s) in the table (default: the preset and the overrides)")
     p.add_argument("--mode", choices=("ddp", "fsdp"), default="fsdp")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", help="where to write (default: a temporary directory, removed afterwards)")
@@ -154,7 +156,8 @@ def main(argv=None) -> int:
                 box = [str(root)]
                 dist.broadcast_object_list(box, src=0)
                 root = Path(box[0])
-            results = [bench_preset(pr, args.sets, args.mode, args.repeats, root, env) for pr in args.presets]
+            results = [bench_preset(pr, args.sets, args.mode, args.repeats, root, env, args.label)
+                       for pr in args.presets]
             D.barrier(env)
     finally:
         D.teardown(env)
