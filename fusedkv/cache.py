@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .plan import SLIDING
+
 
 def kv_cache_nbytes(cache) -> int:
     """Bytes of K/V tensors actually held by a cache (empty layers count zero). Caches that know
@@ -29,7 +31,9 @@ class StaticKVCache:
 
     `update` writes the new tokens in place and returns views of the filled prefix, so the model
     code is the same as with `DynamicCache`. Only storage layers get buffers: the half-size cache
-    is allocated once, up front.
+    is allocated once, up front. Sliding-window storage layers hold only the last `sliding_window - 1`
+    tokens (`[B, H_kv, W - 1, D]`, like transformers' `DynamicSlidingWindowLayer`): `update` returns
+    those plus the new ones, the last keys a window query can see, so their memory stays bounded.
     """
 
     is_compileable = False  # the model builds its own masks; transformers must not pre-build 4-D ones
@@ -43,8 +47,16 @@ class StaticKVCache:
         if getattr(config, "kv_lora_rank", None) is not None:  # MLA: keys = latent, values = RoPE key (one head)
             k_shape, v_shape = (batch_size, 1, max_len, config.kv_lora_rank), (batch_size, 1, max_len, config.head_dim)
         self.max_len = max_len
-        self.keys = {i: torch.zeros(k_shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
-        self.values = {i: torch.zeros(v_shape, dtype=dtype, device=device) for i in config.plan.storage_layers}
+        window = getattr(config, "sliding_window", None)
+        self.windowed = {i: min(window - 1, max_len) for i in config.plan.storage_layers
+                         if window and config.plan.layers[i].attention_type == SLIDING}
+
+        def shape(base, i):
+            return (*base[:2], self.windowed[i], base[3]) if i in self.windowed else base
+
+        self.keys = {i: torch.zeros(shape(k_shape, i), dtype=dtype, device=device) for i in config.plan.storage_layers}
+        self.values = {i: torch.zeros(shape(v_shape, i), dtype=dtype, device=device)
+                       for i in config.plan.storage_layers}
         self._length = 0
         self._last = max(self.keys)  # the last storage layer advances the length
 
@@ -55,11 +67,28 @@ class StaticKVCache:
         start, t = self._length, k.shape[2]
         if start + t > self.max_len:
             raise ValueError(f"StaticKVCache is full: {start} + {t} tokens exceed max_len={self.max_len}")
+        if layer_idx in self.windowed:
+            return self._update_window(k, v, layer_idx, start, t)
         self.keys[layer_idx][:, :, start : start + t] = k
         self.values[layer_idx][:, :, start : start + t] = v
         if layer_idx == self._last:
             self._length += t  # the last storage layer of this forward has written: advance
         return self.keys[layer_idx][:, :, : start + t], self.values[layer_idx][:, :, : start + t]
+
+    def _update_window(self, k, v, layer_idx: int, start: int, t: int):
+        """The last `held` tokens plus the new ones are what a window query sees; keep the last W - 1."""
+        capacity = self.windowed[layer_idx]
+        held = min(start, capacity)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        full_k = torch.cat([keys[:, :, :held], k], dim=2)
+        full_v = torch.cat([values[:, :, :held], v], dim=2)
+        keep = min(capacity, full_k.shape[2])
+        if keep:
+            keys[:, :, :keep] = full_k[:, :, -keep:]
+            values[:, :, :keep] = full_v[:, :, -keep:]
+        if layer_idx == self._last:
+            self._length += t
+        return full_k, full_v
 
     def reset(self) -> None:
         self._length = 0

@@ -19,6 +19,7 @@ from .plan import (
     DEFAULT_PLAN,
     FULL,
     PLAN_NAMES,
+    SLIDING,
     KVSharingPlan,
     build_plan,
     custom_plan,
@@ -175,6 +176,16 @@ class FusedKVConfig(PreTrainedConfig):
             "layer_types has sliding_attention layers but sliding_window is not a positive integer",
         )
         need(
+            "sliding_attention" not in self.layer_types or self.sliding_window < self.max_position_embeddings,
+            f"sliding_window={self.sliding_window} is not below max_position_embeddings="
+            f"{self.max_position_embeddings}: the window would cover the whole context; lower sliding_window or "
+            "make those layers full_attention",
+        )
+        need(
+            "sliding_attention" not in self.layer_types or self.kv_lora_rank is None,
+            "sliding-window layers are not implemented with MLA (kv_lora_rank is set); use full_attention layers",
+        )
+        need(
             len(self.fusion_iterative_init) == 2,
             "fusion_iterative_init must be [carry, fixed], the two coefficients of the iterative recurrence",
         )
@@ -264,11 +275,21 @@ class FusedKVConfig(PreTrainedConfig):
     def rope_theta(self) -> float:
         return float(self.rope_parameters["rope_theta"])
 
-    def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        """Bytes of KV cache one token occupies, per sequence (2 * L * H_kv * D for vanilla, paper Table 1)."""
+    def kv_cache_bytes_per_token(self, bytes_per_element: int = 2, context: int | None = None) -> float:
+        """Bytes of KV cache one token occupies, per sequence (2 * L * H_kv * D for vanilla, paper Table 1).
+
+        With `context`, the average over a sequence of that many tokens: a sliding-window storage layer
+        holds only the last `sliding_window` tokens (paper App. A.6), so its share shrinks as the context
+        grows. Without it every storage layer counts in full (exact for models without window layers)."""
         if self.kv_lora_rank is not None:  # MLA: the latent and the RoPE key, once per storage layer
             return len(self.plan.storage_layers) * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
-        return self.plan.cache_elements_per_token() * self.num_key_value_heads * self.head_dim * bytes_per_element
+        per_layer = 2 * self.num_key_value_heads * self.head_dim * bytes_per_element
+        plan = self.plan
+        if context is None or SLIDING not in self.layer_types:
+            return len(plan.storage_layers) * per_layer
+        held = sum(min(context, self.sliding_window) if plan.layers[i].attention_type == SLIDING else context
+                   for i in plan.storage_layers)
+        return per_layer * held / context
 
     def mha_kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """The baseline of every cache ratio: multi-head attention of the same shape (same layers, one KV
@@ -278,11 +299,13 @@ class FusedKVConfig(PreTrainedConfig):
             return self.num_hidden_layers * self.num_attention_heads * width * bytes_per_element
         return 2 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * bytes_per_element
 
-    def kv_cache_fraction(self) -> float:
+    def kv_cache_fraction(self, context: int | None = None) -> float:
         """KV-cache size relative to MHA of the same shape (`mha_kv_cache_bytes_per_token`): 0.5 for
         FusedKV or GQA, 0.25 for FusedKV with half the KV heads. The one cache ratio the CLI, the
-        training summary, the comparisons and the benchmarks report."""
-        return self.kv_cache_bytes_per_token(1) / self.mha_kv_cache_bytes_per_token(1)
+        training summary, the comparisons and the benchmarks report. With sliding-window layers it
+        depends on the context length (default: max_position_embeddings)."""
+        context = context or self.max_position_embeddings
+        return self.kv_cache_bytes_per_token(1, context) / self.mha_kv_cache_bytes_per_token(1)
 
 
 __all__ = ["FusedKVConfig"]

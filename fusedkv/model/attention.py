@@ -28,7 +28,7 @@ from torch import nn
 
 from ..kernels import triton_decode_fits, triton_decode_step, triton_runs_on
 from ..kernels.reference import factored_attention, fuse_sources
-from ..plan import LayerKV
+from ..plan import SLIDING, LayerKV
 from .fusion import KVFusion
 from .layers import RMSNorm, apply_rope
 from .packing import DecodePackable, PackedLinears, project, to_column_major
@@ -48,12 +48,16 @@ class KVState:
     FSDP2 rebuild the dataclasses among a module's arguments, and layers must all see this one object.
     """
 
-    __slots__ = ("cache", "causal", "padding_mask", "layers", "carry")
+    __slots__ = ("cache", "causal", "padding_mask", "layers", "carry", "window_mask")
 
-    def __init__(self, cache=None, causal: bool = False, padding_mask: torch.Tensor | None = None):
+    def __init__(self, cache=None, causal: bool = False, padding_mask: torch.Tensor | None = None,
+                 window_mask: torch.Tensor | None = None):
         self.cache = cache
         self.causal = causal  # no padding and no past: SDPA's causal flag replaces the mask
         self.padding_mask = padding_mask  # the 2-D [B, past + new] mask the caller gave, if any
+        # Sliding-window layers: the mask restricted to the window, [B or 1, 1, T, past + new]; None when
+        # no key needs masking. Window caches return only the last keys, so layers take its last columns.
+        self.window_mask = window_mask
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.carry: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -71,6 +75,8 @@ class Attention(nn.Module, DecodePackable):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.iterative = config.fusion_init == "iterative" and not layer.stores
+        # Sliding-window layers (Qwen3 / Mistral semantics): a query at position p sees keys p - W < k <= p.
+        self.window = config.sliding_window if layer.attention_type == SLIDING else None
         self.path = "auto"
         self.packed_qkv: PackedLinears | None = None  # set by `pack_for_decode` (storage layers)
         bias = config.attention_bias
@@ -129,19 +135,43 @@ class Attention(nn.Module, DecodePackable):
                 v_src = [kv.layers[s][1] for s in self.layer.v_sources]
                 k_w, v_w = self.fusion.key_weights(), self.fusion.value_weights()
 
+        causal = kv.causal
+        if self.window:
+            mask, causal = self._window_mask(kv, t, k_src[0].shape[2]), False
         path = self._path_for(t, q)
         if path == "triton":
-            out = triton_decode_step(q[:, :, 0], k_src, k_w, v_src, v_w, kv_start=kv.kv_start(),
+            out = triton_decode_step(q[:, :, 0], k_src, k_w, v_src, v_w, kv_start=self._kv_start(kv, k_src[0]),
                                      scale=self.scale).unsqueeze(2)
         elif path == "factored":
-            if kv.causal and mask is None:  # the causal flag is SDPA's; spell it out here
+            if causal and mask is None:  # the causal flag is SDPA's; spell it out here
                 mask = torch.ones(t, k_src[0].shape[2], dtype=torch.bool, device=q.device).tril(k_src[0].shape[2] - t)
             out = factored_attention(q, k_src, k_w, v_src, v_w, mask=mask, scale=self.scale)
         else:
             k, v = fuse_sources(k_src, k_w), fuse_sources(v_src, v_w)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=kv.causal and mask is None,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def _window_mask(self, kv: KVState, t: int, num_keys: int) -> torch.Tensor | None:
+        """The window mask for the keys this layer attends over: a window cache returns only the last
+        `num_keys` positions, so the last columns. None when every key is visible (a one-token step
+        without padding over at most W keys, which a window cache guarantees)."""
+        if kv.window_mask is None or (t == 1 and kv.padding_mask is None and num_keys <= self.window):
+            return None
+        return kv.window_mask[..., -num_keys:]
+
+    def _kv_start(self, kv: KVState, keys: torch.Tensor) -> torch.Tensor | None:
+        """[B] first key the Triton kernel reads: after left padding and, in a window layer, inside the
+        window, counted in this layer's key index space (a window cache drops the oldest columns)."""
+        start = kv.kv_start()
+        if not self.window:
+            return start
+        num_keys = keys.shape[2]
+        total = kv.padding_mask.shape[1] if kv.padding_mask is not None else num_keys
+        band = max(num_keys - self.window, 0)
+        if start is None:
+            return None if band == 0 else torch.full((keys.shape[0],), band, dtype=torch.long, device=keys.device)
+        return (start - (total - num_keys)).clamp(min=band)
 
     def _path_for(self, t: int, q: torch.Tensor) -> str:
         """The forced path, or under "auto": Triton for one-token decode where the kernel runs and takes

@@ -25,6 +25,7 @@ from transformers.modeling_outputs import (
 )
 
 from ..config import FusedKVConfig
+from ..plan import SLIDING
 from .attention import ATTENTION_PATHS, Attention, KVState
 from .fusion import KVFusion
 from .layers import RMSNorm, SwiGLU, rope_cos_sin
@@ -88,11 +89,6 @@ def _recurrence_depth(plan, layer) -> int:
 class FusedKVModel(FusedKVPreTrainedModel):
     def __init__(self, config: FusedKVConfig):
         super().__init__(config)
-        if "sliding_attention" in config.layer_types:
-            raise ValueError(
-                "layer_types: sliding-window layers are understood by the KV-sharing plan but the model does "
-                "not implement windowed attention yet; use full_attention layers"
-            )
         self.plan = config.plan
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, layer_kv) for layer_kv in self.plan.layers)
@@ -149,12 +145,16 @@ class FusedKVModel(FusedKVPreTrainedModel):
             mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         kv = KVState(cache=cache, causal=causal, padding_mask=attention_mask)
+        if self.config.sliding_window and SLIDING in self.config.layer_types:
+            kv.window_mask = _window_mask(mask, causal, past, q_len, self.config.sliding_window, x.device)
         router = RouterRecord() if self.config.num_experts > 0 else None
         hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.layers):
             if i == skip_from:
                 x, cos, sin = x[:, -keep_last:], cos[:, :, -keep_last:], sin[:, :, -keep_last:]
                 mask = mask[:, :, -keep_last:] if mask is not None else None
+                if kv.window_mask is not None:
+                    kv.window_mask = kv.window_mask[:, :, -keep_last:]
                 kv.causal = False  # only the last row(s) remain
             if self.gradient_checkpointing and self.training:
                 x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, mask, kv, router)
@@ -168,6 +168,19 @@ class FusedKVModel(FusedKVPreTrainedModel):
                                           hidden_states=hidden_states, router_logits=tuple(router.logits))
         return BaseModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None,
                                        hidden_states=hidden_states)
+
+
+def _window_mask(mask, causal, past, q_len, window, device):
+    """The mask of sliding-window layers (Qwen3 / Mistral semantics, paper App. A.6): a query at
+    position p sees keys p - W < k <= p, on top of the padding mask (or the causal pattern the flag
+    stands for). None when no key can fall outside the window."""
+    total = past + q_len
+    if mask is None and not causal and total <= window:
+        return None
+    q_pos = torch.arange(past, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    band = ((q_pos - k_pos < window) & (k_pos <= q_pos))[None, None]
+    return band if mask is None else mask & band
 
 
 def _default_positions(position_ids, batch, past, q_len, device):

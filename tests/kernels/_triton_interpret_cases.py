@@ -145,3 +145,20 @@ def test_model_decode_through_the_kernel(plan):
     got = torch.cat(steps, dim=1)
     real = mask.bool()
     assert (got - full)[real].abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("plan, shared", [("vanilla", None), ("fusedkv", ["sliding_attention"]), ("fusedkv", None)])
+def test_sliding_window_decode_through_the_kernel(plan, shared):
+    # Window layers hand the kernel their kept keys with kv_start moved into the window.
+    from tests.model.test_decode import incremental_logits, padded_batch
+    from tests.model.test_sliding_window import WINDOW, hybrid_model
+
+    model = hybrid_model(plan, shared)
+    assert model.model.layers[0].self_attn._path_for(1, torch.zeros(1, 4, 1, 16)) == "triton"
+    ids, mask, width = padded_batch(3 * WINDOW)
+    with torch.no_grad():
+        steps, _ = incremental_logits(model, ids, mask, width)
+        model.set_attention_path("materialized")
+        full = model(ids, attention_mask=mask).logits
+    got = torch.cat(steps, dim=1)
+    assert (got - full)[mask.bool()].abs().max().item() < 1e-4
