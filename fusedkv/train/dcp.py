@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,6 +61,11 @@ DCP_DIR = "dcp"
 # Seconds the background save sleeps after writing the shards and before the manifest: lets tests
 # kill a process in the middle of a save. It changes nothing else.
 FINISH_SLEEP_ENV = "FUSEDKV_DCP_FINISH_SLEEP"
+
+
+# A single-process run saves and loads without a process group on purpose: DCP's warning about it says
+# nothing to the user (the save runs in a background thread, so a scoped catch_warnings would not do).
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
 
 def rank_file(rank: int) -> str:
