@@ -27,7 +27,7 @@ def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                 max_model_len=args.max_model_len, enforce_eager=not args.compile, seed=0,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=False, skip_tokenizer_init=True)
+                enable_prefix_caching=False, skip_tokenizer_init=True, kv_sharing_fast_prefill=args.fast_prefill)
 
 
 def run_one(model: str, prompts: list[list[int]], args) -> dict:
@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step; below the prompt length it splits prefills into chunks")
+    p.add_argument("--fast-prefill", action="store_true",
+                   help="vLLM's kv_sharing_fast_prefill: layers without a cache skip all but the sampled positions")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)

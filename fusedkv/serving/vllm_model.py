@@ -26,7 +26,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import CompilationMode, VllmConfig
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -188,6 +189,16 @@ class FusedKVModel(nn.Module):
                          f"{prefix}.layers.{layer.index}")
             for layer in self.plan.layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Prefill skipping (paper Sec. 3.3): with vLLM's --kv-sharing-fast-prefill, the layers from
+        # here on (reconstruction layers only: they write no cache) run on the positions whose logits
+        # are sampled, not on the whole prompt. vLLM gives those layers' attention metadata for
+        # exactly those positions.
+        self.skip_from = self.plan.first_skippable_layer
+        self.fast_prefill = vllm_config.cache_config.kv_sharing_fast_prefill and self.skip_from < len(self.layers)
+        if self.fast_prefill and vllm_config.compilation_config.mode != CompilationMode.NONE:
+            raise ValueError("--kv-sharing-fast-prefill with the FusedKV plugin needs --enforce-eager (the skipped "
+                             "layers take a data-dependent subset of the positions)")
+        self.first_skipped_attention = attention_layer_name(prefix, self.skip_from)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -197,10 +208,35 @@ class FusedKVModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers:
+        logits_rows = self._fast_prefill_rows()
+        if logits_rows is None:
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, _ = self.norm(hidden_states, residual)
+            return hidden_states
+        for layer in self.layers[: self.skip_from]:
             hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        rows, num_rows = logits_rows
+        h, r, pos = hidden_states[rows], residual[rows], positions[rows]
+        for layer in self.layers[self.skip_from:]:
+            h, r = layer(pos, h, r)
+        h, _ = self.norm(h, r)
+        out = torch.zeros_like(hidden_states)  # positions without logits are never read
+        out[rows[:num_rows]] = h[:num_rows]
+        return out
+
+    def _fast_prefill_rows(self):
+        """(row indices, how many are real) when the skipped layers run on a subset this step, else None."""
+        if not self.fast_prefill:
+            return None
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict) or self.first_skipped_attention not in metadata:
+            return None  # profiling / warm-up runs
+        meta = metadata[self.first_skipped_attention]
+        rows = getattr(meta, "logits_indices_padded", None)
+        if rows is None or getattr(meta, "num_logits_indices", None) is None:
+            return None
+        return rows, meta.num_logits_indices
 
 
 class FusedKVForCausalLM(nn.Module):

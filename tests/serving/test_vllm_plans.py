@@ -4,7 +4,8 @@ layers own cache blocks.
 One vLLM process runs every checkpoint (in-process engine, eager mode, float32, block size 32, the
 same KV-cache memory for all): greedy tokens must equal `generate`'s, and the log-probability of every
 prompt token must equal a full forward's. A second run splits prefills into 32-token chunks, so the
-reconstruction layers' paged reads see queries that start mid-sequence.
+reconstruction layers' paged reads see queries that start mid-sequence; a third turns on prefill
+skipping (vLLM's kv_sharing_fast_prefill).
 """
 
 from __future__ import annotations
@@ -62,3 +63,13 @@ def test_chunked_prefill_reads_the_right_positions(vllm_python, checkpoints, ref
         for r, g in zip(references[plan]["rows"], result["rows"]):
             assert g["tokens"] == r["tokens"][:8], plan
             assert max(abs(a - b) for a, b in zip(g["prompt_logprobs"], r["prompt_logprobs"])) < LOGPROB_TOL, plan
+
+
+def test_prefill_skipping_keeps_greedy_tokens(vllm_python, checkpoints, references, tmp_path):
+    """vLLM's --kv-sharing-fast-prefill: the layers after the last storage layer run only on the sampled
+    positions (paper Sec. 3.3); what is generated must not change."""
+    plans = ["cla", "yoco", "fusedkv-lite", "fusedkv", "two-k-one-v"]
+    prompts = [row["prompt_ids"] for row in references["vanilla"]["rows"]]
+    results = run_offline(vllm_python, [checkpoints[p] for p in plans], prompts, tmp_path, "--fast-prefill")
+    for plan, result in zip(plans, results):
+        assert [g["tokens"] for g in result["rows"]] == [r["tokens"] for r in references[plan]["rows"]], plan
