@@ -116,9 +116,11 @@ class FusedKVConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.kv_sharing in PLAN_NAMES or self.kv_sharing == CUSTOM:
             choice = None
-        else:  # a user shorthand such as "gqa" (also what older checkpoints saved): plan + KV-head rule
+        else:  # a user shorthand such as "gqa" or "fusedkv+W" (older checkpoints saved "gqa"): plan + settings
             choice = resolve_plan_choice(self.kv_sharing)
             self.kv_sharing = choice.sharing
+            if choice.shared_attention_types is not None and self.shared_attention_types is None:
+                self.shared_attention_types = list(choice.shared_attention_types)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = (choice.num_key_value_heads(self.num_attention_heads) if choice
                                         else self.num_attention_heads)

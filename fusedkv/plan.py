@@ -46,11 +46,14 @@ PLAN_DESCRIPTIONS = {
     "fusedkv-dense": "upper layers fuse every lower layer with learned scalars (Fig. 2 analysis)",
 }
 
-# ---- what users type: a plan, optionally with the GQA shorthand ----------------------------------
+# ---- what users type: a plan, optionally with shorthands -------------------------------------------
 # `gqa` alone is vanilla with half the KV heads (the paper's GQA baseline, two query heads per KV
-# head); `<plan>+gqa` is that plan with half the KV heads. Only this function reads the shorthand.
+# head); `<plan>+gqa` is that plan with half the KV heads. On sliding-window hybrids (paper App. A.6)
+# `<plan>+W` reconstructs only the upper window layers and `<plan>+WF` window and full layers (the
+# default). Suffixes combine (`fusedkv+gqa+W`). Only `resolve_plan_choice` reads them.
 GQA = "gqa"
 GQA_GROUP = 2  # query heads per KV head under the shorthand
+WINDOW_SHARING = {"W": (SLIDING,), "WF": (SLIDING, FULL)}  # suffix -> shared_attention_types
 PLAN_CHOICES = (VANILLA, GQA, "cla", "yoco", "fusedkv-lite", "fusedkv", "fusedkv-dense")
 # The rows every comparison shows by default (paper Table 1 / Table 2; fusedkv-dense is an analysis).
 COMPARED_PLANS = (VANILLA, GQA, "cla", "yoco", "fusedkv-lite", "fusedkv")
@@ -61,11 +64,12 @@ CHOICE_DESCRIPTIONS = {**PLAN_DESCRIPTIONS, GQA: "every layer stores its own K/V
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """A user-typed plan resolved: the sharing plan and the KV-head rule that go with it."""
+    """A user-typed plan resolved: the sharing plan and the settings that go with it."""
 
     label: str  # as typed, for tables and run names
     sharing: str  # one of PLAN_NAMES or CUSTOM
     query_heads_per_kv_head: int | None  # None: keep the model's num_key_value_heads
+    shared_attention_types: tuple[str, ...] | None = None  # None: the model's own setting
 
     def num_key_value_heads(self, num_attention_heads: int, default: int | None = None) -> int:
         """KV heads for a model with `num_attention_heads` query heads (`default`: the model's own)."""
@@ -77,17 +81,19 @@ class PlanChoice:
 
 
 def resolve_plan_choice(name: str) -> PlanChoice:
-    """`vanilla`, `gqa`, `fusedkv`, `fusedkv+gqa`, `custom`, ... -> (sharing plan, KV-head rule)."""
-    base, plus, suffix = str(name).partition("+")
-    if name == GQA:
+    """`vanilla`, `gqa`, `fusedkv`, `fusedkv+gqa`, `fusedkv+W`, `custom`, ... -> the sharing plan and
+    the KV-head and window-sharing settings that go with it."""
+    base, *suffixes = str(name).split("+")
+    unknown = [x for x in suffixes if x != GQA and x not in WINDOW_SHARING]
+    windows = [x for x in suffixes if x in WINDOW_SHARING]
+    if base == GQA and not suffixes:
         return PlanChoice(name, VANILLA, GQA_GROUP)
-    if plus and suffix == GQA and base in PLAN_NAMES:
-        return PlanChoice(name, base, GQA_GROUP)
-    if name in PLAN_NAMES or name == CUSTOM:
-        return PlanChoice(name, name, None)
+    if base in (*PLAN_NAMES, CUSTOM) and not unknown and len(windows) <= 1 and len(set(suffixes)) == len(suffixes):
+        return PlanChoice(name, base, GQA_GROUP if GQA in suffixes else None,
+                          WINDOW_SHARING[windows[0]] if windows else None)
     raise ValueError(
-        f"unknown plan {name!r}; choose one of {', '.join(PLAN_CHOICES)} (or PLAN+{GQA} for half the KV heads, "
-        f"or {CUSTOM!r} with a source map)"
+        f"unknown plan {name!r}; choose one of {', '.join(PLAN_CHOICES)} (or {CUSTOM!r} with a source map), "
+        f"optionally with +{GQA} (half the KV heads) and +W or +WF (which layer types a hybrid shares)"
     )
 
 

@@ -79,3 +79,29 @@ def test_hybrid_window_plans_take_sources_of_their_own_type():
     assert w_only.layers[11].stores and not w_only.layers[8].stores
     with pytest.raises(ValueError, match="own attention type"):
         custom_plan(16, [{"layers": [12, 12], "k": 1, "v": 1}], types)
+
+
+def test_user_shorthands_resolve_in_one_place():
+    from fusedkv import FusedKVConfig
+    from fusedkv.plan import resolve_plan_choice
+
+    def resolved(name):
+        c = resolve_plan_choice(name)
+        return c.sharing, c.query_heads_per_kv_head, c.shared_attention_types
+
+    assert resolved("gqa") == ("vanilla", 2, None)
+    assert resolved("fusedkv+gqa") == ("fusedkv", 2, None)
+    assert resolved("fusedkv+W") == ("fusedkv", None, (SLIDING,))
+    assert resolved("fusedkv+gqa+WF") == ("fusedkv", 2, (SLIDING, FULL))
+    for bad in ("gqa+gqa", "fusedkv+W+WF", "fusedkv+x", "mla", "gqa+W"):
+        with pytest.raises(ValueError, match="unknown plan"):
+            resolve_plan_choice(bad)
+    shape = dict(num_hidden_layers=8, hidden_size=64, num_attention_heads=4)
+    c = FusedKVConfig(**shape, kv_sharing="fusedkv+gqa")
+    assert (c.kv_sharing, c.num_key_value_heads, c.kv_cache_fraction()) == ("fusedkv", 2, 0.25)
+    legacy = FusedKVConfig.from_dict({**FusedKVConfig(**shape, kv_sharing="vanilla").to_dict(), "kv_sharing": "gqa",
+                                      "num_key_value_heads": 2})  # what older checkpoints saved
+    assert (legacy.kv_sharing, legacy.num_key_value_heads) == ("vanilla", 2)
+    hybrid = FusedKVConfig(**shape, kv_sharing="fusedkv+W", layer_types=[SLIDING, SLIDING, SLIDING, FULL] * 2,
+                           sliding_window=4)
+    assert hybrid.shared_attention_types == [SLIDING] and hybrid.plan.layers[7].stores

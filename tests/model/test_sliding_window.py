@@ -113,3 +113,17 @@ def test_cache_fractions_of_the_papers_hybrid():
     assert fraction("fusedkv", [SLIDING]) == 0.273
     assert fraction("fusedkv") == 0.148
     assert FusedKVConfig(**SHAPE, kv_sharing="fusedkv").kv_cache_fraction() == 0.5  # no window: context-free
+
+
+@pytest.mark.parametrize("plan, shared", [("fusedkv", None), ("fusedkv-lite", [SLIDING]), ("yoco", None)])
+def test_generate_equals_greedy_over_full_forwards(plan, shared):
+    # generate(): static window caches and a prefill that skips the upper layers for all but the last
+    # prompt position, against re-running the whole sequence each step without any cache.
+    model = hybrid_model(plan, shared)
+    ids = torch.randint(1, 97, (1, 3 * WINDOW))
+    seq = ids
+    with torch.no_grad():
+        for _ in range(8):
+            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(generate(model, ids, 8).tokens, seq)
