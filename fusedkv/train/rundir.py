@@ -9,6 +9,7 @@ once it is known to start.
   checkpoint to resume, `train()` takes it again).
 * `clear_previous_run`: what `--overwrite` deletes, called only after the new run has validated its
   config and built its model.
+* `find_resume_checkpoint`: the one place that decides which checkpoint `--resume` continues from.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import shlex
 import shutil
 import socket
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
@@ -138,3 +140,44 @@ def clear_previous_run(out_dir: str | Path) -> list[str]:
     for p in out.glob(".final.*"):  # temporaries of a killed final save
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+# ---- the checkpoint to resume: decided here, for the CLI and for train() ------------------------------
+@dataclass
+class ResumePoint:
+    checkpoint: Path  # verified
+    run_dir: Path  # where the run continues (the checkpoint's run unless --out says otherwise)
+    warnings: list[str] = field(default_factory=list)  # newer checkpoints skipped as corrupt
+
+
+def find_resume_checkpoint(target: str | Path) -> ResumePoint:
+    """`target` is a run directory (its newest checkpoint that verifies; a corrupt newer one is skipped
+    with a warning) or one checkpoint directory (used as it is, if it verifies). ValueError otherwise."""
+    from . import checkpoint as ckpt_io
+
+    target = Path(target)
+    if not target.exists():
+        raise ValueError(f"--resume {target}: no such run or checkpoint directory")
+    root = ckpt_io.checkpoint_root(target)
+    if root.is_dir():
+        found = ckpt_io.list_checkpoints(root)
+        if not found:
+            raise ValueError(f"nothing to resume: {root} holds no checkpoint; run without --resume to start")
+        warnings, errors = [], []
+        for ckpt in reversed(found):
+            try:
+                ckpt_io.verify_checkpoint(ckpt)
+            except ValueError as e:
+                errors.append(str(e))
+                continue
+            if errors:
+                warnings.append(f"{'; '.join(errors)}: resuming from the newest intact one, {ckpt.name}")
+            return ResumePoint(ckpt, target, warnings)
+        raise ValueError(f"no checkpoint in {root} verifies ({'; '.join(errors)}); start over with --overwrite")
+    if (target / "manifest.json").is_file() or (target / "train_config.json").is_file():
+        ckpt_io.verify_checkpoint(target)
+        return ResumePoint(target, target.parent.parent)
+    raise ValueError(
+        f"--resume {target}: not a run directory (it has no checkpoints/) nor a checkpoint directory "
+        "(no manifest.json); pass the --out directory of the run to continue"
+    )

@@ -27,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from ..checkpoints import check_checkpoint_dir, write_manifest
 from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
-from ..errors import RunError, describe_os_error
+from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
 from . import checkpoint as ckpt_io
 from . import data as data_setup
@@ -45,7 +46,7 @@ from . import distributed as D
 from .config import TrainConfig
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
 from .optim import build_optimizer, build_scheduler
-from .rundir import RunDirBusy, RunDirLock, clear_previous_run
+from .rundir import RunDirBusy, RunDirLock, clear_previous_run, find_resume_checkpoint
 
 # Fields a resumed run may change; any other difference would make it a different experiment.
 RESUME_MAY_CHANGE = {
@@ -141,6 +142,11 @@ class _Run:
         self.verbose = cfg.progress and env.is_main
         self.pbar = None
 
+    def warn(self, msg: str) -> None:
+        """Shown even when quiet (rank 0): the run goes on, but the user must know."""
+        if self.env.is_main:
+            (self.pbar.write if self.pbar is not None else print)(f"fusedkv train: warning: {msg}", file=sys.stderr)
+
     def say(self, msg: str) -> None:
         if self.verbose:
             if self.pbar is not None:
@@ -150,9 +156,9 @@ class _Run:
 
     # ---- 1. out_dir and the checkpoint to resume ------------------------------------------------------
     def _checkpoint_to_resume(self) -> Path | None:
-        cfg, root = self.cfg, ckpt_io.checkpoint_root(self.out)
-        existing = ckpt_io.list_checkpoints(root)
+        cfg = self.cfg
         if not cfg.resume:
+            existing = ckpt_io.list_checkpoints(ckpt_io.checkpoint_root(self.out))
             if (existing or (self.out / "final").exists()) and not cfg.overwrite:
                 what = f"checkpoint {existing[-1].name}" if existing else "a final model"
                 raise ValueError(
@@ -160,24 +166,24 @@ class _Run:
                     "it, --overwrite to start over (deletes it), or choose another --out"
                 )
             return None
-        if isinstance(cfg.resume, str):
-            p = Path(cfg.resume)
-            if ckpt_io.checkpoint_root(p).is_dir():  # a run directory: its latest checkpoint
-                p = ckpt_io.latest_checkpoint(ckpt_io.checkpoint_root(p)) or p
-            return p
-        if not existing:
-            raise ValueError(f"nothing to resume: {root} holds no checkpoint; run without --resume to start")
-        latest = existing[-1]
-        try:
-            ckpt_io.verify_checkpoint(latest)
-        except ValueError as e:
-            older = (
-                f"; the previous one, {existing[-2]}, may be intact: remove {latest.name} to resume from it"
-                if len(existing) > 1
-                else ""
+        point = find_resume_checkpoint(self.out if cfg.resume is True else cfg.resume)
+        for w in point.warnings:
+            self.warn(w)
+        return point.checkpoint
+
+    def _check_finished(self, step: int, total: int) -> None:
+        """Resuming a run that has nothing left to do is refused, saying so (exit 2)."""
+        if step > total:
+            raise UsageError(
+                f"the checkpoint is at step {step}, past the run's last step {total}; pass --max-steps N with "
+                f"N >= {step} (or resume an earlier checkpoint)"
             )
-            raise ValueError(f"{e}{older}") from e
-        return latest
+        if step == total and (self.out / "final").is_dir():
+            raise UsageError(
+                f"the run in {self.out} already finished (step {step} of {total}; the model is in "
+                f"{self.out / 'final'}): nothing to resume. Pass --max-steps N with N > {step} to train further, "
+                "or --overwrite to start over"
+            )
 
     def _check_resume_config(self, saved: dict) -> TrainConfig:
         """The config to resume with: fields left unset (None) take the saved values; any other
@@ -265,6 +271,7 @@ class _Run:
         ckpt = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
         if ckpt is not None:
             self.cfg = cfg = self._check_resume_config(ckpt["train_config"])
+            self._check_finished(ckpt["step"], cfg.total_steps())
         if (
             ckpt is None
             and cfg.init_from is not None

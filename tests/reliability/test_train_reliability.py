@@ -211,6 +211,28 @@ def test_full_disk_during_a_checkpoint_save(tmp_path, env, data, small_disk):
     # The failed save left no temporary directory; the good checkpoint verifies and resumes.
     assert [c.name for c in (out / "checkpoints").iterdir()] == ["step-00000001"]
     subprocess.run(["mount", "-o", "remount,size=64m", str(out.parent)], check=True)
-    p = run(env, "--out", out, "--resume", "--quiet")
+    p = run(env, "--resume", out, "--quiet")
     assert p.returncode == 0, p.stderr
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def test_resume_run_dir_falls_back_past_a_corrupt_checkpoint_and_a_finished_run_says_so(tmp_path, env, data):
+    out = tmp_path / "run"
+    assert run(env, *nano(data, out, "--max-steps", 4, "--set", "ckpt_every=2")).returncode == 0
+    # A finished run: nothing to resume, and the message says what to do instead.
+    p = run(env, "--resume", out, "--quiet")
+    assert p.returncode == 2 and "already finished (step 4 of 4" in one_line_error(p) and "--max-steps" in p.stderr
+    # Corrupt the newest checkpoint: --resume RUN_DIR warns and continues from the previous one.
+    weights = out / "checkpoints" / "step-00000004" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-10] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    p = run(env, "--resume", out, "--max-steps", 6, "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert "warning: checkpoint" in p.stderr and "step-00000004 is corrupt" in p.stderr
+    assert "resuming from the newest intact one, step-00000002" in p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and [r["step"] for r in summary["curve"]] == list(range(1, 7))
+    # A directory that is neither a run nor a checkpoint.
+    p = run(env, "--resume", tmp_path, "--quiet")
+    assert p.returncode == 2 and "not a run directory" in one_line_error(p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import signal
 
 import pytest
@@ -124,21 +125,27 @@ def test_bad_inputs_fail_before_writing(tmp_path, nano_data, corpus_file):
     assert not out.exists()
 
 
-def test_existing_run_and_corrupt_checkpoint_are_refused(tmp_path, nano_data):
+def test_existing_run_and_corrupt_checkpoint_are_refused(tmp_path, nano_data, capsys):
     out = tmp_path / "run"
     train(nano_config(out, nano_data, max_steps=4, ckpt_every=2))
     snap = _snapshot(out)
     with pytest.raises(ValueError, match="already holds a training run"):
         train(nano_config(out, nano_data, max_steps=4))
     assert _snapshot(out) == snap
+    with pytest.raises(ValueError, match="already finished.*step 4 of 4"):
+        train(nano_config(out, nano_data, max_steps=4, resume=True))
     ckpt = out / "checkpoints" / "step-00000004" / "model.safetensors"
     ckpt.write_bytes(ckpt.read_bytes()[:-100])  # truncated
     snap = _snapshot(out)
-    with pytest.raises(ValueError, match=r"corrupt.*model.safetensors.*step-00000002"):
-        train(nano_config(out, nano_data, max_steps=8, resume=True))
-    assert _snapshot(out) == snap
+    # The newest checkpoint is corrupt: resume falls back to the previous one, with a warning (here
+    # it then refuses the changed lr, so nothing is written).
+    capsys.readouterr()
     with pytest.raises(ValueError, match="cannot resume.*lr"):
-        train(nano_config(out, nano_data, lr=1.0, resume=str(out / "checkpoints" / "step-00000002")))
+        train(nano_config(out, nano_data, lr=1.0, max_steps=8, resume=True))
+    assert re.search(r"warning: .*corrupt.*model.safetensors.*resuming from .*step-00000002", capsys.readouterr().err)
+    assert _snapshot(out) == snap
+    with pytest.raises(ValueError, match=r"step-00000004 is corrupt.*model.safetensors"):  # asked for by name
+        train(nano_config(out, nano_data, max_steps=8, resume=str(out / "checkpoints" / "step-00000004")))
     assert _snapshot(out) == snap
 
 
