@@ -127,3 +127,16 @@ def test_generate_equals_greedy_over_full_forwards(plan, shared):
             nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
     assert torch.equal(generate(model, ids, 8).tokens, seq)
+
+
+def test_the_reading_that_gives_the_papers_12_9_percent():
+    # 12.9% at 8k/512 is exactly 2 full + 1 window storage layers (16896 / 131072): every window layer
+    # but the first reads window layer 1, the upper full layers fuse full layers 4 and 8. As a custom
+    # source map (the named +WF plan keeps all six lower window layers: 14.8%).
+    types = [SLIDING, SLIDING, SLIDING, FULL] * 4
+    window_readers = [{"layers": [a, b], "k": 1, "v": 1} for a, b in ((2, 3), (5, 7), (9, 11), (13, 15))]
+    full_readers = [{"layers": i, "k": [4, 8], "v": [4, 8]} for i in (12, 16)]
+    cfg = FusedKVConfig(num_hidden_layers=16, hidden_size=256, num_attention_heads=4, layer_types=types,
+                        sliding_window=512, max_position_embeddings=8192, kv_sharing="custom",
+                        kv_source_map=window_readers + full_readers)
+    assert cfg.plan.storage_layers == (0, 3, 7) and round(cfg.kv_cache_fraction(8192), 3) == 0.129
