@@ -187,6 +187,7 @@ _COMMANDS = (
     _add_generate,
     register_convert,
     "fusedkv.eval.command",
+    "fusedkv.prune.command",
     "fusedkv.experiments.command",
     "fusedkv.bench.command",
     "fusedkv.analysis.command",

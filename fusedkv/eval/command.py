@@ -48,6 +48,11 @@ def register(sub) -> None:
     p.add_argument("--ruler-max-new-tokens", type=argtypes.positive_int, default=None,
                    help="answer budget for every RULER task (default: RULER's per-task budgets, 30-128)")
     p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
+    p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
+                   help="score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
+    p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
+    p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
+                   help="KIVI full-precision residual length R, a multiple of G (default 128)")
     p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="write all results as JSON here")
     p.set_defaults(func=run)
 
@@ -108,21 +113,31 @@ def run(args) -> None:
                              f"budget is {budget} tokens (--ruler-max-new-tokens); use longer lengths")
     window = args.seq_len or context
     report: dict = {"checkpoint": str(ckpt), "plan": model.config.kv_sharing}
+    scored = model
+    if args.kv_bits:  # KIVI changes only what decoding sees: score one token per forward through its cache
+        from ..quant import KIVICache, check_kivi_settings
+        from ..quant.scoring import DecodeScorer
+
+        check_kivi_settings(args.kv_bits, args.kv_group, args.kv_residual, model.config.head_dim)
+        scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, args.kv_group, args.kv_residual))
+        report["kv_cache"] = {"kivi_bits": args.kv_bits, "group": args.kv_group, "residual": args.kv_residual}
+        print(f"KIVI {args.kv_bits}-bit KV cache (G={args.kv_group}, R={args.kv_residual}): loss and perplexity "
+              "scored token by token through it (lm-eval tasks score prefills, which KIVI keeps in full precision)")
 
     with torch.inference_mode():
-        report["val_loss"] = _validation_loss(model, ckpt, args.val, window, args.batch_size, args.max_batches)
+        report["val_loss"] = _validation_loss(scored, ckpt, args.val, window, args.batch_size, args.max_batches)
         report["val_ppl"] = math.exp(report["val_loss"])
         print(f"validation loss {report['val_loss']:.4f}   perplexity {report['val_ppl']:.2f}")
         from .perplexity import text_perplexity, wikitext_perplexity
 
         stride = args.stride or window // 2
         if text is not None:
-            r = text_perplexity(model, tok, text, max_length=window, stride=stride)
+            r = text_perplexity(scored, tok, text, max_length=window, stride=stride)
             report["text_ppl"] = r["ppl"]
             print(f"{args.text}: perplexity {r['ppl']:.2f} over {r['num_tokens']} tokens "
                   f"(window {window}, stride {stride})")
         if args.wikitext:
-            r = wikitext_perplexity(model, tok, max_length=window, stride=stride)
+            r = wikitext_perplexity(scored, tok, max_length=window, stride=stride)
             report["wikitext_ppl"] = r["ppl"]
             print(f"WikiText-2 test perplexity {r['ppl']:.2f}")
     if args.tasks != "none":
