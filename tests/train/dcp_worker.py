@@ -6,7 +6,8 @@
     dcp_worker.py load MODE CKPT REF          load CKPT into a fresh model + AdamW under MODE and check every
                                               tensor equals REF exactly (exit 1 otherwise)
     dcp_worker.py hang MODE CKPT_ROOT         save with FUSEDKV_DCP_FINISH_SLEEP set, for a kill mid-save
-    dcp_worker.py suite MODE CKPT REF ROOT_B REF_B   load CKPT under FSDP and DDP, then `save MODE ROOT_B REF_B`
+    dcp_worker.py suite MODE CKPT REF ROOT_B REF_B   load CKPT under FSDP and DDP, `save MODE ROOT_B REF_B`,
+                                              and load that checkpoint under DDP
 """
 
 from __future__ import annotations
@@ -104,7 +105,12 @@ if __name__ == "__main__":
         if bad:
             print("MISMATCH " + ", ".join(bad[:10]), flush=True)
             sys.exit(1)
-        save(mode, root_b, ref_b)
+        path_b = save(mode, root_b, ref_b)
+        dist.barrier()
+        bad = [f"{mode} -> ddp: {b}" for b in load("ddp", path_b, ref_b)]  # DDP <-> FSDP, same world size
+        if bad:
+            print("MISMATCH " + ", ".join(bad[:10]), flush=True)
+            sys.exit(1)
     else:
         bad = load(mode, target, Path(sys.argv[4]))
         if bad:

@@ -1,7 +1,8 @@
 """Sharded (DCP) checkpoints: exact round trips across process counts and layouts, async saves that
 snapshot the state, a save killed mid-way, and integrity checks.
 
-Saved by 1 process -> loaded by 2 under FSDP2 and under DDP; saved by 2 under FSDP2 -> loaded by 1.
+Saved by 1 process -> loaded by 2 under FSDP2 and under DDP; saved by 2 under FSDP2 -> loaded by 1, and
+by 2 under DDP.
 Every model and AdamW tensor must come back bit for bit (tests/train/dcp_worker.py). The worker keeps
 training while the asynchronous save is written, so a save that did not snapshot would fail too."""
 
@@ -41,7 +42,8 @@ def saved(tmp_path_factory):
 
 
 def test_one_process_checkpoint_loads_into_two_ranks(saved):
-    # The torchrun launch of the fixture checked FSDP2 and DDP loads of the 1-process checkpoint.
+    # The torchrun launch of the fixture checked FSDP2 and DDP loads of the 1-process checkpoint, and
+    # a DDP load of the checkpoint it saved under FSDP2.
     root, one, _ = saved
     manifest = ck.verify_checkpoint(one)
     assert manifest["layout"] == "sharded" and manifest["world_size"] == 1
