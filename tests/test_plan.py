@@ -105,3 +105,17 @@ def test_user_shorthands_resolve_in_one_place():
     hybrid = FusedKVConfig(**shape, kv_sharing="fusedkv+W", layer_types=[SLIDING, SLIDING, SLIDING, FULL] * 2,
                            sliding_window=4)
     assert hybrid.shared_attention_types == [SLIDING] and hybrid.plan.layers[7].stores
+
+
+def test_train_compare_and_plans_report_one_cache_ratio():
+    # One baseline (MHA of the same shape) everywhere: FusedKV with half the KV heads is 0.25 in the
+    # training summary, the comparison tables and the plans table alike.
+    from fusedkv import FusedKVConfig
+    from fusedkv.cli import plans_table
+    from fusedkv.train.trainer import kv_cache_report
+
+    cfg = FusedKVConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, kv_sharing="fusedkv",
+                        num_key_value_heads=2)
+    assert kv_cache_report(cfg)["kv_cache_ratio"] == cfg.kv_cache_fraction() == 0.25
+    rows = {r.split("|")[1].strip(): r.split("|")[4].strip() for r in plans_table(8, 4, 2, 16, 64, 2).splitlines()[2:]}
+    assert rows["fusedkv"] == "0.25" and rows["gqa"] == "0.5" and rows["vanilla"] == "0.5"
