@@ -75,17 +75,25 @@ def block_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -
                                "the gathered attention path cannot read it")
         idx = torch.empty(n, dtype=torch.long)
         idx[raw_codes] = torch.arange(n)
-        layout.append(None if torch.equal(idx, codes) else idx)
+        transposed = torch.arange(n).view(block_size, head_dim).t().reshape(-1)  # raw [D, bs] holds (t, d)
+        layout.append(None if torch.equal(idx, codes) else TRANSPOSED if torch.equal(raw_codes, transposed) else idx)
     return tuple(layout)
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout: torch.Tensor | None) -> torch.Tensor:
-    """Blocks [R, n] of a [num_blocks, H, bs, D] cache -> [R, H, n * bs, D] in plain token order."""
+TRANSPOSED = "transposed"  # each (block, head) stored [head_dim, block]: the "vec" ISA's key layout
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor:
+    """Blocks [R, n] of a [num_blocks, H, bs, D] cache -> [R, H, n * bs, D] in token order (a strided
+    view of one copy for the plain and transposed layouts)."""
     r, n = blocks.shape
-    _, h, bs, d = cache.shape
-    x = cache[blocks.reshape(-1)]  # [R*n, H, bs, D] copy; each (block, head) holds bs*D raw elements
-    if layout is not None:
-        x = x.reshape(r * n, h, bs * d).index_select(-1, layout)
+    num_blocks, h, bs, d = cache.shape
+    if layout is None:  # [H, R, n, bs, D]: one copy; the result is a view of it
+        return cache.transpose(0, 1)[:, blocks].view(h, r, n * bs, d).transpose(0, 1)
+    if isinstance(layout, str):  # TRANSPOSED: [H, R, n, D, bs] copy, then tokens to the front
+        x = cache.view(num_blocks, h, d, bs).transpose(0, 1)[:, blocks]
+        return x.permute(1, 0, 2, 4, 3).reshape(r, h, n * bs, d)
+    x = cache[blocks.reshape(-1)].reshape(r * n, h, bs * d).index_select(-1, layout)
     return x.view(r, n, h, bs, d).permute(0, 2, 1, 3, 4).reshape(r, h, n * bs, d)
 
 
