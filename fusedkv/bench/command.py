@@ -31,6 +31,11 @@ def register(sub) -> None:
     p.add_argument("--head-dim", type=argtypes.int_range(2, 1024), default=64, help="head dim, even (default 64)")
     p.add_argument("--vocab", type=argtypes.int_range(2, 1 << 20), default=8192, help="vocabulary (default 8192)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers Qwen3 baseline")
+    p.add_argument("--kv-bits", type=argtypes.int_list(2, 4), default=[],
+                   help="also time each plan decoding through a KIVI cache of these bit widths, e.g. 4 or 2,4")
+    p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
+    p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
+                   help="KIVI residual length R (default 128)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=argtypes.int_range(1, 1024), default=None,
@@ -68,7 +73,14 @@ def run(args) -> None:
     from tqdm import tqdm
 
     lens, batches = args.prompt_lens, args.batch_sizes
-    total = args.repeats * len(lens) * len(batches) * (len(set(plans) | {VANILLA}) + (0 if args.no_hf else 1))
+    if args.kv_bits:
+        from ..quant import check_kivi_settings
+
+        for bits in args.kv_bits:
+            check_kivi_settings(bits, args.kv_group, args.kv_residual, args.head_dim)
+    per_plan = 1 + len(args.kv_bits)
+    runs_per_shape = per_plan * len(set(plans) | {VANILLA}) + (0 if args.no_hf else 1)
+    total = args.repeats * len(lens) * len(batches) * runs_per_shape
     bar = tqdm(total=total, desc="bench", unit="run")
 
     def progress(msg):
@@ -76,7 +88,8 @@ def run(args) -> None:
         bar.update()
 
     rows = run_inference_bench(shape, plans, lens, batches, args.new_tokens, args.repeats, not args.no_hf,
-                               args.device, getattr(torch, args.dtype), progress)
+                               args.device, getattr(torch, args.dtype), progress, tuple(args.kv_bits),
+                               args.kv_group, args.kv_residual)
     bar.close()
     print(f"\nmodel: {vars(shape)}, {args.dtype} on {args.device} ({torch.get_num_threads()} threads), "
           f"{args.new_tokens} decode steps, "

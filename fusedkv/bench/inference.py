@@ -21,6 +21,7 @@ from ..convert import from_qwen3_state, qwen3_to_fusedkv_config
 from ..generation import generate
 from ..model import FusedKVForCausalLM
 from ..plan import VANILLA, resolve_plan_choice
+from ..quant import kivi_cache_factory
 
 HF = "hf-qwen3"  # transformers' Qwen3ForCausalLM.generate on the vanilla weights
 
@@ -74,7 +75,7 @@ def build_models(shape: BenchShape, plans: list[str], max_len: int, device: str,
     return models
 
 
-def _measure(model, name: str, ids: torch.Tensor, new_tokens: int) -> dict:
+def _measure(model, name: str, ids: torch.Tensor, new_tokens: int, cache_factory=None) -> dict:
     if name == HF:
         timer = _StepTimer()
         with torch.inference_mode():
@@ -84,7 +85,7 @@ def _measure(model, name: str, ids: torch.Tensor, new_tokens: int) -> dict:
         stamps = [start, *timer.stamps]
         steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
         return dict(ttft=stamps[1] - start, tpot=statistics.median(steps), cache_bytes=None)
-    r = generate(model, ids, new_tokens, weight_layout="auto")
+    r = generate(model, ids, new_tokens, weight_layout="auto", cache_factory=cache_factory)
     return dict(ttft=r.ttft_s, tpot=r.tpot_s, cache_bytes=r.cache_bytes)
 
 
@@ -100,16 +101,25 @@ def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: 
 
 def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[int], batch_sizes: list[int],
                         new_tokens: int = 16, repeats: int = 3, include_hf: bool = True, device: str = "cpu",
-                        dtype: torch.dtype = torch.float32, progress=None) -> list[dict]:
+                        dtype: torch.dtype = torch.float32, progress=None, kv_bits: tuple[int, ...] = (),
+                        kv_group: int = 32, kv_residual: int = 128) -> list[dict]:
+    """`kv_bits` adds a row "<plan>+kivi<b>" per plan: the same model decoding through the KIVI b-bit
+    cache (`fusedkv.quant`), for its TPOT and bytes against the full-precision cache."""
     if VANILLA not in plans:
         plans = [VANILLA, *plans]
     max_len = max(prompt_lens) + new_tokens + 8
     models = build_models(shape, plans, max_len, device, dtype, include_hf)
+    factories = {}
+    for label in [n for n in models if n != HF]:
+        for bits in kv_bits:
+            models[f"{label}+kivi{bits}"] = models[label]
+            factories[f"{label}+kivi{bits}"] = kivi_cache_factory(bits, kv_group, kv_residual)
     names = list(models)
     samples: dict[tuple, list[dict]] = {}
     gen = torch.Generator().manual_seed(0)
     for name in names:  # warm-up: first calls allocate and tune
-        _measure(models[name], name, torch.randint(1, shape.vocab_size, (1, 32), generator=gen).to(device), 4)
+        _measure(models[name], name, torch.randint(1, shape.vocab_size, (1, 32), generator=gen).to(device), 4,
+                 factories.get(name))
     jobs = [(r, b, s) for r in range(repeats) for b in batch_sizes for s in prompt_lens]
     for r, b, s in jobs:
         ids = torch.randint(1, shape.vocab_size, (b, s), generator=gen).to(device)
@@ -117,7 +127,8 @@ def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[i
         # each repeat so that no plan always runs first after a change of shape (allocator, layout).
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            samples.setdefault((name, b, s), []).append(_measure(models[name], name, ids, new_tokens))
+            samples.setdefault((name, b, s), []).append(_measure(models[name], name, ids, new_tokens,
+                                                                 factories.get(name)))
             if progress:
                 progress(f"repeat {r + 1}/{repeats} batch {b} prompt {s} {name}")
     rows = []
