@@ -13,7 +13,7 @@ The default shape is the paper's 650M MLA model (App. A.6: 16 heads, latent rank
 RoPE head dim 32); qk_nope_head_dim = v_head_dim = 96 is an assumption (hidden 1536 / 16 heads).
 
     python benchmarks/mla_decode.py
-    python benchmarks/mla_decode.py --threads 2 --contexts 512,2048,8192 --batches 1,8
+    python benchmarks/mla_decode.py --threads 2 --contexts 512,2048,8192 --batches 1,8 --layers fused
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--v", type=int, default=96)
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--layers", default="plain,fused", help="which layer kinds to time")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -75,7 +76,8 @@ def main() -> None:
           f"torch {torch.__version__}; medians of {args.repeats}, interleaved")
     print(f"{'layer':>10} {'B':>3} {'S':>6} {'expanded ms':>12} {'absorbed ms':>12} {'expanded/absorbed':>18} "
           f"{'latent MB':>10} {'expanded K/V MB':>16}")
-    for plan, kind in (("yoco", "plain"), ("fusedkv", "fused")):
+    kinds = args.layers.split(",")
+    for plan, kind in [(p, k) for p, k in (("yoco", "plain"), ("fusedkv", "fused")) if k in kinds]:
         layer, cfg = build(plan, args)
         sources = layer.layer.sources
         for b in [int(x) for x in args.batches.split(",")]:
