@@ -39,7 +39,7 @@ from torch import nn
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Up to this many input rows a product runs the reduced-precision GEMV kernel (`ReducedLinear`).
-GEMV_MAX_ROWS = {"bfloat16": 2, "float16": 2, "int8": 16}
+GEMV_MAX_ROWS = {"bfloat16": 2, "float16": 8, "int8": 16}
 
 
 @functools.lru_cache(maxsize=1)

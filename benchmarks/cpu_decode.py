@@ -1,0 +1,356 @@
+"""CPU decode next to llama.cpp: TTFT and TPOT of fusedkv's plans at every weight and KV precision, and of
+llama.cpp on the same vanilla weights, interleaved in one process, with each row's effective read
+bandwidth next to the streaming ceiling. Also the kernel table and the quality table behind
+`fusedkv.model.precision`.
+
+    python benchmarks/cpu_decode.py                    # bench model, threads 1,2, prompts 512,2048, batch 1 (+4)
+    python benchmarks/cpu_decode.py --llamacpp-src ~/.cache/fusedkv/llama_cpp_python-0.3.36.tar.gz
+    python benchmarks/cpu_decode.py --kernels          # one-step weight products per format and row count
+    python benchmarks/cpu_decode.py --quality RUN/final   # logits vs f32 and perplexity per precision
+
+Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8 weights; f32 or 16-bit cache), and
+`llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
+when llama-cpp-python is installed and its source distribution is given (`fusedkv.bench.llamacpp`).
+Every (threads, prompt, batch) cell runs all rows round-robin, the order rotated per repeat, and
+reports medians; ratios are to llama.cpp with the same weight and KV kinds. llama.cpp runs one
+sequence, so batch 4 compares fusedkv rows among themselves. GB/s = (weight bytes + KV bytes read)
+per step / TPOT; the ceiling is `torch.sum` over as many bytes (as `benchmarks/decode_layout.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fusedkv.bench.inference import HF, BenchShape, build_models
+from fusedkv.cache import StaticKVCache
+from fusedkv.generation import generate
+from fusedkv.model.precision import half_dtype, reduce_precision, weight_format, weight_nbytes
+
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8"}
+
+
+# ---- fusedkv rows ------------------------------------------------------------------------------------
+def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int) -> dict[str, dict]:
+    """label -> dict(model, kv_dtype, weight_bytes): one model per (plan, weight format)."""
+    base = build_models(BenchShape(), plans, max_len, "cpu", torch.float32, include_hf=True)
+    rows = {}
+    for plan in plans:
+        for fmt in weights:
+            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
+            for kv in kvs:
+                kv_dtype = torch.float32 if kv == "float32" else half_dtype()
+                label = f"{plan} w={SHORT[fmt]} kv={SHORT[str(kv_dtype).removeprefix('torch.')]}"
+                rows[label] = dict(model=model, kv_dtype=kv_dtype, weight_bytes=weight_nbytes(model))
+    return rows, base[HF]
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def run_ours(row: dict, ids: torch.Tensor, new_tokens: int) -> dict:
+    kv_dtype = row["kv_dtype"]
+
+    def cache(config, batch, max_len, dtype, device):
+        return StaticKVCache(config, batch, max_len, kv_dtype, device)
+
+    r = generate(row["model"], ids, new_tokens, weight_layout="auto", cache_factory=cache)
+    return dict(ttft=r.ttft_s, tpot=r.tpot_s)
+
+
+def kv_bytes_per_step(model, context: int, batch: int, elem: float) -> float:
+    c = model.config
+    return c.plan.elements_read_per_token() * c.num_key_value_heads * c.head_dim * context * batch * elem
+
+
+# ---- llama.cpp rows ----------------------------------------------------------------------------------
+LLAMA_BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 int8 + one f16 scale
+
+
+def llama_models(hf_model, src: str, workdir: Path, types: list[str]) -> dict[str, Path]:
+    from fusedkv.bench.llamacpp import convert_to_gguf, export_hf_checkpoint, find_converter
+
+    root = find_converter(src, workdir)
+    hf_dir = export_hf_checkpoint(hf_model, workdir / "hf")
+    return {t: convert_to_gguf(hf_dir, workdir / f"bench-{t}.gguf", t, root) for t in types}
+
+
+# ---- the interleaved run -----------------------------------------------------------------------------
+def streaming_ceiling(nbytes: int, repeats: int = 21) -> float:
+    x = torch.randn(nbytes // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run(args) -> list[dict]:
+    threads = [int(t) for t in args.threads.split(",")]
+    prompts = [int(p) for p in args.prompt_lens.split(",")]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    max_len = max(prompts) + args.new_tokens + 8
+    weights = [weight_format(w) for w in args.weights.split(",")]
+    kvs = ["float32" if k in ("float32", "f32") else "half" for k in args.kv.split(",")]
+    ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len)
+    llama: dict[str, Path] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="fusedkv-llamacpp-"))
+    if args.llamacpp_src:
+        from fusedkv.bench.llamacpp import available
+
+        why = available()
+        if why:
+            print(why, file=sys.stderr)
+        else:
+            llama = llama_models(hf, args.llamacpp_src, workdir, args.llama_types.split(","))
+    del hf
+    vocab = BenchShape().vocab_size
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for t in threads:
+        torch.set_num_threads(t)
+        runners = {}
+        if llama:
+            from fusedkv.bench.llamacpp import LlamaCppRunner
+
+            for ty, path in llama.items():
+                for kv in args.llama_kv.split(","):
+                    runners[f"llama.cpp w={ty} kv={kv}"] = (LlamaCppRunner(path, max_len, t, kv), ty, kv)
+        names = list(ours) + list(runners)
+        for name in names:  # warm-up: first calls allocate and tune
+            ids = torch.randint(1, vocab, (1, 32), generator=gen)
+            _one(name, ours, runners, ids, 4)
+        ceiling = streaming_ceiling(max(r["weight_bytes"] for r in ours.values()))
+        for b in batches:
+            for s in prompts:
+                if b > 1 and s != min(prompts):
+                    continue  # batch > 1: the shortest prompt only (it is a no-slowdown check)
+                cell_names = [n for n in names if b == 1 or n in ours]
+                samples: dict[str, list[dict]] = {n: [] for n in cell_names}
+                for r in range(args.repeats):
+                    ids = torch.randint(1, vocab, (b, s), generator=gen)
+                    shift = r % len(cell_names)
+                    for name in cell_names[shift:] + cell_names[:shift]:
+                        samples[name].append(_one(name, ours, runners, ids, args.new_tokens))
+                    print(f"threads {t} batch {b} prompt {s}: repeat {r + 1}/{args.repeats}", file=sys.stderr)
+                for name, runs in samples.items():
+                    row = dict(name=name, threads=t, batch=b, prompt=s, ceiling_gb_s=ceiling,
+                               ttft_s=statistics.median(x["ttft"] for x in runs),
+                               tpot_s=statistics.median(x["tpot"] for x in runs))
+                    context = s + args.new_tokens // 2
+                    if name in ours:
+                        o = ours[name]
+                        elem = torch.finfo(o["kv_dtype"]).bits / 8
+                        step_bytes = o["weight_bytes"] + kv_bytes_per_step(o["model"], context, b, elem)
+                    else:
+                        _, ty, kv = runners[name]
+                        van = next(o["model"] for n, o in ours.items() if n.startswith("vanilla "))
+                        params = weight_nbytes(van) / 4  # same projections and head as our vanilla f32
+                        step_bytes = params * LLAMA_BYTES_PER_WEIGHT[ty] + kv_bytes_per_step(
+                            van, context, 1, 4 if kv == "f32" else 2)
+                    row["gb_s"] = step_bytes / row["tpot_s"] / 1e9
+                    out.append(row)
+        for runner, _, _ in runners.values():
+            runner.close()
+    return out
+
+
+def _one(name, ours, runners, ids, new_tokens):
+    if name in ours:
+        return run_ours(ours[name], ids, new_tokens)
+    runner = runners[name][0]
+    r = runner.generate(ids[0].tolist(), new_tokens)
+    return dict(ttft=r["ttft_s"], tpot=statistics.median(r["step_s"]))
+
+
+def peer_of(name: str) -> list[str]:
+    """The llama.cpp rows a fusedkv row is compared with: same weight kind (16-bit -> f16, int8 ->
+    q8_0) and same KV width."""
+    w = name.split(" w=")[1].split()[0]
+    kv = name.split(" kv=")[1]
+    ty = {"f32": "f32", "bf16": "f16", "f16": "f16", "int8": "q8_0"}[w]
+    return [f"llama.cpp w={ty} kv={'f32' if kv == 'f32' else 'f16'}"]
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = ["| threads | batch | prompt | engine | TTFT ms | TPOT ms | GB/s (ceiling) | TTFT / llama.cpp | "
+             "TPOT / llama.cpp |", "|---" * 9 + "|"]
+    by = {(r["threads"], r["batch"], r["prompt"], r["name"]): r for r in rows}
+    for r in rows:
+        peer = next((by[(r["threads"], r["batch"], r["prompt"], p)] for p in peer_of(r["name"])
+                     if (r["threads"], r["batch"], r["prompt"], p) in by), None) \
+            if not r["name"].startswith("llama.cpp") else None
+        ttft_ratio = f"{r['ttft_s'] / peer['ttft_s']:.2f}" if peer else ""
+        tpot_ratio = f"{r['tpot_s'] / peer['tpot_s']:.2f} ({peer['name'].removeprefix('llama.cpp ')})" if peer else ""
+        lines.append(f"| {r['threads']} | {r['batch']} | {r['prompt']} | {r['name']} | {r['ttft_s'] * 1e3:.0f} | "
+                     f"{r['tpot_s'] * 1e3:.2f} | {r['gb_s']:.1f} ({r['ceiling_gb_s']:.0f}) | {ttft_ratio} | "
+                     f"{tpot_ratio} |")
+    return "\n".join(lines)
+
+
+# ---- kernels -----------------------------------------------------------------------------------------
+def kernel_table(threads: int, rows_list: list[int], repeats: int) -> str:
+    """One decode step's weight products (the bench shape: 8 layers, Q|K|V, O, gate|up, down, LM head)
+    per weight format and input rows, through `ReducedLinear` (f32: the packed nn.Linear layout). With
+    several threads, also two ways to put a second core on an f32 one-row product: each weight split
+    in two by output rows, the halves run by two Python threads (torch releases the GIL) or as one
+    batched product (`torch.bmm`, two batch entries)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from fusedkv.model.precision import ReducedLinear
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    s = BenchShape()
+    h, i = s.hidden_size, s.intermediate_size
+    shapes = [(3 * h, h), (h, h), (2 * i, h), (h, i)] * s.num_hidden_layers + [(s.vocab_size, h)]
+    linears = [nn.Linear(k, n, bias=False) for n, k in shapes]
+    mods = {"f32": [_col(m) for m in linears]}
+    for fmt in ("bfloat16", "float16", "int8"):
+        mods[SHORT[fmt]] = [ReducedLinear.from_linears([m], fmt) for m in linears]
+    nbytes = {k: sum(m.weight.numel() * m.weight.element_size() for m in ms) for k, ms in mods.items()}
+    steps = {k: (lambda xs, ms=ms: [m(xs[m.in_features]) for m in ms]) for k, ms in mods.items()}
+    if threads > 1:
+        pool = ThreadPoolExecutor(1)
+        halves = [(w[: w.shape[0] // 2], w[w.shape[0] // 2:]) for w in (m.weight.detach() for m in linears)]
+        halves = [(a.t().contiguous().t(), b.t().contiguous().t()) for a, b in halves]
+        stacked = [torch.stack([a.t(), b.t()]).contiguous() for a, b in halves]  # [2, in, out/2]
+
+        def two_threads(xs):
+            for a, b in halves:
+                x = xs[a.shape[1]]
+                other = pool.submit(F.linear, x, b)
+                torch.cat([F.linear(x, a), other.result()], -1)
+
+        def bmm(xs):
+            for w in stacked:
+                x = xs[w.shape[1]]
+                torch.bmm(x.expand(2, *x.shape), w).transpose(0, 1).reshape(x.shape[0], -1)
+
+        steps["f32 2 Python threads"], steps["f32 bmm halves"] = two_threads, bmm
+        nbytes["f32 2 Python threads"] = nbytes["f32 bmm halves"] = nbytes["f32"]
+    ceiling = streaming_ceiling(nbytes["f32"])
+    lines = [f"{threads} thread(s); streaming ceiling {ceiling:.1f} GB/s",
+             "| rows | weights | ms per step | vs f32 | GB/s |", "|---|---|---|---|---|"]
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for k in (h, i)}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                for k, step in steps.items():  # interleaved
+                    if rows > 1 and k.startswith("f32 "):
+                        continue
+                    t0 = time.perf_counter()
+                    step(xs)
+                    times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v[1:]) for k, v in times.items() if v}
+        for k, t in med.items():
+            lines.append(f"| {rows} | {k} | {t * 1e3:.2f} | {t / med['f32']:.2f} | {nbytes[k] / t / 1e9:.1f} |")
+    return "\n".join(lines)
+
+
+def _col(m):
+    with torch.no_grad():
+        m.weight.data = m.weight.data.t().contiguous().t()
+    return m
+
+
+# ---- quality -----------------------------------------------------------------------------------------
+def quality_table(checkpoint: str, windows: int) -> str:
+    """Per precision (weights x KV): on held-out windows of the built-in corpus, (1) full-forward
+    perplexity, (2) teacher-forced decode through the cache: max |logit - f32 logit|, top-1 agreement
+    with the f32 full forward, and the perplexity of the decoded logits."""
+    import math
+
+    import torch.nn.functional as F
+
+    from fusedkv.data import prepare_dataset
+    from fusedkv.data.loader import iter_eval_batches
+    from fusedkv.model import FusedKVForCausalLM
+
+    ref = FusedKVForCausalLM.from_pretrained(checkpoint).eval()
+    ctx = ref.config.max_position_embeddings
+    with tempfile.TemporaryDirectory() as tmp:
+        shard = prepare_dataset("builtin", tmp, tokenizer=checkpoint).val
+        batches = list(iter_eval_batches(shard, ctx, 1, max_batches=windows))
+    configs = [(w, kv) for w in ("float32", "bfloat16", "float16", "int8")
+               for kv in (torch.float32, torch.bfloat16, torch.float16)]
+    models = {w: ref if w == "float32" else reduce_precision(_copy(ref), w) for w in dict(configs)}
+    lines = [f"{checkpoint} (plan {ref.config.kv_sharing}), {len(batches)} held-out windows of {ctx} tokens",
+             "| weights | KV | full-forward ppl | decode ppl | decode max abs logit diff vs f32 | top-1 agreement |",
+             "|---|---|---|---|---|---|"]
+    with torch.inference_mode():
+        refs = [ref(ids).logits for ids, _ in batches]
+        for w, kv in configs:
+            model = models[w]
+            nll_full = nll_dec = n = agree = 0
+            worst = 0.0
+            for (ids, labels), ref_logits in zip(batches, refs):
+                full = model(ids).logits
+                nll_full += F.cross_entropy(full[0], labels[0], reduction="sum").item()
+                cache = StaticKVCache(model.config, 1, ctx, kv)
+                steps = [model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, 0] for t in range(ids.shape[1])]
+                dec = torch.cat(steps)
+                nll_dec += F.cross_entropy(dec, labels[0], reduction="sum").item()
+                worst = max(worst, (dec - ref_logits[0]).abs().max().item())
+                agree += (dec.argmax(-1) == ref_logits[0].argmax(-1)).sum().item()
+                n += labels.numel()
+            lines.append(f"| {SHORT[w]} | {SHORT[str(kv).removeprefix('torch.')]} | {math.exp(nll_full / n):.3f} | "
+                         f"{math.exp(nll_dec / n):.3f} | {worst:.4f} | {agree / n:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plans", default="vanilla,fusedkv-lite")
+    ap.add_argument("--weights", default="float32,half,int8", help="fusedkv weight formats (half = bf16 or f16 "
+                    "by processor)")
+    ap.add_argument("--kv", default="float32,half", help="fusedkv KV cache kinds: float32, half")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--prompt-lens", default="512,2048")
+    ap.add_argument("--batch-sizes", default="1,4")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--llamacpp-src", default=None, help="llama-cpp-python sdist (.tar.gz or unpacked) for the "
+                    "converter; default $FUSEDKV_LLAMA_CPP_SRC; without it no llama.cpp rows")
+    ap.add_argument("--llama-types", default="f32,f16,q8_0")
+    ap.add_argument("--llama-kv", default="f32,f16")
+    ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
+    ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
+    ap.add_argument("--quality", metavar="CHECKPOINT", help="print the quality table for a trained checkpoint")
+    ap.add_argument("--windows", type=int, default=16, help="--quality: held-out windows")
+    args = ap.parse_args()
+    if args.kernels:
+        for t in [int(x) for x in args.threads.split(",")]:
+            print(kernel_table(t, [int(r) for r in args.rows.split(",")], args.repeats))
+        return
+    if args.quality:
+        print(quality_table(args.quality, args.windows))
+        return
+    import os
+
+    args.llamacpp_src = args.llamacpp_src or os.environ.get("FUSEDKV_LLAMA_CPP_SRC")
+    rows = run(args)
+    print(f"\nbench model {vars(BenchShape())}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
+          f"repeats; load average at the end {open('/proc/loadavg').read().split()[0]}\n")
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
