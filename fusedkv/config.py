@@ -27,6 +27,29 @@ from .plan import (
 )
 
 FUSION_INITS = ("equivalent", "normal", "iterative")
+MAX_LAYERS = 4096
+
+
+_TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict, "None": type(None)}
+
+
+def _runtime_types(annotation: str) -> tuple[type, ...]:
+    """The classes a field annotation such as "int | list[int] | None" admits (a float field takes ints)."""
+    out: list[type] = []
+    for part in annotation.split("|"):
+        name = part.strip().split("[")[0]
+        cls = _TYPE_NAMES[name]
+        out += [cls, int] if cls is float else [cls]
+    return tuple(out)
+
+
+def _check_field_types(config) -> None:
+    """Every field holds the type its annotation names (True is not an integer here), so a wrong type from a
+    config file or `--set` is a ValueError naming the field, not a TypeError from arithmetic on it later."""
+    for name, annotation in FusedKVConfig.__annotations__.items():
+        value, allowed = getattr(config, name), _runtime_types(annotation)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise ValueError(f"{name}={value!r}: expected {annotation.replace('|', 'or')}")
 
 
 @strict
@@ -104,8 +127,17 @@ class FusedKVConfig(PreTrainedConfig):
     v_head_dim: int = 128
 
     def __post_init__(self, **kwargs):
+        _check_field_types(self)  # first: the defaults and checks below compute with these values
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):  # the defaults below use them
+            v = getattr(self, name)
+            if v <= 0:
+                raise ValueError(f"{name}={v!r}: must be a positive integer")
+        if self.num_hidden_layers > MAX_LAYERS:  # the plan holds one entry per layer: 10**9 would hang here
+            raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: at most {MAX_LAYERS} layers are supported")
         # transformers-4 style `rope_theta=` is accepted and stored the transformers-5 way.
         rope_theta = kwargs.pop("rope_theta", None)
+        if rope_theta is not None and (isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float)):
+            raise ValueError(f"rope_theta={rope_theta!r}: must be a number")
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta or 10000.0)}
         elif rope_theta is not None:

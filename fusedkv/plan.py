@@ -127,6 +127,8 @@ class KVSharingPlan:
     layers: tuple[LayerKV, ...]
 
     def __post_init__(self):
+        if not self.layers:
+            raise ValueError(f"plan {self.name!r} has no layers; a model needs at least one layer")
         for layer in self.layers:
             for side, srcs, mode in (("K", layer.k_sources, layer.k_fusion), ("V", layer.v_sources, layer.v_fusion)):
                 if mode not in FUSION_MODES:
