@@ -180,8 +180,9 @@ class CrossLayerAttention:
         block_size, head_dim = keys[0].shape[2], keys[0].shape[3]
         key_layout, value_layout = block_layout(layer.isa, keys[0].dtype, block_size, head_dim)
         starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        decodes = [r for r in range(len(seq_lens)) if starts[r + 1] - starts[r] == 1]
+        num_reqs = len(starts) - 1
+        seq_lens = meta.seq_lens[:num_reqs].tolist()
+        decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
         if decodes:
             # One-token steps, batched: pad to the longest sequence and mask the tail.
             rows = torch.tensor(decodes)
@@ -191,11 +192,11 @@ class CrossLayerAttention:
             k_src = [gather_blocks(c, blocks, key_layout) for c in keys]
             v_src = [gather_blocks(c, blocks, value_layout) for c in values]
             mask = torch.arange(n_blocks * block_size)[None, :] < lens[:, None]  # [R, S]
-            qr = q[torch.tensor([starts[r] for r in decodes])].unsqueeze(2)  # [R, H, 1, D]
-            o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask[:, None, None, :],
-                                   scale=self.base.scale)
-            out[torch.tensor([starts[r] for r in decodes])] = o[:, :, 0].to(out.dtype)
-        for r in range(len(seq_lens)):
+            token_rows = torch.tensor([starts[r] for r in decodes])
+            o = factored_attention(q[token_rows].unsqueeze(2), k_src, k_weights, v_src, v_weights,  # [R, H, 1, D]
+                                   mask=mask[:, None, None, :], scale=self.base.scale)
+            out[token_rows] = o[:, :, 0].to(out.dtype)
+        for r in range(num_reqs):
             t = starts[r + 1] - starts[r]
             if t <= 1:
                 continue

@@ -6,6 +6,8 @@ imports it when a checkpoint asks for the `FusedKVForCausalLM` architecture.
 
 Only `fusedkv.config` and `fusedkv.plan` are needed here, never the transformers model: vLLM's
 environment has an older transformers in which the project's HF forward does not run.
+`check_servable` (what the plugin cannot serve yet) lives here too, free of vLLM imports, so that
+`fusedkv serve` can refuse such a checkpoint before starting vLLM.
 """
 
 from __future__ import annotations
