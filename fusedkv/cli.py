@@ -103,16 +103,21 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="sample text from a checkpoint",
                        description="Generate text with the compact KV cache from a checkpoint directory "
                        "(e.g. runs/tiny-fusedkv/final).")
-    p.add_argument("checkpoint", help="checkpoint directory holding config.json, weights and tokenizer")
+    p.add_argument("checkpoint", type=argtypes.non_empty,
+                   help="checkpoint directory holding config.json, weights and tokenizer")
     p.add_argument("--prompt", default="ROMEO:", help="prompt text (default 'ROMEO:')")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=100,
+                   help="tokens to generate; prompt + these must fit the model context (default 100)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--temperature", type=argtypes.float_range(0.0), default=0.8,
+                   help="sampling temperature, 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=argtypes.non_negative_int, default=50,
+                   help="sample from the k likeliest tokens, 0 for all (default 50)")
+    p.add_argument("--top-p", type=argtypes.float_range(0.0, 1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling: the smallest set of tokens reaching this probability (default 1)")
+    p.add_argument("--num-samples", type=argtypes.int_range(1, 4096), default=1, help="samples (default 1)")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.set_defaults(func=_run_generate)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
+from .errors import RunError
 from .model.packing import LAYOUTS, set_decode_layout
 
 WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
@@ -36,6 +37,14 @@ class GenerationResult:
         """Median time per output token after the first (robust to a noisy machine)."""
         steps = sorted(self.step_s)
         return steps[len(steps) // 2] if steps else float("nan")
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """NaN or infinite logits (corrupt weights, an overflow) would still give tokens (greedy argmax picks
+    one); refuse them instead of returning a confident-looking wrong result."""
+    if not bool(torch.isfinite(logits).all()):
+        raise RunError("the model's logits are not finite (NaN or inf): its weights are corrupt or overflow in "
+                       "this dtype; check the checkpoint, or run in float32")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -137,6 +146,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     out = model(prompt_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
                 use_cache=True, logits_to_keep=1)
     cache = out.cache
+    _check_finite(out.logits)  # before sampling, which would fail on them without saying why
     token = sample_next(out.logits[:, -1], temperature, top_k, generator, top_p)
     _sync(device)
     ttft = time.perf_counter() - start
