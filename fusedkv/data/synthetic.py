@@ -1,0 +1,227 @@
+"""Synthetic retrieval data: associative recall and passkeys in text, and a training mixture that holds them.
+
+Tiny models score zero on long-context suites (the paper's Table 16) because nothing in their training
+asks them to retrieve. This module writes retrieval *as text documents*, so the ordinary shard pipeline
+(`fusedkv.data.prepare_dataset`) tokenises them with the run's own BPE and the trainer needs no change:
+
+* **MQAR** (multi-query associative recall, Zoology: Arora et al., 2023, arXiv:2312.04927): a block of
+  key-value pairs (`Pairs: apple 37, river 82, ...`), optionally natural text in between (the *gap*, so
+  length varies independently of the number of pairs), then queries that repeat keys in another order,
+  each followed by its value (`Recall: river 82, apple 37.`). The model must produce each value after
+  its key.
+* **Passkey** (Mohtashami & Jaggi, 2023; the needle-in-a-haystack test): one number hidden at a random
+  depth in natural text from the built-in corpus, asked for at the end.
+* **RULER-style** tasks: the project's generators (`fusedkv.eval.ruler_tasks`), reused as they are, with
+  the prompt followed by the gold answer.
+
+Every sample records the character spans of the answers, so an evaluation can score exactly the answer
+tokens (`fusedkv.eval.retrieval`). Everything is deterministic in (seed, index) and offline.
+
+The mixture is a data-source spec: ``mix:builtin:FRACTION[:words=N]`` (e.g. ``--data mix:builtin:0.25``)
+is the built-in corpus plus synthetic documents making up FRACTION of the characters, each about N words
+of filler (default 80: sized to a 128-token training context). Validation stays on the corpus's held-out
+works (the synthetic documents all go to training), so validation losses compare with corpus-only runs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ..eval._ruler_words import NOUNS
+from .shards import BUILTIN_VAL_DOCS
+from .sources import BuiltinSource
+
+TASKS = ("mqar", "passkey", "ruler")
+# RULER-style tasks cheap enough to generate by the thousand and short enough for a small context.
+RULER_TRAIN_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt")
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+
+
+@dataclass
+class TextSample:
+    """One synthetic document: its text and the [start, end) character spans of the answers in it."""
+
+    task: str
+    text: str
+    answers: list[tuple[int, int]] = field(default_factory=list)
+    num_pairs: int = 0  # MQAR: key-value pairs; passkey: 1
+    depth: float | None = None  # passkey: where the needle sits (0 = start, 1 = end)
+
+    def answer_strings(self) -> list[str]:
+        return [self.text[a:b] for a, b in self.answers]
+
+
+def _keys(rng: random.Random, n: int) -> list[str]:
+    if n > len(NOUNS):
+        raise ValueError(f"num_pairs={n}: at most {len(NOUNS)} distinct keys are available")
+    return rng.sample(NOUNS, n)
+
+
+def _values(rng: random.Random, n: int, digits: int) -> list[str]:
+    return [str(rng.randrange(10 ** (digits - 1), 10**digits)) for _ in range(n)]
+
+
+def mqar_sample(rng: random.Random, num_pairs: int, filler: Sequence[str] = (), num_queries: int | None = None,
+                value_digits: int = 2) -> TextSample:
+    """Zoology's MQAR in text: `num_pairs` key-value pairs, the `filler` words (the gap), then
+    `num_queries` (default all) keys in a shuffled order, each answered with its value."""
+    if num_pairs < 1:
+        raise ValueError(f"num_pairs={num_pairs}: need at least one key-value pair")
+    num_queries = num_pairs if num_queries is None else num_queries
+    if not 1 <= num_queries <= num_pairs:
+        raise ValueError(f"num_queries={num_queries}: must be between 1 and num_pairs={num_pairs}")
+    keys, values = _keys(rng, num_pairs), _values(rng, num_pairs, value_digits)
+    text = "Pairs: " + ", ".join(f"{k} {v}" for k, v in zip(keys, values)) + ".\n"
+    if filler:
+        text += " ".join(filler) + "\n"
+    text += "Recall:"
+    answers = []
+    for j, i in enumerate(rng.sample(range(num_pairs), num_queries)):
+        text += f" {keys[i]} "
+        answers.append((len(text), len(text) + len(values[i])))
+        text += values[i] + ("," if j < num_queries - 1 else ".")
+    return TextSample("mqar", text + "\n", answers, num_pairs=num_pairs)
+
+
+def passkey_sample(rng: random.Random, haystack: Sequence[str], depth: float | None = None,
+                   digits: int = 5) -> TextSample:
+    """A `digits`-digit pass key stated once at `depth` (default random) inside the `haystack` words."""
+    depth = rng.random() if depth is None else depth
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth}: must be in [0, 1]")
+    key = _values(rng, 1, digits)[0]
+    cut = round(depth * len(haystack))
+    before, after = " ".join(haystack[:cut]), " ".join(haystack[cut:])
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    text = " ".join(p for p in (before, needle, after) if p) + f"\n{PASSKEY_QUESTION} "
+    answers = [(len(text), len(text) + len(key))]
+    return TextSample("passkey", text + key + ".\n", answers, num_pairs=1, depth=depth)
+
+
+def ruler_sample(task: str, length_words: int, seed: int, index: int, haystack_text: str | None = None) -> TextSample:
+    """A RULER-style prompt (`fusedkv.eval.ruler_tasks`, unchanged) of about `length_words` words followed by
+    its gold answers, as one training document. Length is counted in whitespace words (no tokenizer exists
+    yet when training data is written)."""
+    from ..eval.ruler_tasks import generate_task
+
+    words = _WhitespaceTokenizer()
+    sample = generate_task(task, words, length_words, 1, seed=seed * 1_000_003 + index, haystack_text=haystack_text)[0]
+    text = sample.input
+    answers = []
+    for j, out in enumerate(sample.outputs):
+        text += " " if j == 0 else ", "
+        answers.append((len(text), len(text) + len(out)))
+        text += out
+    return TextSample(task, text + ".\n", answers, num_pairs=len(sample.outputs))
+
+
+class _WhitespaceTokenizer:
+    """Counts words: what `generate_task` needs to size a prompt before any BPE exists."""
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": text.split()}
+
+
+# ---- natural-text filler --------------------------------------------------------------------------------
+def corpus_words(split: str = "train") -> list[str]:
+    """The built-in corpus as words: the training works ("train") or the held-out works ("val"), so that
+    evaluation haystacks are text the model never trained on."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split={split!r}: choose 'train' or 'val'")
+    held_out = set(BUILTIN_VAL_DOCS)
+    words: list[str] = []
+    for name, text in BuiltinSource().iter_named():
+        if (name in held_out) == (split == "val"):
+            words.extend(text.split())
+    return words
+
+
+def filler(rng: random.Random, words: Sequence[str], n: int) -> list[str]:
+    """`n` consecutive words from a random place in `words` (wrapping around)."""
+    if n <= 0:
+        return []
+    start = rng.randrange(len(words))
+    return [words[(start + i) % len(words)] for i in range(n)]
+
+
+def training_sample(rng: random.Random, words: Sequence[str], length_words: int, seed: int, index: int) -> TextSample:
+    """One training document of a random task and size, at most about `length_words` words long: MQAR with
+    2-16 pairs and a random gap (half of them), passkeys at random depths, RULER-style tasks."""
+    kind = rng.choices(TASKS, weights=(0.5, 0.3, 0.2))[0]
+    if kind == "mqar":
+        pairs = rng.randint(2, max(2, min(16, length_words // 5)))
+        gap = rng.randint(0, max(0, length_words - 4 * pairs)) if rng.random() < 0.5 else 0
+        return mqar_sample(rng, pairs, filler(rng, words, gap))
+    if kind == "passkey":
+        return passkey_sample(rng, filler(rng, words, rng.randint(length_words // 4, length_words)))
+    task = rng.choice(RULER_TRAIN_TASKS)
+    # RULER's instructions alone are ~90 words: these documents run past a short training context.
+    return ruler_sample(task, max(2 * length_words, 160), seed, index, haystack_text=" ".join(filler(rng, words, 2000)))
+
+
+# ---- the training mixture as a data source ---------------------------------------------------------------
+MIX_PREFIX = "mix:"
+
+
+class MixtureSource(BuiltinSource):
+    """The built-in corpus plus synthetic retrieval documents (`fraction` of all characters), as one source.
+
+    A BuiltinSource, so `prepare_dataset` holds out the same works for validation; the synthetic
+    documents are named `synthetic/<task>/<i>` and all go to training. Synthetic documents are spread
+    evenly through the corpus's documents (not appended at the end), so a tokenizer trained on a prefix
+    of the text sees them too."""
+
+    def __init__(self, fraction: float, words: int = 80, seed: int = 0):
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"mixture fraction {fraction}: must be in (0, 1), e.g. mix:builtin:0.25")
+        if words < 16:
+            raise ValueError(f"mixture words={words}: synthetic documents need at least 16 words")
+        self.fraction, self.words, self.seed = float(fraction), int(words), int(seed)
+        self.spec = f"{MIX_PREFIX}builtin:{self.fraction:g}:words={self.words}:seed={self.seed}"
+
+    @classmethod
+    def from_spec(cls, spec: str) -> MixtureSource:
+        """`mix:builtin:0.25[:words=80][:seed=0]` -> a MixtureSource; ValueError with the form otherwise."""
+        form = "expected 'mix:builtin:FRACTION[:words=N][:seed=S]', e.g. 'mix:builtin:0.25'"
+        parts = spec[len(MIX_PREFIX):].split(":")
+        if len(parts) < 2 or parts[0] != "builtin":
+            raise ValueError(f"data mixture {spec!r}: {form} (only the built-in corpus can be mixed)")
+        try:
+            fraction = float(parts[1])
+            opts = dict(p.split("=", 1) for p in parts[2:])
+            unknown = set(opts) - {"words", "seed"}
+            if unknown:
+                raise ValueError(f"unknown option(s) {sorted(unknown)}")
+            return cls(fraction, int(opts.get("words", 80)), int(opts.get("seed", 0)))
+        except ValueError as e:
+            raise ValueError(f"data mixture {spec!r}: {e}; {form}") from None
+
+    def _iter_raw(self) -> Iterator[tuple[str, str]]:
+        docs = list(self._base_docs())
+        words = [w for n, t in docs if n not in BUILTIN_VAL_DOCS for w in t.split()]  # filler: training works only
+        natural = sum(len(t) for n, t in docs if n not in BUILTIN_VAL_DOCS)
+        target = natural * self.fraction / (1.0 - self.fraction)  # synthetic chars for the wanted share
+        rng = random.Random(f"mixture:{self.seed}")
+        synthetic: list[tuple[str, str]] = []
+        made = 0
+        while made < target:
+            s = training_sample(rng, words, self.words, self.seed, len(synthetic))
+            synthetic.append((f"synthetic/{s.task}/{len(synthetic)}", s.text))
+            made += len(s.text)
+        # Interleave: after each corpus document, its share of the synthetic documents.
+        per_doc = len(synthetic) / max(1, len(docs))
+        emitted = 0
+        for i, doc in enumerate(docs):
+            yield doc
+            upto = round((i + 1) * per_doc)
+            yield from synthetic[emitted:upto]
+            emitted = upto
+
+    def _base_docs(self) -> Iterator[tuple[str, str]]:
+        """The natural-text documents the synthetic ones are mixed into (the built-in corpus)."""
+        return super()._iter_raw()
+
+    def fingerprint(self) -> str:
+        return f"{self.spec}:{super().fingerprint()}"

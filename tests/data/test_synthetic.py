@@ -1,0 +1,124 @@
+"""The synthetic retrieval generators (MQAR, passkey, RULER-style documents) and the training mixture."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fusedkv.data import BuiltinSource, prepare_dataset, resolve_source
+from fusedkv.data.synthetic import (
+    PASSKEY_QUESTION,
+    MixtureSource,
+    mqar_sample,
+    passkey_sample,
+    ruler_sample,
+    training_sample,
+)
+from fusedkv.eval.ruler_tasks import generate_task
+
+WORDS = ("And the LORD spake unto Moses saying speak unto the children of Israel " * 40).split()
+
+
+def _pairs(text: str) -> dict[str, str]:
+    block = text.split("\n")[0].removeprefix("Pairs: ").rstrip(".")
+    return dict(item.split(" ") for item in block.split(", "))
+
+
+def test_mqar_answers_are_the_values_of_the_queried_keys():
+    s = mqar_sample(random.Random(3), num_pairs=7, filler=WORDS[:30])
+    pairs = _pairs(s.text)
+    assert len(pairs) == 7 == len(s.answers) == s.num_pairs
+    queries = s.text.split("Recall:")[1]
+    asked = [q.split()[0] for q in queries.strip(" .\n").split(", ")]
+    assert sorted(asked) == sorted(pairs)  # every key asked once, in a shuffled order
+    assert s.answer_strings() == [pairs[k] for k in asked]
+    assert " ".join(WORDS[:30]) in s.text  # the gap sits between pairs and queries
+    assert s.text.index("Pairs:") < s.text.index(WORDS[0]) < s.text.index("Recall:")
+
+
+def test_mqar_is_deterministic_and_checks_its_arguments():
+    assert mqar_sample(random.Random(1), 5).text == mqar_sample(random.Random(1), 5).text
+    assert mqar_sample(random.Random(1), 5).text != mqar_sample(random.Random(2), 5).text
+    assert len(mqar_sample(random.Random(0), 6, num_queries=2).answers) == 2
+    with pytest.raises(ValueError, match="num_pairs"):
+        mqar_sample(random.Random(0), 0)
+    with pytest.raises(ValueError, match="num_queries"):
+        mqar_sample(random.Random(0), 3, num_queries=4)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_hides_the_key_at_the_depth_and_asks_for_it(depth):
+    s = passkey_sample(random.Random(7), WORDS[:100], depth=depth)
+    (key,) = s.answer_strings()
+    assert len(key) == 5 and key.isdigit()
+    needle = s.text.index(f"The pass key is {key}.")
+    before = len(s.text[:needle].split())
+    assert before == round(depth * 100)
+    assert s.text[: s.answers[0][0]].endswith(PASSKEY_QUESTION + " ")
+    assert s.text.count(key) == 3  # twice in the needle, once as the answer
+
+
+def test_ruler_documents_reuse_the_ruler_generator():
+    s = ruler_sample("niah_single_2", 200, seed=0, index=4, haystack_text=" ".join(WORDS))
+    from fusedkv.data.synthetic import _WhitespaceTokenizer
+
+    ref = generate_task("niah_single_2", _WhitespaceTokenizer(), 200, 1, seed=4, haystack_text=" ".join(WORDS))[0]
+    assert s.text.startswith(ref.input)
+    assert s.answer_strings() == ref.outputs
+
+
+def test_training_samples_cover_every_task_with_consistent_answers():
+    rng = random.Random(0)
+    samples = [training_sample(rng, WORDS, 80, 0, i) for i in range(60)]
+    kinds = {s.task if s.task in ("mqar", "passkey") else "ruler" for s in samples}
+    assert kinds == {"mqar", "passkey", "ruler"}
+    for s in samples:
+        assert s.answers and all(a.strip() for a in s.answer_strings())
+        assert all(s.text[a - 1] in " :,\n" for a, _ in s.answers)  # an answer starts a new word
+
+
+def test_mixture_spec_parsing():
+    src = resolve_source("mix:builtin:0.25:words=64:seed=3")
+    assert isinstance(src, MixtureSource)
+    assert (src.fraction, src.words, src.seed) == (0.25, 64, 3)
+    for bad, msg in [("mix:builtin:1.5", "in \\(0, 1\\)"), ("mix:other:0.2", "built-in corpus"),
+                     ("mix:builtin:x", "mix:builtin:FRACTION"), ("mix:builtin:0.2:size=3", "unknown option")]:
+        with pytest.raises(ValueError, match=msg):
+            resolve_source(bad)
+
+
+class _SmallMixture(MixtureSource):
+    """The mixture over a few real corpus documents instead of the whole corpus (seconds, not minutes);
+    one of them carries a held-out work's name."""
+
+    def __init__(self, docs, fraction):
+        super().__init__(fraction, words=40)
+        self.docs = docs
+
+    def _base_docs(self):
+        return iter(self.docs)
+
+
+def test_mixture_share_split_and_shards(tmp_path, small_text):
+    n = 12
+    size = len(small_text) // n
+    docs = [(f"shakespeare/part{i}", small_text[i * size:(i + 1) * size]) for i in range(n - 1)]
+    docs.append(("kjv/Ruth", small_text[(n - 1) * size:]))  # a held-out name: validation only
+    src = _SmallMixture(docs, fraction=0.3)
+    named = list(src.iter_named())
+    synth = [t for name, t in named if name.startswith("synthetic/")]
+    natural = sum(len(t) for name, t in docs if name != "kjv/Ruth")
+    share = sum(map(len, synth)) / (sum(map(len, synth)) + natural)
+    assert 0.3 <= share < 0.3 + 0.01  # stops at the first document past the target
+    assert [d for d in named if not d[0].startswith("synthetic/")] == docs  # the corpus itself is unchanged
+    assert named[1][0].startswith("synthetic/")  # interleaved, not appended
+    assert named == list(src.iter_named())  # deterministic
+    ruth = docs[-1][1].split()
+    assert not any(" ".join(ruth[i:i + 8]) in t for t in synth for i in range(0, len(ruth) - 8, 500))
+    # The full mixture is a BuiltinSource, so prepare_dataset holds out BUILTIN_VAL_DOCS; this small one
+    # holds one of them.
+    assert isinstance(src, BuiltinSource)
+    ds = prepare_dataset(src, tmp_path / "mix", vocab_size=400, num_proc=1, val_docs=["kjv/Ruth"])
+    assert ds.meta["val"]["num_documents"] == 1  # only the held-out work, no synthetic document
+    assert ds.meta["train"]["num_documents"] == len(named) - 1
