@@ -338,6 +338,10 @@ def resolve_source(spec: str | Path | Source, text_field: str = "text") -> Sourc
     s = str(spec)
     if s == "builtin":
         return BuiltinSource()
+    if s.startswith("mix:"):  # the corpus + synthetic retrieval documents (fusedkv.data.synthetic)
+        from .synthetic import MixtureSource
+
+        return MixtureSource.from_spec(s)
     if s.startswith("hf:"):
         parts = s[3:].split(":")
         if not parts[0] or len(parts) > 3:
