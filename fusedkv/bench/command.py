@@ -30,6 +30,12 @@ def register(sub) -> None:
     p.add_argument("--heads", type=argtypes.int_range(1, 1024), default=8, help="attention heads (default 8)")
     p.add_argument("--head-dim", type=argtypes.int_range(2, 1024), default=64, help="head dim, even (default 64)")
     p.add_argument("--vocab", type=argtypes.int_range(2, 1 << 20), default=8192, help="vocabulary (default 8192)")
+    p.add_argument("--sliding-window", type=argtypes.int_range(1, 1 << 20), default=None,
+                   help="benchmark a sliding-window hybrid with this window (paper App. A.6; plans PLAN+W / PLAN+WF "
+                   "choose which layer types are shared)")
+    p.add_argument("--window-group", type=argtypes.int_range(2, 1024), default=4,
+                   help="with --sliding-window: each group of this many layers is all window layers but the last "
+                   "(default 4: three window + one full, as in the paper)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers Qwen3 baseline")
     p.add_argument("--kv-bits", type=argtypes.int_list(2, 4), default=[],
                    help="also time each plan decoding through a KIVI cache of these bit widths, e.g. 4 or 2,4")
@@ -69,7 +75,8 @@ def run(args) -> None:
         except ValueError as e:
             raise ValueError(f"--plans: {e}") from None
     shape = BenchShape(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                       num_attention_heads=args.heads, head_dim=args.head_dim, vocab_size=args.vocab)
+                       num_attention_heads=args.heads, head_dim=args.head_dim, vocab_size=args.vocab,
+                       sliding_window=args.sliding_window, window_group=args.window_group)
     from tqdm import tqdm
 
     lens, batches = args.prompt_lens, args.batch_sizes

@@ -20,7 +20,7 @@ from ..config import FusedKVConfig
 from ..convert import from_qwen3_state, qwen3_to_fusedkv_config
 from ..generation import generate
 from ..model import FusedKVForCausalLM
-from ..plan import VANILLA, resolve_plan_choice
+from ..plan import FULL, SLIDING, VANILLA, resolve_plan_choice
 from ..quant import kivi_cache_factory
 
 HF = "hf-qwen3"  # transformers' Qwen3ForCausalLM.generate on the vanilla weights
@@ -34,6 +34,22 @@ class BenchShape:
     num_attention_heads: int = 8
     head_dim: int = 64
     vocab_size: int = 8192
+    # Sliding-window hybrid (paper App. A.6): in each group of `window_group` layers all but the last
+    # attend over a window of `sliding_window` tokens. None: every layer is full attention.
+    sliding_window: int | None = None
+    window_group: int = 4
+
+    def layer_types(self) -> list[str] | None:
+        if not self.sliding_window:
+            return None
+        return [FULL if (i + 1) % self.window_group == 0 else SLIDING for i in range(self.num_hidden_layers)]
+
+    def model_fields(self) -> dict:
+        """The fields a FusedKVConfig takes."""
+        fields = {k: v for k, v in vars(self).items() if k not in ("sliding_window", "window_group")}
+        if self.sliding_window:
+            fields.update(layer_types=self.layer_types(), sliding_window=self.sliding_window)
+        return fields
 
 
 class _StepTimer(LogitsProcessor):
@@ -55,20 +71,29 @@ def build_models(shape: BenchShape, plans: list[str], max_len: int, device: str,
     qcfg = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
                        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_attention_heads,
-                       head_dim=shape.head_dim, max_position_embeddings=max_len, tie_word_embeddings=False)
+                       head_dim=shape.head_dim, max_position_embeddings=max_len, tie_word_embeddings=False,
+                       **({} if not shape.sliding_window else dict(
+                           layer_types=shape.layer_types(), sliding_window=shape.sliding_window,
+                           use_sliding_window=True, max_window_layers=0)))
     hf = Qwen3ForCausalLM(qcfg).eval()
-    qwen3 = qcfg.to_dict()
+    qwen3 = {**qcfg.to_dict(), "use_sliding_window": False}  # the window comes in through `window` below
+    window = {} if not shape.sliding_window else dict(layer_types=shape.layer_types(),
+                                                      sliding_window=shape.sliding_window)
     models: dict[str, torch.nn.Module] = {}
     for label in plans:
         choice = resolve_plan_choice(label)
         kv_heads = choice.num_key_value_heads(shape.num_attention_heads)
         # The same weights for every plan whose shapes allow it (upper layers drop K/V projections);
         # fewer KV heads means other K/V shapes and fresh weights (speed does not depend on their values).
+        shared = {} if choice.shared_attention_types is None else dict(
+            shared_attention_types=list(choice.shared_attention_types))
         if kv_heads == shape.num_attention_heads:
-            model = from_qwen3_state(hf.state_dict(), qwen3_to_fusedkv_config(qwen3, choice.sharing))
+            cfg = qwen3_to_fusedkv_config(qwen3, choice.sharing, **window, **shared)
+            model = from_qwen3_state(hf.state_dict(), cfg)
         else:
-            model = FusedKVForCausalLM(FusedKVConfig(**vars(shape), max_position_embeddings=max_len,
-                                                     kv_sharing=choice.sharing, num_key_value_heads=kv_heads))
+            model = FusedKVForCausalLM(FusedKVConfig(**shape.model_fields(), max_position_embeddings=max_len,
+                                                     kv_sharing=choice.sharing, num_key_value_heads=kv_heads,
+                                                     **shared))
         models[label] = model.to(device, dtype).eval()
     if include_hf:
         models[HF] = hf.to(device, dtype)
@@ -94,7 +119,11 @@ def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: 
     def per_step(m):
         c = m.config
         weights = sum(p.numel() * p.element_size() for p in m.parameters())
-        kv = c.plan.elements_read_per_token() * c.num_key_value_heads * c.head_dim * context * batch
+        # Each layer reads every source once, over the context (a window layer: over its window).
+        tokens = sum((len(layer.k_sources) + len(layer.v_sources))
+                     * (min(context, c.sliding_window) if layer.attention_type == SLIDING else context)
+                     for layer in c.plan.layers)
+        kv = tokens * c.num_key_value_heads * c.head_dim * batch
         return weights + kv * next(m.parameters()).element_size()
     return per_step(model) / per_step(vanilla)
 

@@ -55,3 +55,21 @@ def test_gpu_benchmark_fails_when_a_timed_kernel_is_wrong(capsys):
     assert gpu_suite_main(["--dry-run", "--skip-model"], kernel=_wrong_decode) == 1
     captured = capsys.readouterr()
     assert "**WRONG**" in captured.out and "decode-kernel checks against the fp32 reference failed" in captured.err
+
+
+def test_inference_bench_on_a_sliding_window_hybrid():
+    # Window storage layers hold W - 1 tokens in the static cache: the measured bytes say so, for the
+    # hybrid itself and for FusedKV sharing window layers only (+W) or both types (+WF).
+    shape = BenchShape(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                       vocab_size=128, sliding_window=8)
+    assert shape.layer_types() == ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + [
+        "full_attention"]
+    rows = run_inference_bench(shape, ["fusedkv+W", "fusedkv+WF"], [40], [1], new_tokens=3, repeats=1)
+    by_plan = {r["plan"]: r for r in rows}
+    per_layer = 2 * 4 * 16 * 4  # K and V, 4 KV heads of 16, fp32, per token
+    context = 40 + 3
+    held = {"vanilla": 6 * 7 + 2 * context, "fusedkv+W": 3 * 7 + 2 * context, "fusedkv+WF": 3 * 7 + 1 * context}
+    for plan, tokens in held.items():
+        assert by_plan[plan]["cache_bytes"] == per_layer * tokens, plan
+        assert abs(by_plan[plan]["cache_ratio"] - tokens / (8 * context)) < 1e-9
+    assert by_plan["fusedkv+WF"]["tpot_byte_floor"] < by_plan["vanilla"]["tpot_byte_floor"] == 1.0
