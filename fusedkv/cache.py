@@ -34,6 +34,8 @@ class StaticKVCache:
     is allocated once, up front. Sliding-window storage layers hold only the last `sliding_window - 1`
     tokens (`[B, H_kv, W - 1, D]`, like transformers' `DynamicSlidingWindowLayer`): `update` returns
     those plus the new ones, the last keys a window query can see, so their memory stays bounded.
+    `dtype` may be narrower than the model's: a 16-bit cache under f32 activations halves the bytes
+    again on top of the plan's half-size cache (attention then runs in the cache's dtype).
     """
 
     is_compileable = False  # the model builds its own masks; transformers must not pre-build 4-D ones
@@ -43,6 +45,8 @@ class StaticKVCache:
             raise ValueError(
                 f"StaticKVCache max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}"
             )
+        if not dtype.is_floating_point:
+            raise ValueError(f"StaticKVCache dtype {dtype}: use a floating dtype (float32, bfloat16, float16)")
         k_shape = v_shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
         if getattr(config, "kv_lora_rank", None) is not None:  # MLA: keys = latent, values = RoPE key (one head)
             k_shape, v_shape = (batch_size, 1, max_len, config.kv_lora_rank), (batch_size, 1, max_len, config.head_dim)

@@ -141,11 +141,15 @@ class LlamaCppRunner:
         self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                          n_threads=threads, n_threads_batch=threads, type_k=KV_TYPES[kv_type],
                          type_v=KV_TYPES[kv_type], flash_attn=flash_attn, logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
 
     def logits_last(self):
+        """The last evaluated token's logits, read in place from llama.cpp (the bindings copy logits
+        only with logits_all=True, which would make llama.cpp compute them for every prompt token)."""
+        import llama_cpp
         import numpy as np
 
-        return np.asarray(self.llm.scores[self.llm.n_tokens - 1])
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
 
     def generate(self, prompt: list[int], new_tokens: int) -> dict:
         """Greedy decode; returns tokens, ttft_s and the per-step times like `GenerationResult`."""

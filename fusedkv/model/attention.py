@@ -138,6 +138,8 @@ class Attention(nn.Module, DecodePackable):
         causal = kv.causal
         if self.window:
             mask, causal = self._window_mask(kv, t, k_src[0].shape[2]), False
+        if q.dtype != k_src[0].dtype:  # a 16-bit KV cache under f32 activations: attend in the cache's dtype
+            q = q.to(k_src[0].dtype)
         path = self._path_for(t, q)
         if path == "triton":
             out = triton_decode_step(q[:, :, 0], k_src, k_w, v_src, v_w, kv_start=self._kv_start(kv, k_src[0]),
@@ -150,7 +152,7 @@ class Attention(nn.Module, DecodePackable):
             k, v = fuse_sources(k_src, k_w), fuse_sources(v_src, v_w)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim).to(x.dtype))
 
     def _window_mask(self, kv: KVState, t: int, num_keys: int) -> torch.Tensor | None:
         """The window mask for the keys this layer attends over: a window cache returns only the last

@@ -271,3 +271,28 @@ def weight_nbytes(model: nn.Module) -> int:
             total += m.weight.numel() * m.weight.element_size()
             total += 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
     return total
+
+
+def kv_dtype_for(name: str) -> torch.dtype:
+    """A KV cache dtype from a user's name: float32, bfloat16, float16, or half (this processor's)."""
+    fmt = weight_format(name)
+    if fmt == "int8":
+        raise ValueError("an int8 KV cache is not implemented; use float32, bfloat16, float16 or half")
+    return torch.float32 if fmt == "float32" else _DTYPES[fmt]
+
+
+def apply_precision(model: nn.Module, dtype: str = "float32", weights: str | None = None,
+                    kv_dtype: str | None = None) -> torch.dtype:
+    """The command-line choice, made once before decoding: `dtype` for weights and KV cache, `weights`
+    (e.g. int8) and `kv_dtype` overriding either. On CPU, reduced weights are `ReducedLinear`s under
+    f32 activations; on a GPU a 16-bit `dtype` casts the whole model. Returns the KV cache dtype
+    (for `StaticKVCache`)."""
+    kv = kv_dtype_for(kv_dtype or dtype)
+    fmt = weight_format(weights or dtype)
+    if next(model.parameters()).device.type != "cpu":
+        if fmt == "int8":
+            raise ValueError("--weights int8 is a CPU decode path; on a GPU use --dtype bfloat16")
+        model.to(torch.float32 if fmt == "float32" else _DTYPES[fmt])
+        return kv
+    reduce_precision(model, fmt)
+    return kv

@@ -145,3 +145,36 @@ def test_formats_and_errors():
     reduce_precision(model, "bfloat16")
     with pytest.raises(ValueError, match="already reduced"):
         reduce_precision(model, "int8")
+
+
+# A 16-bit KV cache under f32 activations (StaticKVCache dtype): decode against the f32 full forward.
+KV_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+@pytest.mark.parametrize("plan", ["vanilla", "fusedkv-lite", "fusedkv"])
+@pytest.mark.parametrize("kv_dtype", list(KV_TOL))
+def test_16bit_kv_cache_decode_matches_f32_full_forward(plan, kv_dtype):
+    model = _trained_like(plan)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(4))
+    cache = StaticKVCache(model.config, 2, 20, kv_dtype)
+    with torch.no_grad():
+        steps = [model(ids[:, :6], cache=cache, use_cache=True).logits]
+        steps += [model(ids[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(6, 12)]
+        full = model(ids).logits
+    dec = torch.cat(steps, 1)
+    assert dec.dtype == torch.float32 and all(t.dtype == kv_dtype for t in cache.keys.values())
+    assert 0 < _rel(dec, full) < KV_TOL[kv_dtype]
+
+
+def test_16bit_cache_stacks_with_reduced_weights_and_half_size_plans():
+    ids = torch.randint(1, 97, (1, 8))
+    bytes_ = {}
+    for plan in ("vanilla", "fusedkv-lite"):
+        for kv in (torch.float32, torch.bfloat16):
+            model = reduce_precision(_trained_like(plan), "int8")
+            r = generate(model, ids, 5, cache_factory=lambda c, b, n, d, dev, kv=kv: StaticKVCache(c, b, n, kv, dev))
+            bytes_[plan, kv] = r.cache_bytes
+            assert r.tokens.shape == (1, 13)
+    assert bytes_["fusedkv-lite", torch.bfloat16] * 4 == bytes_["vanilla", torch.float32]
+    with pytest.raises(ValueError, match="floating dtype"):
+        StaticKVCache(tiny_model("vanilla").config, 1, 8, torch.int8)
