@@ -8,6 +8,9 @@ the throughput they can gain. Reported per plan: vLLM's cache blocks and maximum
 logs it, for max-model-len tokens per request), requests/s and generated tokens/s; ratios to vanilla
 from one process with the plans interleaved over --rounds rounds (medians).
 
+Prefill skipping: long prompts with one new token each, Lite and FusedKV with and without vLLM's
+--kv-sharing-fast-prefill (the layers after the last storage layer run on the sampled positions only).
+
 Then single-stream decode, same weights: vLLM (one request), the project's own loop
 (`fusedkv.generation.generate`, static half-size cache) and transformers' `generate`, tokens/s over
 prompt + new tokens (one thread each).
@@ -87,6 +90,23 @@ def throughput(vllm_python, ckpts, args, work) -> list[dict]:
     return rows
 
 
+def prefill_skipping(vllm_python, ckpts, args, work) -> list[dict]:
+    """Prefill-bound work (long prompts, one new token) with and without vLLM's kv_sharing_fast_prefill."""
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(2, args.vocab, (args.prefill_requests, args.prompt_len + args.new_tokens - 1),
+                            generator=g).tolist()
+    plans = [p for p in PLANS if p != "vanilla"]
+    order = [p for _ in range(args.rounds) for p in plans]
+    timed = {}
+    for mode, extra in (("full", ()), ("skipping", ("--fast-prefill",))):
+        runs = vllm_run(vllm_python, [ckpts[p] for p in order], prompts, work, "--max-new-tokens", "1",
+                        "--kv-cache-memory", str(4 * args.kv_cache_memory), "--dtype", "float32", *extra)
+        for plan in plans:
+            timed[plan, mode] = statistics.median(r["elapsed_s"] for p, r in zip(order, runs) if p == plan)
+    return [{"plan": p, "full_s": timed[p, "full"], "skipping_s": timed[p, "skipping"],
+             "speedup": timed[p, "full"] / timed[p, "skipping"]} for p in plans]
+
+
 @torch.inference_mode()
 def single_stream(vllm_python, ckpts, args, work) -> list[dict]:
     from transformers import AutoModelForCausalLM
@@ -129,6 +149,7 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes (default: room for 8 vanilla sequences of prompt + new tokens)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefill-requests", type=int, default=16)
     p.add_argument("--single-prompt-len", type=int, default=32)
     p.add_argument("--single-new-tokens", type=int, default=128)
     p.add_argument("--vllm-python", default=None)
@@ -145,6 +166,7 @@ def main() -> None:
         work = Path(tmp)
         ckpts = write_checkpoints(work / "ckpts", args)
         tp = throughput(vllm_python, ckpts, args, work)
+        pf = prefill_skipping(vllm_python, ckpts, args, work)
         ss = single_stream(vllm_python, ckpts, args, work)
     print(f"## vLLM serving throughput (measured on a shared 2-core CPU machine; ratios from one interleaved run)\n\n"
           f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), KV-cache memory "
@@ -155,6 +177,11 @@ def main() -> None:
     for r in tp:
         print(f"| {r['plan']} | {r['num_blocks']} | {r['max_concurrency']:.2f} | {r['requests_per_s']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x |")
+    print(f"\n## Prefill skipping ({args.prefill_requests} prompts of {args.prompt_len + args.new_tokens - 1} tokens, "
+          "1 new token each; vLLM --kv-sharing-fast-prefill)\n")
+    print("| plan | full prefill (s) | upper layers on sampled positions only (s) | speed-up |\n|---|---|---|---|")
+    for r in pf:
+        print(f"| {r['plan']} | {r['full_s']:.2f} | {r['skipping_s']:.2f} | {r['speedup']:.2f}x |")
     print(f"\n## Single-stream decode ({args.single_prompt_len}-token prompt, {args.single_new_tokens} new tokens, "
           "1 thread, tokens/s including prefill)\n")
     print("| plan | vLLM | fusedkv loop | transformers generate | same tokens |\n|---|---|---|---|---|")
@@ -162,7 +189,8 @@ def main() -> None:
         print(f"| {r['plan']} | {r['vllm_tok_s']:.0f} | {r['fusedkv_loop_tok_s']:.0f} | "
               f"{r['transformers_generate_tok_s']:.0f} | {r['same_tokens']} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "throughput": tp, "single_stream": ss}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "throughput": tp, "prefill_skipping": pf,
+                                              "single_stream": ss}, indent=1))
 
 
 if __name__ == "__main__":
