@@ -118,6 +118,13 @@ def _add_generate(sub):
     p.add_argument("--num-samples", type=argtypes.int_range(1, 4096), default=1, help="samples (default 1)")
     p.add_argument("--seed", type=argtypes.seed, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    precisions = ["float32", "bfloat16", "float16", "half"]
+    p.add_argument("--dtype", default="float32", choices=precisions,
+                   help="weights and KV cache (default float32); half = bfloat16 where the processor has bf16 "
+                   "arithmetic, else float16. On CPU activations stay float32 (fusedkv.model.precision)")
+    p.add_argument("--weights", default=None, choices=[*precisions, "int8"],
+                   help="weight storage instead of --dtype's; int8 = weight-only, one scale per output channel (CPU)")
+    p.add_argument("--kv-dtype", default=None, choices=precisions, help="KV cache dtype instead of --dtype's")
     p.set_defaults(func=_run_generate)
 
 
@@ -140,12 +147,20 @@ def _run_generate(args) -> None:
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
     eos = model.config.eos_token_id if model.config.eos_token_id is not None else tok.eos_token_id
+    from .cache import StaticKVCache
+    from .model.precision import apply_precision
+
+    kv_dtype = apply_precision(model, args.dtype, args.weights, args.kv_dtype)  # reduced weights, KV width
+
+    def cache(config, batch, max_len, dtype, device):
+        return StaticKVCache(config, batch, max_len, kv_dtype, device)
+
     # The package's own loop: the compact static cache, prefill skipping, and the weight layout the
     # batch decodes fastest with (fusedkv.model.packing).
     result = generate(model, ids, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                       top_k=None if args.greedy else args.top_k, top_p=1.0 if args.greedy else args.top_p,
                       eos_token_id=eos, generator=torch.Generator(args.device).manual_seed(args.seed),
-                      weight_layout="auto")
+                      weight_layout="auto", cache_factory=cache)
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     for row in result.tokens.tolist():
         new = row[ids.shape[1]:]
