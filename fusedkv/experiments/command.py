@@ -32,22 +32,12 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    import yaml
-
+    from ..train.config import parse_overrides
     from .runner import load_experiment, plot_curves, run_experiment, summary_table
 
     _check_experiment_file(args.experiment)
     spec = load_experiment(args.experiment)
-    overrides: dict = {}
-    for item in args.overrides:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        key, value = item.split("=", 1)
-        node = overrides
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+    overrides = parse_overrides(args.overrides)
     seeds = args.seeds
     name = spec.get("name", Path(args.experiment).stem)
     out = Path(args.out or f"runs/compare-{name}")

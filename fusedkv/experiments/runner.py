@@ -89,7 +89,7 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                 if progress:
                     print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
                 # No result means the run did not finish: train it again from the start.
-                cfg = TrainConfig(**{**fields, "out_dir": str(cache_dir / key / "train"), "progress": False,
+                cfg = TrainConfig.from_dict({**fields, "out_dir": str(cache_dir / key / "train"), "progress": False,
                                      "overwrite": True})
                 result = _summarise(run["name"], seed, train(cfg), task_limit)
                 result["config"] = fields

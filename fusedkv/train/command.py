@@ -89,7 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="start from a saved model's weights (and tokenizer), e.g. runs/x/final",
     )
     g.add_argument(
+        "--rope-theta",
         "--rope-base",
+        dest="rope_theta",
         type=float,
         metavar="THETA",
         help="RoPE base (paper: 10000; 50000 / 500000 for continued long-context training)",
@@ -155,7 +157,7 @@ def build_config(args: argparse.Namespace, hold: contextlib.ExitStack | None = N
         max_steps=args.max_steps,
         seed=args.seed,
         init_from=args.init_from,
-        rope_base=args.rope_base,
+        rope_theta=args.rope_theta,
         out_dir=args.out,
         resume=args.resume,
         overwrite=args.overwrite,

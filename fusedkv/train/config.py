@@ -1,30 +1,35 @@
-"""`TrainConfig`: one dataclass that says everything a training run needs, and the presets.
+"""`TrainConfig`: one dataclass that says everything a training run needs; presets are YAML files.
 
 A run is fully described by a `TrainConfig`: the model (a preset's dimensions plus overrides of any
-`FusedKVConfig` field, and the KV-sharing plan), the data (source spec, tokenizer vocabulary,
-prepared-data directory), the batch and token budget, the optimiser (the paper's AdamW recipe), the
-runtime (device, dtype, compile, activation checkpointing, DDP/FSDP2) and the bookkeeping (evaluation,
-checkpoints, output directory, resume). The resolved config is saved with every checkpoint, so a run
-can always be reproduced or resumed from what is on disk.
+`FusedKVConfig` field), the data (source spec, tokenizer vocabulary, prepared-data directory), the
+batch and token budget, the optimiser (the paper's AdamW recipe), the runtime (device, dtype, compile,
+activation checkpointing, DDP/FSDP2) and the bookkeeping (evaluation, checkpoints, output directory,
+resume). The resolved config is saved with every checkpoint, so a run can always be reproduced or
+resumed from what is on disk.
 
-Values come in layers, later layers winning: the preset, a YAML file, `--set key=value` overrides
-and explicit keyword arguments / CLI flags. Fields left at `None` are filled from the preset by
-`__post_init__`, so `TrainConfig(preset="nano", plan="vanilla")` is complete on its own (this is what
-the experiment runner constructs). Every bad key or value raises `ValueError` naming the field.
+Values come in layers, later layers winning (`resolve_config`): the preset, a checkpoint's saved
+config (resume), a YAML file, `--set key=value` overrides (`parse_overrides`, the one parser) and
+explicit keyword arguments / CLI flags. Fields left at `None` are filled from the preset by
+`__post_init__`, so `TrainConfig(preset="nano", kv_sharing="vanilla")` is complete on its own.
 
-Presets
--------
-* Paper sizes (SPEC section 4, App. A.2 / Table 4): `332m`, `650m`, `1.5b`, `4b` - vocabulary
-  128,000, context 8192, RoPE base 10,000, untied embeddings, batch 512 sequences, AdamW (0.9, 0.95),
-  weight decay 0.1, clip 1.0, 2000 warm-up steps, cosine 3e-4 -> 3e-5, and the paper's token budgets.
-  The paper does not give the MLP width; we use Qwen3's choice: 3 x hidden (Qwen3-0.6B/1.7B use
-  exactly 3x), and 9728 for 4B (Qwen3-4B's width, 3.8x). Counting one embedding matrix but not the
-  LM head, that gives 295M / 687M / 1.57B / 3.96B parameters for vanilla (the last two match the
-  paper's names; the paper's "332M" is exactly what a 4x MLP would give, so its MLP may be wider -
-  set `model.intermediate_size=4096` to follow that reading).
-* `tiny`: the default CPU run (`fusedkv train`): 4 layers, hidden 192, 4 heads of 48, vocab 4096,
-  context 256, 600 steps of 2048 tokens (1.2M tokens) on the built-in corpus; ~5 minutes on 2 CPU
-  cores, data preparation included.
+One name per field, the model config's: `kv_sharing` and `rope_theta` (as in `FusedKVConfig`) sit at
+the top level because the run decides them (and `init_from` may keep or change them); every other
+`FusedKVConfig` field goes under `model`. `plan` (what users type: `--plan`) and the names that files
+written before this version use (`rope_base`) are read as `kv_sharing` / `rope_theta`. Every value is
+type-checked and every number range-checked when the config is built: a bad `--set` fails with a
+ValueError naming the key before anything is read or written.
+
+Presets (fusedkv/train/presets/*.yaml; `extends: _paper` shares the paper's recipe)
+-------------------------------------------------------------------------------------
+* Paper sizes (App. A.2, Table 4): `332m`, `650m`, `1.5b`, `4b` - vocabulary 128,000, context 8192,
+  RoPE base 10,000, untied embeddings, batch 512 sequences, AdamW (0.9, 0.95), weight decay 0.1, clip
+  1.0, 2000 warm-up steps, cosine 3e-4 -> 3e-5, and the paper's token budgets. The paper does not give
+  the MLP width; we use Qwen3's choice: 3 x hidden (Qwen3-0.6B/1.7B use exactly 3x), and 9728 for 4B
+  (Qwen3-4B's width, 3.8x). Counting one embedding matrix but not the LM head, that gives 295M / 687M /
+  1.57B / 3.96B parameters for vanilla (the last two match the paper's names; the paper's "332M" is
+  exactly what a 4x MLP would give, so its MLP may be wider - set `model.intermediate_size=4096`).
+* `tiny`: the default CPU run (`fusedkv train`): 4 layers, hidden 192, vocab 4096, context 256, 600
+  steps of 2048 tokens (1.2M tokens) on the built-in corpus.
 * `nano`: for tests: 4 layers, hidden 64, vocab 512, context 64, 8 steps, gradient accumulation 2.
 """
 
@@ -32,9 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -47,106 +54,38 @@ DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 
-# The paper's optimisation recipe (SPEC section 4), shared by the four paper presets.
-_PAPER_RECIPE = dict(
-    vocab_size=128_000,
-    seq_len=8192,
-    rope_base=10_000.0,
-    global_batch_tokens=512 * 8192,  # 512 sequences of 8192 tokens
-    micro_batch_size=1,
-    lr=3e-4,
-    min_lr_ratio=0.1,
-    warmup_steps=2000,
-    # FineWeb-Edu like the paper; a streamed sample, since the full budget needs a pre-tokenised corpus.
-    data="hf:HuggingFaceFW/fineweb-edu:sample-10BT:train",
-    eval_every=1000,
-    eval_batches=50,
-    final_eval_batches=500,
-    ckpt_every=1000,
-    distributed="fsdp",
-)
+# Names read as another field: the CLI flag's name and the names of configs saved before this version.
+ALIASES = {"plan": "kv_sharing", "rope_base": "rope_theta"}
 
 
-def _paper(layers: int, hidden: int, heads: int, intermediate: int, tokens: float, **extra) -> dict:
-    model = dict(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        intermediate_size=intermediate,
-        max_position_embeddings=8192,
-    )
-    return {**_PAPER_RECIPE, "model": model, "max_tokens": int(tokens), **extra}
+# ---- presets ------------------------------------------------------------------------------------------
+def _load_presets() -> dict[str, dict]:
+    files = {p.name[: -len(".yaml")]: p for p in resources.files(__package__).joinpath("presets").iterdir()
+             if p.name.endswith(".yaml")}
+
+    def load(name: str) -> dict:
+        d = yaml.safe_load(files[name].read_text()) or {}
+        parent = d.pop("extends", None)
+        if parent is None:
+            return d
+        base = load(parent)
+        return {**base, **d, "model": {**base.get("model", {}), **d.get("model", {})}}
+
+    presets = {name: load(name) for name in files if not name.startswith("_")}
+    # Smallest first (the order --help lists them in).
+    size = {n: p["model"]["num_hidden_layers"] * p["model"]["hidden_size"] for n, p in presets.items()}
+    return dict(sorted(presets.items(), key=lambda kv: size[kv[0]]))
 
 
-PRESETS: dict[str, dict] = {
-    "332m": _paper(12, 1024, 16, 3 * 1024, 200e9),
-    "650m": _paper(16, 1536, 16, 3 * 1536, 200e9),
-    "1.5b": _paper(24, 2048, 16, 3 * 2048, 400e9, grad_checkpointing=True),
-    "4b": _paper(36, 2560, 32, 9728, 800e9, grad_checkpointing=True),
-    # Sized so `fusedkv train` (data preparation included) finishes in a few minutes on 2 CPU cores.
-    # A higher peak LR and a short warm-up than the paper: small models train stably at 2e-3 and the
-    # run is only a few hundred steps long.
-    "tiny": dict(
-        model=dict(
-            num_hidden_layers=4,
-            hidden_size=192,
-            num_attention_heads=4,  # even, so that the gqa plan really halves the KV heads
-            intermediate_size=576,
-            max_position_embeddings=256,
-        ),
-        vocab_size=4096,
-        seq_len=256,
-        rope_base=10_000.0,
-        data="builtin",
-        global_batch_tokens=8 * 256,
-        micro_batch_size=8,
-        max_steps=600,
-        lr=2e-3,
-        min_lr_ratio=0.1,
-        warmup_steps=30,
-        eval_every=150,
-        eval_batches=8,
-        final_eval_batches=40,
-        ckpt_every=150,
-    ),
-    # For tests: seconds per run; accumulation 2 so the accumulation path is always exercised.
-    "nano": dict(
-        model=dict(
-            num_hidden_layers=4,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=192,
-            max_position_embeddings=64,
-        ),
-        vocab_size=512,
-        seq_len=64,
-        rope_base=10_000.0,
-        data="builtin",
-        global_batch_tokens=8 * 64,
-        micro_batch_size=4,
-        max_steps=8,
-        lr=3e-3,
-        min_lr_ratio=0.1,
-        warmup_steps=2,
-        eval_every=4,
-        eval_batches=2,
-        final_eval_batches=4,
-        ckpt_every=4,
-    ),
-}
+PRESETS: dict[str, dict] = _load_presets()
 PRESET_NAMES = tuple(PRESETS)
 
-# Fields of FusedKVConfig that TrainConfig owns at the top level (so there is one place to set them).
-_MODEL_FIELDS_OWNED = {
-    "vocab_size": "vocab_size",
-    "kv_sharing": "plan",
-    "rope_parameters": "rope_base",
-    "rope_theta": "rope_base",
-}
+# FusedKVConfig fields that TrainConfig holds at the top level under the same name.
+_TOP_LEVEL_MODEL_FIELDS = ("vocab_size", "kv_sharing", "rope_theta")
 MODEL_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(FusedKVConfig)
-    if f.name not in _MODEL_FIELDS_OWNED and f.name in FusedKVConfig.__annotations__
+    if f.name not in (*_TOP_LEVEL_MODEL_FIELDS, "rope_parameters") and f.name in FusedKVConfig.__annotations__
 )
 
 
@@ -156,9 +95,9 @@ class TrainConfig:
 
     # ---- model ---------------------------------------------------------------------------------
     preset: str = "tiny"  # one of PRESET_NAMES: model dims + the training recipe that goes with them
-    plan: str | None = None  # kv_sharing plan; None: "fusedkv" (or the --init-from checkpoint's plan)
+    kv_sharing: str | None = None  # the plan (`--plan`); None: "fusedkv" (or the --init-from checkpoint's)
     model: dict = field(default_factory=dict)  # FusedKVConfig overrides on top of the preset's dims
-    rope_base: float | None = None  # RoPE theta (paper: 10,000; 50,000 / 500,000 for long context)
+    rope_theta: float | None = None  # RoPE base (paper: 10,000; 50,000 / 500,000 for long context)
     init_from: str | None = None  # start from a saved model directory's weights (save_pretrained)
 
     # ---- data ----------------------------------------------------------------------------------
@@ -190,10 +129,10 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU (bf16 is ~24x slower on AVX2 CPUs)
     compile: bool = False  # torch.compile each decoder layer
-    grad_checkpointing: bool = False  # recompute decoder layers in backward (activation checkpointing)
+    grad_checkpointing: bool | None = None  # recompute decoder layers in backward; None: the preset's (or off)
     distributed: str | None = None  # none | ddp | fsdp (launch with torchrun for ddp/fsdp)
     # torch CPU threads; None: torch's default (one per core). On a CPU shared with other jobs, 1
-    # avoids OpenMP threads spinning against each other (measured up to 5x slower with 2 of 2 cores).
+    # avoids OpenMP threads spinning against each other.
     threads: int | None = None
 
     # ---- evaluation, logging, checkpoints -------------------------------------------------------
@@ -203,29 +142,25 @@ class TrainConfig:
     ckpt_every: int | None = None  # steps between training checkpoints (0: only at the end)
     keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)
     out_dir: str | None = None  # None: runs/<preset>-<plan>
-    resume: bool | str = False  # True: latest checkpoint in out_dir; a path: that checkpoint
-    overwrite: bool = False  # start afresh in an out_dir that already holds a run (deletes it)
+    resume: bool | str = False  # True: newest intact checkpoint in out_dir; a path: that run or checkpoint
+    overwrite: bool = False  # start afresh in an out_dir that already holds a run (replaces it)
     progress: bool = True  # progress bar and summary on stdout; False: quiet (library use)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            setattr(self, f.name, _coerce(f.name, getattr(self, f.name)))
+            setattr(self, f.name, coerce(f.name, _FIELD_TYPES[f.name], getattr(self, f.name)))
         if self.preset not in PRESETS:
-            raise ValueError(
-                f"preset={self.preset!r}: unknown preset; choose one of {', '.join(PRESET_NAMES)}"
-            )
+            raise ValueError(f"preset={self.preset!r}: unknown preset; choose one of {', '.join(PRESET_NAMES)}")
         preset = PRESETS[self.preset]
         if self.max_steps is None and self.max_tokens is None:
             self.max_steps, self.max_tokens = preset.get("max_steps"), preset.get("max_tokens")
         # With init_from the architecture (dims, vocabulary, RoPE base) comes from the checkpoint; the
         # preset then only supplies the training recipe.
-        skip = {"model", "max_steps", "max_tokens"} | (
-            {"vocab_size", "rope_base"} if self.init_from else set()
-        )
+        skip = {"model", "max_steps", "max_tokens"} | ({"vocab_size", "rope_theta"} if self.init_from else set())
         micro_from_preset = self.micro_batch_size is None
         for key, value in preset.items():
             if key not in skip and getattr(self, key) is None:
-                setattr(self, key, _coerce(key, value))
+                setattr(self, key, coerce(key, _FIELD_TYPES[key], value))
         if micro_from_preset and self.seq_len > 0 and self.global_batch_tokens % self.seq_len == 0:
             # The preset's micro-batch is an upper bound: a longer seq_len at the same global batch
             # in tokens leaves fewer sequences per step, so take the largest micro-batch that divides
@@ -233,45 +168,39 @@ class TrainConfig:
             seqs = self.global_batch_tokens // self.seq_len
             fits = range(1, min(self.micro_batch_size, seqs) + 1)
             self.micro_batch_size = max(d for d in fits if seqs % d == 0)
-        self.model = _check_model_overrides(
-            self.model if self.init_from else {**preset["model"], **self.model}
-        )
-        if self.plan is None and self.init_from is None:
-            self.plan = DEFAULT_PLAN
+        self.model = _check_model_overrides(self.model if self.init_from else {**preset["model"], **self.model})
+        if self.kv_sharing is None and self.init_from is None:
+            self.kv_sharing = DEFAULT_PLAN
         if self.distributed is None:
             self.distributed = "none"
+        if self.grad_checkpointing is None:
+            self.grad_checkpointing = False
         if self.out_dir is None:
-            self.out_dir = str(Path("runs") / f"{self.preset}-{self.plan or 'init'}")
+            self.out_dir = str(Path("runs") / f"{self.preset}-{self.kv_sharing or 'init'}")
         self.validate()
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ValueError naming the field and the fix."""
+        """Raise ValueError naming the field and the fix. Every number is range-checked."""
 
         def need(cond, name, msg):
             if not cond:
                 raise ValueError(f"{name}={getattr(self, name)!r}: {msg}")
 
-        if self.plan is not None:
+        if self.kv_sharing is not None:
             try:
-                resolve_plan_choice(self.plan)
+                resolve_plan_choice(self.kv_sharing)
             except ValueError as e:
-                need(False, "plan", str(e))
+                need(False, "kv_sharing", str(e))
         need(
-            self.plan != CUSTOM or "kv_source_map" in self.model,
-            "plan",
+            self.kv_sharing != CUSTOM or "kv_source_map" in self.model,
+            "kv_sharing",
             "a custom plan needs model.kv_source_map (see FusedKVConfig)",
         )
         need(self.vocab_size is not None or self.init_from is not None, "vocab_size", "must be set")
-        for name in ("vocab_size", "seq_len", "global_batch_tokens", "micro_batch_size"):
+        for name in ("vocab_size", "seq_len", "global_batch_tokens", "micro_batch_size", "max_steps", "max_tokens"):
             need(getattr(self, name) is None or getattr(self, name) > 0, name, "must be a positive integer")
-        need(
-            self.max_steps is not None or self.max_tokens is not None,
-            "max_steps",
-            "give max_steps or max_tokens",
-        )
-        for name in ("max_steps", "max_tokens"):
-            need(getattr(self, name) is None or getattr(self, name) > 0, name, "must be a positive integer")
+        need(self.max_steps is not None or self.max_tokens is not None, "max_steps", "give max_steps or max_tokens")
         need(
             self.global_batch_tokens % self.seq_len == 0,
             "global_batch_tokens",
@@ -283,27 +212,37 @@ class TrainConfig:
             f"must divide the {self.global_batch_sequences} sequences of the global batch "
             f"(global_batch_tokens / seq_len)",
         )
-        need(self.lr > 0, "lr", "must be positive")
+        for name in ("lr", "eps", "rope_theta"):
+            value = getattr(self, name)
+            need(value is None or (math.isfinite(value) and value > 0), name, "must be a positive number")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1] (paper: 0.1)")
-        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         need(all(0 <= b < 1 for b in self.betas), "betas", "both must be in [0, 1) (paper: 0.9, 0.95)")
-        need(self.eps > 0, "eps", "must be positive")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0 (paper: 0.1)")
-        need(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping; paper: 1.0)")
-        need(self.rope_base is None or self.rope_base > 0, "rope_base", "must be positive")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0 (paper: 0.1)")
+        need(
+            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+            "grad_clip",
+            "must be >= 0 (0 disables clipping; paper: 1.0)",
+        )
+        for name in ("warmup_steps", "seed", "eval_every", "eval_batches", "ckpt_every"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        need(self.final_eval_batches > 0, "final_eval_batches", "must be positive")
+        need(self.threads is None or self.threads >= 1, "threads", "must be >= 1 (or None for torch's default)")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 (the last good one is always kept)")
         need(self.device in DEVICES, "device", f"choose one of {DEVICES}")
         need(self.dtype in DTYPES, "dtype", f"choose one of {DTYPES}")
         need(self.distributed in DISTRIBUTED_MODES, "distributed", f"choose one of {DISTRIBUTED_MODES}")
-        for name in ("eval_every", "eval_batches", "ckpt_every"):
-            need(getattr(self, name) >= 0, name, "must be >= 0")
-        need(self.final_eval_batches > 0, "final_eval_batches", "must be positive")
-        need(
-            self.threads is None or self.threads >= 1, "threads", "must be >= 1 (or None for torch's default)"
-        )
-        need(
-            self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 (the last good one is always kept)"
-        )
         need(not (self.resume and self.overwrite), "overwrite", "cannot be combined with resume")
+        if self.init_from is None:
+            self.model_config()  # the model's own checks (head counts, plan, source map ...), up front
+
+    def model_config(self) -> FusedKVConfig:
+        """The FusedKVConfig of a fresh run (not `init_from`: that one comes from the checkpoint)."""
+        try:
+            return FusedKVConfig(
+                vocab_size=self.vocab_size, kv_sharing=self.kv_sharing, rope_theta=self.rope_theta, **self.model
+            )
+        except (TypeError, ValueError) as e:  # the model config names its field
+            raise ValueError(f"model: {e}") from e
 
     # ---- derived values ------------------------------------------------------------------------
     @property
@@ -333,15 +272,20 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
-        _check_keys(d)
-        return cls(**d)
+        """From a dict such as `to_dict()` gives, a YAML file or a checkpoint's saved config (old names
+        and bare model fields are accepted, see `normalise`)."""
+        return cls(**normalise(d))
 
     def replace(self, **changes) -> TrainConfig:
         _check_keys(changes)
         return dataclasses.replace(self, **changes)
 
 
-# ---- loading from YAML and key=value overrides ------------------------------------------------------
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_FIELD_TYPES = typing.get_type_hints(TrainConfig)
+
+
+# ---- layers: YAML, key=value overrides, saved configs ----------------------------------------------------
 def resolve_config(
     config_file: str | Path | None = None, overrides=(), base: dict | None = None, **kwargs
 ) -> TrainConfig:
@@ -358,7 +302,7 @@ def resolve_config(
     layers.append({k: v for k, v in kwargs.items() if v is not None})
     merged: dict = {}
     for layer in layers:
-        layer = _normalise_keys(layer)
+        layer = normalise(layer)
         if "max_steps" in layer and "max_tokens" not in layer:
             merged.pop("max_tokens", None)
         if "max_tokens" in layer and "max_steps" not in layer:
@@ -385,63 +329,60 @@ def load_yaml(path: str | Path) -> dict:
 
 def parse_overrides(items) -> dict:
     """["lr=1e-3", "model.num_hidden_layers=6", "betas=[0.9,0.99]"] -> nested dict. Values are parsed
-    as YAML scalars/lists (so 1e-3, true, null and [a, b] work); field types are checked later."""
+    as YAML scalars/lists (so 1e-3, true, null and [a, b] work); types are checked by the config.
+    The one `--set` parser (`fusedkv compare --set` uses it too)."""
     out: dict = {}
     for item in items or ():
         key, sep, raw = str(item).partition("=")
         key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r}: expected key=value (e.g. lr=1e-3 or model.hidden_size=256)")
+        if not sep or not key or key.startswith(".") or key.endswith("."):
+            raise ValueError(f"--set {item!r}: expected key=value (e.g. lr=1e-3 or model.hidden_size=256)")
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
-        if key.startswith("model."):
-            out.setdefault("model", {})[key[len("model.") :]] = value
-        else:
-            out[key] = value
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {part!r} is not a mapping")
+        node[leaf] = value
     return out
 
 
-def _normalise_keys(d: dict) -> dict:
-    """Move bare FusedKVConfig field names (hidden_size=...) into `model`, and reject unknown keys."""
+def normalise(d: dict) -> dict:
+    """One layer of settings in TrainConfig's names: aliases (`plan`, `rope_base`) renamed, bare
+    FusedKVConfig field names (hidden_size=...) and model.kv_sharing / model.rope_theta / model.vocab_size
+    moved to where they live. Unknown keys are refused with the closest field name."""
     d = dict(d)
     model = dict(d.pop("model", None) or {})
+    for key in _TOP_LEVEL_MODEL_FIELDS:
+        if key in model:
+            d.setdefault(key, model.pop(key))
+    for old, new in ALIASES.items():
+        if old in d:
+            value = d.pop(old)
+            if d.get(new) is None:
+                d[new] = value
     for key in list(d):
         if key not in _FIELD_NAMES and key in MODEL_FIELDS:
             model[key] = d.pop(key)
-        elif key == "rope_theta":
-            d["rope_base"] = d.pop(key)
     _check_keys(d)
     if model:
         d["model"] = model
     return d
 
 
-_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
-
-
 def _check_keys(d: dict) -> None:
     for key in d:
         if key not in _FIELD_NAMES:
-            close = difflib.get_close_matches(key, _FIELD_NAMES + MODEL_FIELDS, n=1)
+            close = difflib.get_close_matches(key, _FIELD_NAMES + MODEL_FIELDS + tuple(ALIASES), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown TrainConfig field {key!r}{hint} (fields: {', '.join(_FIELD_NAMES)})")
 
 
-def _check_model_overrides(model: dict) -> dict:
-    for key in model:
-        if key in _MODEL_FIELDS_OWNED:
-            raise ValueError(
-                f"model.{key}: set it with the top-level field {_MODEL_FIELDS_OWNED[key]!r} instead"
-            )
-        if key not in MODEL_FIELDS:
-            close = difflib.get_close_matches(key, MODEL_FIELDS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"model.{key}: not a FusedKVConfig field{hint}")
-    return {key: _coerce_model_field(key, value) for key, value in model.items()}
-
-
+# ---- model overrides: FusedKVConfig's own field types ---------------------------------------------------
 def _model_field_types() -> dict:
     """FusedKVConfig's annotations as types (they are strings under `from __future__ import annotations`)."""
     out = {}
@@ -456,40 +397,29 @@ def _model_field_types() -> dict:
 _MODEL_TYPES = _model_field_types()
 
 
-def _coerce_model_field(key: str, value):
-    """`model.hidden_size=abc` is refused here, naming the key, before any model is built."""
-    hint = _MODEL_TYPES.get(key)
-    if hint is None:
-        return value
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None:
-        if type(None) in args:
-            return None
-        raise ValueError(f"model.{key}: must not be None")
-    errors = []
-    for t in args:
-        if t is type(None):
-            continue
-        if typing.get_origin(t) in (list, dict):
-            if isinstance(value, typing.get_origin(t)):
-                return value
-            errors.append(f"not a {typing.get_origin(t).__name__}")
-            continue
-        try:
-            return _coerce_one(t, value)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
-    raise ValueError(f"model.{key}={value!r}: expected {_type_name(hint)} ({'; '.join(errors)})")
+def _check_model_overrides(model: dict) -> dict:
+    """Known FusedKVConfig fields with values of their types; `model.hidden_size=abc` is refused here,
+    naming the key, before any model is built."""
+    out = {}
+    for key, value in model.items():
+        if key not in MODEL_FIELDS:
+            close = difflib.get_close_matches(key, MODEL_FIELDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"model.{key}: not a FusedKVConfig field{hint}")
+        hint = _MODEL_TYPES.get(key)
+        out[key] = value if hint is None else coerce(f"model.{key}", hint, value)
+        if isinstance(out[key], float) and not math.isfinite(out[key]):
+            raise ValueError(f"model.{key}={value!r}: must be a finite number")
+    return out
 
 
-# ---- type coercion ------------------------------------------------------------------------------------
+# ---- type coercion: YAML and --set give strings, numbers, lists; fields say what they need ------------
 _SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_TYPES = typing.get_type_hints(TrainConfig)
 
 
-def _coerce(name: str, value):
-    """Check/convert one field value to its annotated type; ValueError names the field."""
-    hint = _TYPES[name]
+def coerce(name: str, hint, value):
+    """`value` as the annotated type `hint` (int, float, bool, str, dict, list[...], tuple[...], unions
+    with None); ValueError naming the field otherwise."""
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
         if type(None) in args:
@@ -507,7 +437,7 @@ def _coerce(name: str, value):
 
 
 def _coerce_one(t, value):
-    origin = typing.get_origin(t)
+    origin = typing.get_origin(t) or t
     if t is bool:
         if isinstance(value, bool):
             return value
@@ -525,7 +455,7 @@ def _coerce_one(t, value):
             s = value.strip().lower().replace("_", "")
             mult = _SUFFIX.get(s[-1:], 1) if s else 1
             num = float(s[:-1] if mult != 1 else s)  # "2M" tokens, "1e6", "200b"
-            if (num * mult).is_integer():
+            if math.isfinite(num) and (num * mult).is_integer():
                 return int(num * mult)
         raise TypeError("not an integer")
     if t is float:
@@ -536,10 +466,15 @@ def _coerce_one(t, value):
         if isinstance(value, (str, Path)):
             return str(value)
         raise TypeError("not a string")
-    if t is dict or origin is dict:
+    if origin is dict:
         if isinstance(value, dict):
             return dict(value)
         raise TypeError("not a mapping")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError("not a list")
+        (elem,) = typing.get_args(t) or (object,)
+        return [v if elem is object else _coerce_one(elem, v) for v in value]
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.strip("()[] ").split(",") if v.strip()]

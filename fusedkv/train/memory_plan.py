@@ -74,12 +74,12 @@ def parse_bytes(text: str) -> float:
 
 def model_config(cfg: TrainConfig) -> FusedKVConfig:
     """The FusedKVConfig a run of `cfg` trains (the preset's dimensions, the plan, the vocabulary)."""
-    choice = resolve_plan_choice(cfg.plan)
+    choice = resolve_plan_choice(cfg.kv_sharing)
     model = dict(cfg.model)
     heads = model.get("num_attention_heads", FusedKVConfig().num_attention_heads)
     if choice.query_heads_per_kv_head is not None:
         model["num_key_value_heads"] = choice.num_key_value_heads(heads, model.get("num_key_value_heads"))
-    mc = FusedKVConfig(vocab_size=cfg.vocab_size, kv_sharing=choice.sharing, rope_theta=cfg.rope_base, **model)
+    mc = FusedKVConfig(vocab_size=cfg.vocab_size, kv_sharing=choice.sharing, rope_theta=cfg.rope_theta, **model)
     mc.max_position_embeddings = max(mc.max_position_embeddings, cfg.seq_len)
     return mc
 
@@ -311,7 +311,7 @@ def format_plan(plan: RunPlan) -> str:
     cfg, mc, p = plan.cfg, plan.mc, plan.params
     tok_step = cfg.micro_batch_size * cfg.seq_len
     lines = [
-        f"plan-run: preset {cfg.preset}, plan {cfg.plan}: {p.total / 1e6:,.1f}M parameters "
+        f"plan-run: preset {cfg.preset}, plan {cfg.kv_sharing}: {p.total / 1e6:,.1f}M parameters "
         f"({p.non_embedding / 1e6:,.1f}M without the embedding table), {mc.num_hidden_layers} layers, "
         f"hidden {mc.hidden_size}, vocab {mc.vocab_size:,}",
         f"  {plan.gpus} GPU(s) x {_gb(plan.gpu_memory)}; sequence {cfg.seq_len}, micro-batch {cfg.micro_batch_size} "

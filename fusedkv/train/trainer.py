@@ -2,17 +2,25 @@
 
 What a run does, in order (everything that can fail on bad input fails before anything is written):
 
-1. Look at `out_dir`: pick and verify the checkpoint to resume, or refuse to start over an existing
-   run unless `overwrite`; check a resumed config against the saved one.
+0. Lock `out_dir` (rundir.RunDirLock, an OS lock held until the run ends): a second run there is
+   refused at once, naming the holder.
+1. Look at `out_dir`: pick and verify the checkpoint to resume (rundir.find_resume_checkpoint: the
+   newest that verifies), or refuse to start over an existing run unless `overwrite`; check a resumed
+   config against the saved one; a finished run has nothing to resume.
 2. Build the model config (preset dims + plan, or `init_from`'s config with a new RoPE base/context).
 3. Prepare the data (rank 0; a tokenizer of the model's vocab size) and the batch streams.
 4. Build the model (seeded), load `init_from` weights, activation checkpointing, compile, DDP/FSDP2
-   wrap, AdamW + warm-up/cosine schedule; restore everything from the checkpoint when resuming.
+   wrap, AdamW + warm-up/cosine schedule. Only now does `overwrite` remove the old run's files; then
+   restore everything from the checkpoint when resuming. (Steps 1-4: `_Run.setup`.)
 5. Train: gradient accumulation to the global batch, clipping, periodic validation, metrics to
    CSV/TensorBoard, checkpoints every `ckpt_every` steps and on SIGINT/SIGTERM. A non-finite loss
-   or gradient stops the run with `TrainingDiverged` and leaves the last good checkpoint alone.
-6. Final validation, `save_pretrained` model + tokenizer into `out_dir/final/`, learning-curve
-   PNG, `summary.json`, and the printed summary (loss/perplexity next to the KV-cache cost).
+   or gradient stops the run with `TrainingDiverged` (exit 1) and leaves the last good checkpoint
+   alone; a full disk stops it with a `RunError` naming the file and the last good checkpoint.
+6. Final validation, `save_pretrained` model + tokenizer + integrity manifest into `out_dir/final/`,
+   learning-curve PNG, `summary.json`, and the printed summary (loss/perplexity next to the KV cache).
+
+Checkpoint entry points: `_Run._save` (every rank; rank 0 writes via checkpoint.save_checkpoint),
+`_Run.setup` (loads via checkpoint.load_checkpoint + distributed.load_full_state), `_Run._save_final`.
 
 `train` is re-entrant (the experiment runner calls it for many plans and seeds in one process):
 it restores signal handlers, destroys only process groups it created, and is silent when
@@ -40,10 +48,11 @@ from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
 from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
+from ..plan import resolve_plan_choice
 from . import checkpoint as ckpt_io
 from . import data as data_setup
 from . import distributed as D
-from .config import TrainConfig
+from .config import TrainConfig, normalise
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
 from .optim import build_optimizer, build_scheduler
 from .rundir import RunDirBusy, RunDirLock, clear_previous_run, find_resume_checkpoint
@@ -136,11 +145,29 @@ def _quiet_transformers(quiet: bool):
 
 
 class _Run:
+    """One training job. `setup()` builds everything the loop needs, all of it in one place, and
+    returns where training starts; `run()` is setup + loop + finish. The attributes below are None
+    until `setup()` has run."""
+
+    mc: FusedKVConfig  # the model config (final: data-dependent token ids filled in)
+    ds: object  # the prepared dataset (train/val token streams, tokenizer)
+    batches: TokenBatches  # this rank's stream of global-batch rows (its position is checkpointed)
+    model: torch.nn.Module  # the plain FusedKVForCausalLM (FSDP2 shards it in place)
+    wrapped: torch.nn.Module  # what the training step calls: DDP(model), or model itself
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    accum: int  # micro-batches per optimiser step on each rank
+    total: int  # optimiser steps of the whole run
+    use_bf16: bool  # bf16 autocast
+
     def __init__(self, cfg: TrainConfig, env: D.DistEnv):
         self.cfg, self.env = cfg, env
         self.out = Path(cfg.out_dir)
         self.verbose = cfg.progress and env.is_main
         self.pbar = None
+        self.mc = self.ds = self.batches = self.model = self.wrapped = self.opt = self.sched = None
+        self.accum = self.total = 0
+        self.use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and env.device.type == "cuda")
 
     def warn(self, msg: str) -> None:
         """Shown even when quiet (rank 0): the run goes on, but the user must know."""
@@ -188,10 +215,11 @@ class _Run:
     def _check_resume_config(self, saved: dict) -> TrainConfig:
         """The config to resume with: fields left unset (None) take the saved values; any other
         difference in a field that defines the run is an error."""
+        saved = normalise(saved)  # checkpoints written before the fields were renamed (plan, rope_base)
         mine = json.loads(json.dumps(self.cfg.to_dict()))
         adopt = {
             k: saved[k]
-            for k in ("plan", "vocab_size", "tokenizer", "rope_base")
+            for k in ("kv_sharing", "vocab_size", "tokenizer", "rope_theta")
             if mine.get(k) is None and saved.get(k) is not None
         }
         mine.update(adopt)
@@ -215,9 +243,9 @@ class _Run:
         if cfg.init_from is not None:
             check_checkpoint_dir(cfg.init_from)
             mc = FusedKVConfig.from_pretrained(cfg.init_from)
-            if cfg.plan is not None and cfg.plan != mc.kv_sharing:
+            if cfg.kv_sharing is not None and resolve_plan_choice(cfg.kv_sharing).sharing != mc.kv_sharing:
                 raise ValueError(
-                    f"plan={cfg.plan!r} but init_from={cfg.init_from} holds a {mc.kv_sharing!r} model; "
+                    f"plan={cfg.kv_sharing!r} but init_from={cfg.init_from} holds a {mc.kv_sharing!r} model; "
                     "a checkpoint keeps its plan (leave --plan unset)"
                 )
             if cfg.vocab_size is not None and cfg.vocab_size != mc.vocab_size:
@@ -230,12 +258,10 @@ class _Run:
                 )
             for k, v in cfg.model.items():
                 setattr(mc, k, v)
-            if cfg.rope_base is not None:
-                mc.rope_parameters = {**mc.rope_parameters, "rope_theta": float(cfg.rope_base)}
+            if cfg.rope_theta is not None:
+                mc.rope_parameters = {**mc.rope_parameters, "rope_theta": float(cfg.rope_theta)}
         else:
-            mc = FusedKVConfig(
-                vocab_size=cfg.vocab_size, kv_sharing=cfg.plan, rope_theta=cfg.rope_base, **cfg.model
-            )
+            mc = cfg.model_config()
         # Train at seq_len: the model must accept it (continued training at a longer context).
         mc.max_position_embeddings = max(mc.max_position_embeddings, cfg.seq_len)
         mc.check()
@@ -265,8 +291,19 @@ class _Run:
 
     # ---- the run --------------------------------------------------------------------------------------
     def run(self) -> dict:
-        cfg, env = self.cfg, self.env
         t_start = time.time()
+        step, tokens, history = self.setup()
+        try:
+            return self._loop(step, tokens, history, t_start)
+        except OSError as e:  # metrics, TensorBoard, summary: a full disk is a failure, not a traceback
+            raise RunError(
+                f"{describe_os_error(e)}; the last good checkpoint is {self._last_good()}: free some space and "
+                f"continue with `fusedkv train --resume {self.out}`"
+            ) from e
+
+    def setup(self) -> tuple[int, int, list[dict]]:
+        """Steps 1-4 of the module docstring; returns (step, tokens seen, history) to start from."""
+        cfg, env = self.cfg, self.env
         resume_path = self._checkpoint_to_resume()
         ckpt = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
         if ckpt is not None:
@@ -281,8 +318,8 @@ class _Run:
             # Continued training must see text tokenised exactly as before.
             self.cfg = cfg = cfg.replace(tokenizer=str(cfg.init_from))
         mc = self._model_config(ckpt)
-        if cfg.plan != mc.kv_sharing or cfg.vocab_size != mc.vocab_size:
-            self.cfg = cfg = cfg.replace(plan=mc.kv_sharing, vocab_size=mc.vocab_size)
+        if cfg.kv_sharing is None or cfg.vocab_size is None:  # init_from: the checkpoint's
+            self.cfg = cfg = cfg.replace(kv_sharing=mc.kv_sharing, vocab_size=mc.vocab_size)
         ds = self._data(mc.vocab_size)
         mc.eos_token_id = mc.bos_token_id = ds.eos_id
         if ckpt is None and cfg.init_from is None:
@@ -328,13 +365,7 @@ class _Run:
             del ckpt  # the state dicts can be large
         self.model, self.wrapped, self.opt, self.sched, self.batches = model, wrapped, opt, sched, batches
         self.mc, self.ds, self.accum, self.total = mc, ds, accum, total
-        try:
-            return self._loop(step, tokens, history, t_start)
-        except OSError as e:  # metrics, TensorBoard, summary: a full disk is a failure, not a traceback
-            raise RunError(
-                f"{describe_os_error(e)}; the last good checkpoint is {self._last_good()}: free some space and "
-                f"continue with `fusedkv train --resume {self.out}`"
-            ) from e
+        return step, tokens, history
 
     def _build(self, mc: FusedKVConfig, ckpt):
         cfg, env = self.cfg, self.env
@@ -360,7 +391,6 @@ class _Run:
             else:
                 model = FusedKVForCausalLM(mc)
         model.to(env.device).train()
-        self.use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and env.device.type == "cuda")
         if cfg.grad_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
         if cfg.compile:

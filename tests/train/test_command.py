@@ -54,7 +54,7 @@ def test_register_adds_train_subcommand():
 def test_print_config_and_bad_values(capsys):
     assert command.main(["--preset", "nano", "--plan", "yoco", "--print-config"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
-    assert cfg["plan"] == "yoco" and cfg["seq_len"] == 64
+    assert cfg["kv_sharing"] == "yoco" and cfg["seq_len"] == 64
     assert command.main(["--set", "warmup_stepz=3"]) == 2
     assert "warmup_steps" in capsys.readouterr().err
 

@@ -15,7 +15,7 @@ def test_presets_exist_and_build_models():
         cfg = TrainConfig(preset=name)
         m = cfg.model
         assert (m["num_hidden_layers"], m["hidden_size"], m["num_attention_heads"]) == (layers, hidden, heads)
-        assert cfg.vocab_size == 128_000 and cfg.seq_len == 8192 and cfg.rope_base == 10_000
+        assert cfg.vocab_size == 128_000 and cfg.seq_len == 8192 and cfg.rope_theta == 10_000
         assert cfg.lr == 3e-4 and cfg.min_lr_ratio == 0.1 and cfg.warmup_steps == 2000
         assert cfg.betas == (0.9, 0.95) and cfg.weight_decay == 0.1 and cfg.grad_clip == 1.0
         assert cfg.global_batch_sequences == 512
@@ -25,7 +25,7 @@ def test_presets_exist_and_build_models():
 
 def test_defaults_are_the_tiny_fusedkv_run():
     cfg = TrainConfig()
-    assert cfg.preset == "tiny" and cfg.plan == "fusedkv" and cfg.data == "builtin"
+    assert cfg.preset == "tiny" and cfg.kv_sharing == "fusedkv" and cfg.data == "builtin"
     assert cfg.out_dir == "runs/tiny-fusedkv"
     assert cfg.distributed == "none" and cfg.dtype == "auto" and cfg.resume is False
 
@@ -64,13 +64,34 @@ def test_layers_yaml_set_and_flags(tmp_path):
         seed=7,
         plan=None,
     )
-    assert cfg.preset == "nano" and cfg.plan == "vanilla" and cfg.seed == 7
+    assert cfg.preset == "nano" and cfg.kv_sharing == "vanilla" and cfg.seed == 7
     assert cfg.lr == 2e-3 and cfg.betas == (0.9, 0.99)
     assert cfg.model["hidden_size"] == 128 and cfg.model["num_hidden_layers"] == 6
     assert cfg.model["intermediate_size"] == 256 and cfg.model["num_attention_heads"] == 4  # preset kept
     # max_tokens set above max_steps' layer: max_steps from the YAML is dropped.
     assert cfg.max_steps is None and cfg.max_tokens == 2000 and cfg.total_steps() == 4
-    assert resolve_config(None, ["rope_theta=50000"]).rope_base == 50000.0
+    assert resolve_config(None, ["rope_theta=50000"]).rope_theta == 50000.0
+
+
+def test_one_name_per_field_and_old_names_still_read():
+    cfg = resolve_config(None, ["preset=nano", "model.vocab_size=1024", "model.kv_sharing=yoco", "rope_base=5e4"])
+    assert cfg.vocab_size == 1024 and cfg.kv_sharing == "yoco" and cfg.rope_theta == 50_000.0
+    assert "vocab_size" not in cfg.model and "kv_sharing" not in cfg.model
+    assert resolve_config(None, plan="cla").kv_sharing == "cla"  # --plan, what users type
+    # A config saved before the rename (train_config.json of an old checkpoint).
+    old = {**TrainConfig(preset="nano").to_dict(), "plan": "cla", "rope_base": 20_000.0}
+    del old["kv_sharing"], old["rope_theta"]
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.kv_sharing == "cla" and cfg.rope_theta == 20_000.0
+    assert TrainConfig(preset="4b").grad_checkpointing and not TrainConfig(preset="332m").grad_checkpointing
+
+
+def test_presets_are_package_data_files():
+    from importlib import resources
+
+    files = {p.name for p in resources.files("fusedkv.train").joinpath("presets").iterdir()}
+    assert {f"{n}.yaml" for n in PRESET_NAMES} <= files
+    assert PRESETS["4b"]["lr"] == 3e-4 and PRESETS["4b"]["model"]["intermediate_size"] == 9728  # via extends
 
 
 def test_round_trip():
@@ -84,14 +105,24 @@ def test_round_trip():
         (["lrr=1"], "lrr"),
         (["lr=abc"], "lr"),
         (["lr=-1"], "lr"),
-        (["plan=foo"], "plan"),
+        (["plan=foo"], "foo"),
         (["model.hiden_size=3"], "hiden_size"),
         (["distributed=horovod"], "distributed"),
         (["compile=maybe"], "compile"),
         (["betas=[0.9]"], "betas"),
         (["max_steps=1.5"], "max_steps"),
-        (["model.vocab_size=10"], "vocab_size"),
-        (["model.kv_sharing=yoco"], "plan"),
+        (["model.kv_sharing=bogus"], "bogus"),
+        (["model.hidden_size=abc"], "model.hidden_size"),
+        (["model.rms_norm_eps=abc"], "model.rms_norm_eps"),
+        (["model.num_attention_heads=5"], "num_attention_heads"),
+        (["model.rope_parameters={}"], "rope_parameters"),
+        (["lr=nan"], "lr"),
+        (["seed=-1"], "seed"),
+        (["eps=0"], "eps"),
+        (["grad_clip=-1"], "grad_clip"),
+        (["keep_checkpoints=0"], "keep_checkpoints"),
+        (["threads=0"], "threads"),
+        (["model.", "x"], "key=value"),
         (["min_lr_ratio=2"], "min_lr_ratio"),
         (["preset=huge"], "preset"),
         (["noequals"], "key=value"),
@@ -112,5 +143,5 @@ def test_bad_yaml(tmp_path):
 
 def test_init_from_takes_architecture_from_checkpoint():
     cfg = TrainConfig(init_from="somewhere", seq_len=128)
-    assert cfg.plan is None and cfg.vocab_size is None and cfg.rope_base is None and cfg.model == {}
+    assert cfg.kv_sharing is None and cfg.vocab_size is None and cfg.rope_theta is None and cfg.model == {}
     assert cfg.lr == PRESETS["tiny"]["lr"]  # the recipe still comes from the preset

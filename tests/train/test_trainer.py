@@ -54,7 +54,7 @@ def test_nano_run_outputs_and_reentrancy(tmp_path, nano_data, capsys):
     assert model(ids, use_cache=False).logits.shape == (1, ids.shape[1], 512)
 
     # Called again in the same process (another plan): independent, and signal handlers restored.
-    res2 = train(nano_config(tmp_path / "van", nano_data, plan="vanilla"))
+    res2 = train(nano_config(tmp_path / "van", nano_data, kv_sharing="vanilla"))
     assert res2["kv_cache_ratio"] == 1.0 and res2["plan"] == "vanilla"
     assert signal.getsignal(signal.SIGINT) is before
 
@@ -156,7 +156,7 @@ def test_init_from_with_new_rope_base_and_context(tmp_path, nano_data):
             tmp_path / "b",
             nano_data,
             init_from=first["checkpoint"],
-            rope_base=50_000,
+            rope_theta=50_000,
             seq_len=128,
             max_steps=2,
         )
@@ -167,7 +167,7 @@ def test_init_from_with_new_rope_base_and_context(tmp_path, nano_data):
     # It started from trained weights, not from scratch (a fresh model starts near ln 512 = 6.24).
     assert res["curve"][0]["loss"] < first["curve"][0]["loss"] - 0.2
     with pytest.raises(ValueError, match="holds a 'fusedkv' model"):
-        train(nano_config(tmp_path / "c", nano_data, init_from=first["checkpoint"], plan="vanilla"))
+        train(nano_config(tmp_path / "c", nano_data, init_from=first["checkpoint"], kv_sharing="vanilla"))
     with pytest.raises(ValueError, match="model.hidden_size: cannot change"):
         train(
             nano_config(tmp_path / "c", nano_data, init_from=first["checkpoint"], model={"hidden_size": 32})
@@ -187,3 +187,23 @@ def test_activation_checkpointing_gives_the_same_steps(tmp_path, nano_data):
 def test_compile_runs(tmp_path, nano_data):
     res = train(nano_config(tmp_path / "c", nano_data, max_steps=2, compile=True))
     assert math.isfinite(res["val_loss"])
+
+
+def test_checkpoint_written_before_the_field_rename_still_resumes(tmp_path, nano_data):
+    """Checkpoints saved before `plan`/`rope_base` became `kv_sharing`/`rope_theta` keep resuming."""
+    import json
+
+    from fusedkv.checkpoints import write_manifest
+    from fusedkv.train import checkpoint as ck
+
+    out = tmp_path / "old"
+    train(nano_config(out, nano_data, max_steps=4, ckpt_every=2, kv_sharing="yoco"))
+    for c in ck.list_checkpoints(out / "checkpoints"):  # rewrite the saved config the old way
+        saved = json.loads((c / "train_config.json").read_text())
+        saved["plan"], saved["rope_base"] = saved.pop("kv_sharing"), saved.pop("rope_theta")
+        (c / "train_config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+        write_manifest(c, ck._FILES, step=int(c.name.split("-")[1]))
+    (out / "final" / "manifest.json").unlink()  # final/ had no manifest then
+    FusedKVForCausalLM.from_pretrained(out / "final")
+    res = train(nano_config(out, nano_data, max_steps=6, ckpt_every=2, kv_sharing="yoco", resume=True))
+    assert res["steps"] == 6 and res["plan"] == "yoco"
