@@ -94,10 +94,12 @@ def run(args) -> None:
         bar.set_postfix_str(msg, refresh=False)
         bar.update()
 
-    rows = run_inference_bench(shape, plans, lens, batches, args.new_tokens, args.repeats, not args.no_hf,
-                               args.device, getattr(torch, args.dtype), progress, tuple(args.kv_bits),
-                               args.kv_group, args.kv_residual)
-    bar.close()
+    try:  # close the bar on an error too, so the error line starts a line of its own
+        rows = run_inference_bench(shape, plans, lens, batches, args.new_tokens, args.repeats, not args.no_hf,
+                                   args.device, getattr(torch, args.dtype), progress, tuple(args.kv_bits),
+                                   args.kv_group, args.kv_residual)
+    finally:
+        bar.close()
     print(f"\nmodel: {vars(shape)}, {args.dtype} on {args.device} ({torch.get_num_threads()} threads), "
           f"{args.new_tokens} decode steps, "
           f"median of {args.repeats} interleaved repeats\n")

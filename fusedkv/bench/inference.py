@@ -146,8 +146,9 @@ def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[i
     names = list(models)
     samples: dict[tuple, list[dict]] = {}
     gen = torch.Generator().manual_seed(0)
+    warm_len = min(32, max_len - 4)  # within the models' context, also for short --prompt-lens
     for name in names:  # warm-up: first calls allocate and tune
-        _measure(models[name], name, torch.randint(1, shape.vocab_size, (1, 32), generator=gen).to(device), 4,
+        _measure(models[name], name, torch.randint(1, shape.vocab_size, (1, warm_len), generator=gen).to(device), 4,
                  factories.get(name))
     jobs = [(r, b, s) for r in range(repeats) for b in batch_sizes for s in prompt_lens]
     for r, b, s in jobs:
