@@ -1,25 +1,28 @@
 """Fig. 9: L2 norms of the gradients of the Q, K and V projections, per layer, during training.
 
 The paper reads larger gradients in shallow layers as a sign that early layers' values are worth
-reusing. `record_gradient_norms` trains a model for a few steps on real data (AdamW, the paper's
-betas) and records, after every backward pass, the gradient norm of each layer's q_proj, k_proj and
-v_proj (reconstruction layers have no k_proj / v_proj: their entries are missing, not zero).
+reusing. `record_gradient_norms` trains a model for a few steps on real data with the training
+recipe itself (the training loss of fusedkv/model/loss.py, the paper's AdamW with the trainer's decay
+groups from fusedkv/train/optim.py: no decay on norms, biases and fusion weights, clipping at 1.0) and
+records, after every backward pass, the gradient norm of each layer's q_proj, k_proj and v_proj
+(reconstruction layers have no k_proj / v_proj: their entries are missing, not zero).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ..model.loss import causal_lm_loss
+from ..train.optim import paper_adamw
 
 
 def record_gradient_norms(model, batches, steps: int, lr: float = 1e-3) -> dict[str, list[list[float]]]:
     """{"q"|"k"|"v": per step, per layer gradient L2 norm (NaN where the layer has no such projection)}."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = paper_adamw(model, lr)
     norms: dict[str, list[list[float]]] = {"q": [], "k": [], "v": []}
-    for _, (inputs, labels) in zip(range(steps), batches):
-        logits = model(inputs, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    for _, (inputs, targets) in zip(range(steps), batches):
+        loss = causal_lm_loss(model, inputs, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         for side in norms:

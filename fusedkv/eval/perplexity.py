@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import RunError
+from ..model.loss import lm_loss, shift_labels
 from ..utils import hub_unreachable_reason
 from ..utils import model_device as _model_device
 
@@ -41,11 +41,9 @@ def _forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-position NLL; positions whose target is -100 give 0. Computed in fp32 for stable sums."""
-    v = logits.size(-1)
-    nll = F.cross_entropy(logits.float().reshape(-1, v), targets.reshape(-1), ignore_index=-100,
-                          reduction="none")
-    return nll.view(targets.shape)
+    """Per-position NLL (fusedkv.model.loss, the package's one LM loss); positions whose target is -100
+    give 0. Computed in fp32 for stable sums."""
+    return lm_loss(logits, targets, reduction="none")
 
 
 def _windows(n: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -169,8 +167,8 @@ def validation_loss(
         input_ids, labels, mask = _unpack_batch(batch)
         input_ids, labels = input_ids.to(device), labels.to(device)
         logits = _forward_logits(model, input_ids, mask.to(device) if mask is not None else None)
-        if not shifted:
-            logits, labels = logits[:, :-1], labels[:, 1:]
+        if not shifted:  # transformers' convention -> the loss's (targets[t] scores logits[t])
+            labels = shift_labels(labels)
         nll = _token_nll(logits, labels)
         total += float(nll.sum(dtype=torch.float64))
         count += int((labels != -100).sum())

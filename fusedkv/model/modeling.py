@@ -13,7 +13,6 @@ are wanted (as in `generate`) only those positions continue through the upper la
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as hf_init
@@ -29,6 +28,7 @@ from ..plan import SLIDING
 from .attention import ATTENTION_PATHS, Attention, KVState
 from .fusion import KVFusion
 from .layers import RMSNorm, SwiGLU, rope_cos_sin
+from .loss import lm_loss, shift_labels
 from .mla import MLA
 from .moe import Experts, RouterRecord, SparseMoE, is_sparse_layer, load_balancing_loss
 
@@ -295,7 +295,7 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             # transformers convention: labels are the input ids; the shift happens here.
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            loss = lm_loss(logits, shift_labels(labels))
         if self.config.num_experts > 0:
             return self._moe_output(out, loss, logits, attention_mask, output_router_logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache,

@@ -386,10 +386,10 @@ def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False) -> dict:
     import warnings
     from pathlib import Path
 
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
     from ..model import FusedKVForCausalLM
+    from ..model.loss import lm_loss
     from .optim import build_optimizer
 
     mc = model_config(cfg)
@@ -406,7 +406,7 @@ def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False) -> dict:
             x, y = torch.randint(0, mc.vocab_size, (2, mb, cfg.seq_len), generator=gen).unbind(0)
             x, y = x.contiguous(), y.contiguous()
             logits = model(input_ids=x, use_cache=False).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss = lm_loss(logits, y)
             del logits
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))

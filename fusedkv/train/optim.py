@@ -67,10 +67,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups(model, cfg.weight_decay)]
+def paper_adamw(
+    model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8
+) -> torch.optim.AdamW:
+    """The paper's AdamW with the decay groups above (defaults: the paper's betas and weight decay)."""
+    groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups(model, weight_decay)]
     # foreach on CPU/CUDA is deterministic; the fused kernel is CUDA-only and differs in rounding.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, foreach=True)
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
+    """The training run's optimiser, from its TrainConfig."""
+    return paper_adamw(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps)
 
 
 def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -41,16 +41,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..checkpoints import check_checkpoint_dir, write_manifest
 from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
 from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
+from ..model.loss import causal_lm_loss, lm_loss
 from ..plan import resolve_plan_choice
 from . import checkpoint as ckpt_io
 from . import data as data_setup
+from . import dcp as dcp_io
 from . import distributed as D
 from .config import TrainConfig, normalise
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
@@ -80,6 +81,7 @@ RESUME_MAY_CHANGE = {
     "data_dir",
     "init_from",
     "threads",
+    "checkpoint_format",
 }
 # Model fields that --init-from may change: none of them changes a parameter's shape.
 INIT_FROM_MAY_CHANGE = {
@@ -97,13 +99,8 @@ class TrainingDiverged(RunError):
     """The loss or gradient became NaN/inf; the last good checkpoint was kept, nothing was saved (exit 1)."""
 
 
-def compute_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; `labels` are already shifted by the data loader. MoE models add
-    their load-balancing loss (returned in training mode) times router_aux_loss_coef, as Qwen3-MoE does."""
-    out = model(input_ids=input_ids, use_cache=False)
-    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())
-    aux = getattr(out, "aux_loss", None)
-    return loss if aux is None else loss + D.unwrap(model).config.router_aux_loss_coef * aux
+# The training objective (fusedkv/model/loss.py); a module global, so tests can wrap it.
+compute_loss = causal_lm_loss
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -164,6 +161,7 @@ class _Run:
         self.cfg, self.env = cfg, env
         self.out = Path(cfg.out_dir)
         self.verbose = cfg.progress and env.is_main
+        self.sharded = None  # dcp.ShardedCheckpointer, made at the first sharded save
         self.pbar = None
         self.mc = self.ds = self.batches = self.model = self.wrapped = self.opt = self.sched = None
         self.accum = self.total = 0
@@ -305,7 +303,10 @@ class _Run:
         """Steps 1-4 of the module docstring; returns (step, tokens seen, history) to start from."""
         cfg, env = self.cfg, self.env
         resume_path = self._checkpoint_to_resume()
-        ckpt = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
+        ckpt = None
+        if resume_path is not None:  # a sharded checkpoint's tensors are read once the model is built
+            load = dcp_io.read_checkpoint if dcp_io.is_sharded(resume_path) else ckpt_io.load_checkpoint
+            ckpt = load(resume_path)
         if ckpt is not None:
             self.cfg = cfg = self._check_resume_config(ckpt["train_config"])
             self._check_finished(ckpt["step"], cfg.total_steps())
@@ -350,7 +351,10 @@ class _Run:
         step, tokens, history = 0, 0, []
         if ckpt is not None:
             ts = ckpt["trainer_state"]
-            D.load_full_state(model, opt, ckpt["model"], ckpt["optimizer"])
+            if ckpt.get("sharded"):  # any saved world size and layout: DCP reshards to this one
+                dcp_io.load_into(ckpt["path"], model, opt)
+            else:
+                D.load_full_state(model, opt, ckpt["model"], ckpt["optimizer"])
             sched.load_state_dict(ts["scheduler"])
             batches.load_state_dict(ts["data"])
             rngs = ts["rng"]
@@ -439,9 +443,7 @@ class _Run:
             with self._autocast():
                 logits = model(input_ids=x, use_cache=False).logits
             if real:
-                total[0] += F.cross_entropy(
-                    logits.flatten(0, 1).float(), y.flatten(), reduction="sum"
-                ).double()
+                total[0] += lm_loss(logits, y, reduction="sum").double()
                 total[1] += y.numel()
         self.model.train()
         total = D.all_reduce_sum(total, env)
@@ -457,6 +459,8 @@ class _Run:
 
     def _save(self, step: int, tokens: int, history: list[dict]) -> Path | None:
         env = self.env
+        if self.cfg.checkpoint_format == "sharded":
+            return self._save_sharded(step, tokens, history)
         model_sd = D.full_model_state_dict(self.model)  # collective under FSDP
         optim_sd = D.full_optimizer_state_dict(self.model, self.opt)
         rngs = D.gather_objects(ckpt_io.capture_rng(), env)
@@ -484,6 +488,17 @@ class _Run:
             )
         D.barrier(env)
         return path
+
+    def _save_sharded(self, step: int, tokens: int, history: list[dict]) -> Path:
+        """Every rank writes its shard in the background (dcp.py); returns the path it will have."""
+        if self.sharded is None:  # collective (a process group for the checkpoint thread): all ranks at once
+            self.sharded = dcp_io.ShardedCheckpointer(ckpt_io.checkpoint_root(self.out), self.env.rank,
+                                                      self.env.world_size)
+        state = {"step": step, "tokens_seen": tokens, "scheduler": self.sched.state_dict(), "history": history,
+                 "total_steps": self.total, "world_size": self.env.world_size}
+        mine = {"rng": ckpt_io.capture_rng(), "data": self.batches.state_dict()}
+        return self.sharded.save(step, self.model, self.opt, state, mine, self.cfg.to_dict(), self.mc.to_dict(),
+                                 keep=self.cfg.keep_checkpoints)
 
     def _train_step(self, step: int) -> tuple[float, float]:
         """One optimiser step over this rank's rows of the global batch: (mean loss, gradient norm)."""
@@ -581,12 +596,20 @@ class _Run:
                         break
                     if sleep:
                         time.sleep(sleep)
+        except BaseException:
+            if self.sharded is not None:  # let the save in flight finish: it is a good checkpoint
+                with contextlib.suppress(Exception):
+                    self.sharded.close()
+            raise
         finally:
             self.pbar.close()
             self.pbar = None
             metrics.close()
         if step == self.total and last_saved != step:  # resumed at the end: nothing trained, save anyway
             self._save(step, tokens, history)
+        if self.sharded is not None:
+            self.sharded.close()  # the last checkpoint is complete on disk before anything reads it
+            self.sharded = None
         return self._finish(step, tokens, history, train_time, session_tokens, stopped, t_start)
 
     def _finish(self, step, tokens, history, train_time, session_tokens, stopped, t_start) -> dict:
