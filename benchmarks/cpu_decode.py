@@ -45,7 +45,8 @@ def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int)
     for plan in plans:
         for fmt in weights:
             model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
-            for kv in kvs:
+            # An f32 cache is compared for f32 weights only (llama.cpp's 16-bit weights run an f16 cache).
+            for kv in kvs if fmt == "float32" else [k for k in kvs if k != "float32"] or kvs:
                 kv_dtype = torch.float32 if kv == "float32" else half_dtype()
                 label = f"{plan} w={SHORT[fmt]} kv={SHORT[str(kv_dtype).removeprefix('torch.')]}"
                 rows[label] = dict(model=model, kv_dtype=kv_dtype, weight_bytes=weight_nbytes(model))
@@ -114,7 +115,8 @@ def run(args) -> list[dict]:
         if why:
             print(why, file=sys.stderr)
         else:
-            llama = llama_models(hf, args.llamacpp_src, workdir, args.llama_types.split(","))
+            types = list(dict.fromkeys(spec.split("/")[0] for spec in args.llama_rows.split(",")))
+            llama = llama_models(hf, args.llamacpp_src, workdir, types)
     del hf
     vocab = BenchShape().vocab_size
     out = []
@@ -125,9 +127,9 @@ def run(args) -> list[dict]:
         if llama:
             from fusedkv.bench.llamacpp import LlamaCppRunner
 
-            for ty, path in llama.items():
-                for kv in args.llama_kv.split(","):
-                    runners[f"llama.cpp w={ty} kv={kv}"] = (LlamaCppRunner(path, max_len, t, kv), ty, kv)
+            for spec in args.llama_rows.split(","):
+                ty, kv = spec.split("/")
+                runners[f"llama.cpp w={ty} kv={kv}"] = (LlamaCppRunner(llama[ty], max_len, t, kv), ty, kv)
         names = list(ours) + list(runners)
         for name in names:  # warm-up: first calls allocate and tune
             ids = torch.randint(1, vocab, (1, 32), generator=gen)
@@ -328,8 +330,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--llamacpp-src", default=None, help="llama-cpp-python sdist (.tar.gz or unpacked) for the "
                     "converter; default $FUSEDKV_LLAMA_CPP_SRC; without it no llama.cpp rows")
-    ap.add_argument("--llama-types", default="f32,f16,q8_0")
-    ap.add_argument("--llama-kv", default="f32,f16")
+    ap.add_argument("--llama-rows", default="f32/f32,f32/f16,f16/f16,q8_0/f16",
+                    help="llama.cpp rows as GGUF-weights/KV (weights f32, f16, bf16, q8_0; KV f32, f16)")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
     ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
     ap.add_argument("--quality", metavar="CHECKPOINT", help="print the quality table for a trained checkpoint")
