@@ -61,3 +61,26 @@ def test_prune_through_the_cli(checkpoint, tmp_path, capsys):
     w = FusedKVForCausalLM.from_pretrained(out).model.layers[0].self_attn.q_proj.weight
     assert (w == 0).float().mean().item() == 0.5 and torch.isfinite(w).all()
     assert main(["prune", str(checkpoint), "--out", str(tmp_path / "x"), "--sparsity", "2"]) == 2
+
+
+def _held_and_new(err):
+    new = int(err.split(" new tokens")[0].rsplit(" ", 1)[1])
+    return int(err.split("KV cache held ")[1].split(" bytes")[0].replace(",", "")), new
+
+
+def test_generate_kv_bits_reports_the_quantised_cache_bytes(checkpoint, capsys):
+    from transformers import AutoTokenizer
+
+    from fusedkv.config import FusedKVConfig
+    from fusedkv.quant import kivi_cache_nbytes
+
+    argv = ["generate", str(checkpoint), "--prompt", "ROMEO: what", "--max-new-tokens", "20", "--greedy"]
+    assert main(argv) == 0
+    full_held, _ = _held_and_new(capsys.readouterr().err)
+    assert main([*argv, "--kv-bits", "4", "--kv-group", "4", "--kv-residual", "8"]) == 0
+    held, new = _held_and_new(capsys.readouterr().err)
+    prompt_len = len(AutoTokenizer.from_pretrained(checkpoint)("ROMEO: what").input_ids)
+    cfg = FusedKVConfig.from_pretrained(checkpoint)
+    assert held == kivi_cache_nbytes(cfg, prompt_len + new - 1, 1, 4, 4, 8) < full_held
+    assert main([*argv, "--kv-bits", "3"]) == 2
+    assert "supports 2 or 4 bits" in capsys.readouterr().err
