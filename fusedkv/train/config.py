@@ -141,6 +141,9 @@ class TrainConfig:
     final_eval_batches: int | None = None  # micro-batches for the final validation (capped by the split)
     ckpt_every: int | None = None  # steps between training checkpoints (0: only at the end)
     keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)
+    # full: state gathered to rank 0, which writes it (checkpoint.py); sharded: every rank writes its own
+    # shard with torch.distributed.checkpoint, asynchronously, and resumes on any number of ranks (dcp.py)
+    checkpoint_format: str = "full"
     out_dir: str | None = None  # None: runs/<preset>-<plan>
     resume: bool | str = False  # True: newest intact checkpoint in out_dir; a path: that run or checkpoint
     overwrite: bool = False  # start afresh in an out_dir that already holds a run (replaces it)
@@ -231,6 +234,7 @@ class TrainConfig:
         need(self.device in DEVICES, "device", f"choose one of {DEVICES}")
         need(self.dtype in DTYPES, "dtype", f"choose one of {DTYPES}")
         need(self.distributed in DISTRIBUTED_MODES, "distributed", f"choose one of {DISTRIBUTED_MODES}")
+        need(self.checkpoint_format in ("full", "sharded"), "checkpoint_format", "choose full or sharded")
         need(not (self.resume and self.overwrite), "overwrite", "cannot be combined with resume")
         if self.init_from is None:
             self.model_config()  # the model's own checks (head counts, plan, source map ...), up front

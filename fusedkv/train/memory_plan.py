@@ -276,7 +276,7 @@ def plan_run(cfg: TrainConfig, gpus: int, gpu_memory: float, dtype: str = "bfloa
                 mc, params, mode=mode, world=gpus, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch_size,
                 accum=accum, dtype=dtype, checkpointing=ckpt)
     plan.kv_bytes_per_token = mc.kv_cache_bytes_per_token(2)
-    plan.kv_bytes_per_token_vanilla = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    plan.kv_bytes_per_token_vanilla = mc.mha_kv_cache_bytes_per_token(2)  # MHA of the same shape
     plan.tokens = cfg.total_steps() * cfg.global_batch_tokens
     # PaLM (Chowdhery et al. 2022, App. B): 6N for the matmuls, 12 L H Q T for attention scores and values.
     plan.flops_per_token = (6 * params.non_embedding
@@ -347,7 +347,7 @@ def format_plan(plan: RunPlan) -> str:
     lines += [
         "",
         f"inference KV cache (bf16): {plan.kv_bytes_per_token:,} bytes/token "
-        f"({plan.kv_bytes_per_token / plan.kv_bytes_per_token_vanilla:.2f} x vanilla's "
+        f"({plan.kv_bytes_per_token / plan.kv_bytes_per_token_vanilla:.2f} x MHA's "
         f"{plan.kv_bytes_per_token_vanilla:,}); {_gb(kv_seq)} per {mc.max_position_embeddings}-token sequence; "
         f"next to the bf16 weights ({_gb(weights_bf16)}) one GPU holds {fit_seqs:,} such sequences",
         f"token budget: {plan.tokens:,} tokens ({cfg.total_steps():,} steps); "

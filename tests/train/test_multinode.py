@@ -1,6 +1,6 @@
 """Multi-node launch: two `torchrun --nnodes=2 --nproc_per_node=1` processes (two "nodes" on this
-machine) meeting through c10d rendezvous on 127.0.0.1 train the nano preset under FSDP2 and match a
-single process with the same global batch: per-step losses and final weights."""
+machine) meeting through c10d rendezvous on 127.0.0.1 train the nano preset under FSDP2, with sharded
+checkpoints, and match a single process with the same global batch: per-step losses and final weights."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 from train_helpers import REPO, nano_config, subprocess_env
 
+from fusedkv.train import checkpoint as ck
 from fusedkv.train import train
 from fusedkv.train.distributed import free_port
 
@@ -26,7 +27,7 @@ def launch_two_nodes(out, data, *extra) -> list[subprocess.Popen]:
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fusedkv-test",
                "--max-restarts=0", "-m", "fusedkv.train.command", "--distributed", "fsdp", "--preset", "nano",
                "--data", str(data), "--out", str(out), "--max-steps", str(STEPS), "--set", "micro_batch_size=2",
-               "--set", "threads=1", "--quiet", *map(str, extra)]
+               "--set", "threads=1", "--set", "checkpoint_format=sharded", "--quiet", *map(str, extra)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs
@@ -50,5 +51,8 @@ def test_two_nodes_match_one_process(tmp_path, nano_data):
     for name, want in ref.items():
         rel = (got[name] - want).norm() / want.norm().clamp_min(1e-12)
         assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
+    # Each node's rank wrote its own shard of the step-4 checkpoint into the shared run directory.
+    files = ck.verify_checkpoint(tmp_path / "two-nodes" / "checkpoints" / ck.step_dir_name(STEPS))["files"]
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rank-00000.pt", "rank-00001.pt"} <= set(files)
     losses = [r["loss"] for r in summary["curve"]]
     assert losses[-1] < losses[0]  # it trained: not two copies of the initial model
