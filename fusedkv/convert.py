@@ -1,10 +1,12 @@
-"""Import a Hugging Face Qwen3 or Qwen3-MoE checkpoint as a FusedKV model.
+"""Import a Hugging Face Qwen3 or Qwen3-MoE checkpoint as a FusedKV model (or re-plan a vanilla fusedkv one).
 
 FusedKV's module names are Qwen3's, so conversion is a renaming-free copy: every weight keeps its
 name, reconstruction layers drop their K/V projections and K-norm, and their fusion weights start
 from the configured initialisation (SPEC section 5). With `kv_sharing="vanilla"` the result computes
 exactly what transformers' `Qwen3ForCausalLM` computes; with another plan it is a starting point for
 continued training (the paper trains from scratch; a converted model must be trained to recover).
+A vanilla *fusedkv* checkpoint (model_type fusedkv, e.g. `fusedkv train --plan vanilla`'s final model)
+converts the same way to any other plan: the uptraining path (`fusedkv.train.distill`).
 
 Qwen3-MoE: the config's MoE fields carry over (`num_local_experts` is transformers' stored name for
 `num_experts`), and the per-expert weights that `save_pretrained` writes
@@ -60,6 +62,22 @@ def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides) -> FusedK
         fields.update({k: qwen3[k] for k in _QWEN3_MOE_FIELDS if k in qwen3})
         fields["num_experts"] = qwen3.get("num_experts", qwen3.get("num_local_experts", 128))
     return FusedKVConfig(**fields, kv_sharing=kv_sharing, **overrides)
+
+
+def fusedkv_to_plan_config(saved: dict, kv_sharing: str, origin: str = "checkpoint", **overrides) -> FusedKVConfig:
+    """The config of a fusedkv model with every layer's K/V (plan vanilla, any KV-head count) under another
+    plan: same shape, the upper layers' K/V projections dropped. FusedKV keeps Qwen3's weight names, so
+    the weights then load as a Qwen3 checkpoint's do (`from_qwen3_state`)."""
+    source = FusedKVConfig.from_dict({k: v for k, v in saved.items() if k not in ("model_type", "architectures")})
+    if source.kv_sharing != VANILLA:
+        raise ValueError(f"{origin} is a {source.kv_sharing!r} model: only a vanilla (full-cache) fusedkv model can "
+                         "be converted to another plan; its upper layers' K/V are already gone")
+    fields = source.to_dict()
+    for k in ("model_type", "architectures", "transformers_version", "kv_sharing", "kv_source_map",
+              "shared_attention_types", "torch_dtype", "dtype"):
+        fields.pop(k, None)
+    fields.update(overrides)
+    return FusedKVConfig.from_dict({**fields, "kv_sharing": kv_sharing})
 
 
 def load_state_dict(src: Path) -> dict[str, torch.Tensor]:
@@ -127,7 +145,11 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{src} has no config.json; pass a Hugging Face Qwen3 checkpoint directory")
-    config = qwen3_to_fusedkv_config(json.loads(cfg_file.read_text()), kv_sharing, **overrides)
+    source_config = json.loads(cfg_file.read_text())
+    if source_config.get("model_type") == FusedKVConfig.model_type:  # a fusedkv vanilla model: uptraining
+        config = fusedkv_to_plan_config(source_config, kv_sharing, origin=str(src), **overrides)
+    else:
+        config = qwen3_to_fusedkv_config(source_config, kv_sharing, **overrides)
     model = from_qwen3_state(load_state_dict(src), config, origin=str(src))
     if dtype is not None:
         model = model.to(dtype)

@@ -47,6 +47,17 @@ def register(sub) -> None:
     p.add_argument("--ruler-samples", type=argtypes.positive_int, default=10, help="samples per task and length")
     p.add_argument("--ruler-max-new-tokens", type=argtypes.positive_int, default=None,
                    help="answer budget for every RULER task (default: RULER's per-task budgets, 30-128)")
+    p.add_argument("--retrieval", action="store_true",
+                   help="synthetic retrieval accuracy: MQAR by pairs x length, passkey by length")
+    p.add_argument("--retrieval-lengths", type=argtypes.int_list(2), default=None,
+                   help="comma-separated lengths for --retrieval, each at most the model context (default: the "
+                   "context, halved twice)")
+    p.add_argument("--retrieval-pairs", type=argtypes.int_list(1), default=[4, 8, 16],
+                   help="comma-separated MQAR key-value pair counts (default 4,8,16)")
+    p.add_argument("--retrieval-samples", type=argtypes.positive_int, default=20,
+                   help="samples per --retrieval cell (default 20)")
+    p.add_argument("--retrieval-plot", default=None, type=argtypes.non_empty,
+                   help="write the --retrieval accuracy-against-length plot (PNG) here")
     p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
     p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
                    help="score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
@@ -70,6 +81,9 @@ def _check_inputs(args) -> None:
             raise UsageError(f"--json {out} is a directory; give a file name")
         if not out.parent.is_dir():
             raise UsageError(f"--json {out}: directory {out.parent} does not exist")
+    if getattr(args, "retrieval_plot", None) is not None and not Path(args.retrieval_plot).parent.is_dir():
+        raise UsageError(f"--retrieval-plot {args.retrieval_plot}: directory {Path(args.retrieval_plot).parent} "
+                         "does not exist")
     if args.ruler_tasks:
         from .ruler_tasks import TASKS
 
@@ -104,6 +118,10 @@ def run(args) -> None:
     if args.ruler and max(args.ruler_lengths) > context:
         raise UsageError(f"--ruler-lengths {max(args.ruler_lengths)} exceeds the model context {context}; "
                          "continue training at a longer context first")
+    retrieval_lengths = args.retrieval_lengths or [context // 4, context // 2, context]
+    if args.retrieval and max(retrieval_lengths) > context:
+        raise UsageError(f"--retrieval-lengths {max(retrieval_lengths)} exceeds the model context {context}; "
+                         "continue training at a longer context first (fusedkv train --init-from ... --rope-base ...)")
     if args.ruler:
         from .ruler_tasks import TASKS
 
@@ -170,6 +188,15 @@ def run(args) -> None:
                       batch_size=args.batch_size, max_new_tokens=args.ruler_max_new_tokens)
         report["ruler"] = {"scores": r["scores"], "average": r["average"], "overall": r["overall"]}
         print(format_table(r))
+    if args.retrieval:
+        from .retrieval import format_retrieval, plot_retrieval, run_retrieval
+
+        r = run_retrieval(model, tok, lengths=retrieval_lengths, pairs=args.retrieval_pairs,
+                          num_samples=args.retrieval_samples, batch_size=args.batch_size)
+        report["retrieval"] = r
+        print(format_retrieval(r))
+        if args.retrieval_plot:
+            print(f"wrote {plot_retrieval({report['plan']: r}, args.retrieval_plot, f'{ckpt} retrieval accuracy')}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1, default=str))
 

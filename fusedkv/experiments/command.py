@@ -33,7 +33,7 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from ..train.config import parse_overrides
-    from .runner import load_experiment, plot_curves, run_experiment, summary_table
+    from .runner import load_experiment, plot_curves, retrieval_report, run_experiment, summary_table
 
     _check_experiment_file(args.experiment)
     spec = load_experiment(args.experiment)
@@ -47,6 +47,10 @@ def run(args) -> None:
     (out / "results.md").write_text(f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
     print(table)
     print(f"\nwrote {out / 'results.md'} and {out / 'curves.png'}")
+    report = retrieval_report(results, out, spec.get("description", name))  # experiments with `evaluate: retrieval`
+    if report:
+        print(Path(report).read_text())
+        print(f"wrote {report} and {out / 'retrieval.png'}")
 
 
 def _check_experiment_file(name_or_path: str) -> None:

@@ -6,6 +6,14 @@ a plan, model overrides such as a custom source map) and `seeds`. Every run trai
 token budget, optimiser and seeds; only the plan differs. Results are written per run as they finish
 (`RUN/seedN/result.json`), so an interrupted comparison resumes where it stopped. The summary is a
 Table-2-style markdown table (mean +- std over seeds) and a learning-curve PNG.
+
+Chained runs (uptraining, continued training at a longer context): a run with `from: NAME` starts from
+the final model of the earlier run NAME (same seed); when its `plan` differs, that model is first
+converted to the plan (`fusedkv.convert`: upper K/V projections dropped). `distill: NAME` adds
+distillation from NAME's final model (`fusedkv.train.distill`). A chained run's learning curve is
+shifted by the tokens its ancestors trained on, so curves compare at equal total tokens. A top-level
+`evaluate: {retrieval: {lengths, pairs, samples}}` scores every run on the synthetic retrieval tasks
+(`fusedkv.eval.retrieval`) at the lengths that fit its context.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from ..plan import resolve_plan_choice
 from ..utils import slug, write_json_atomic
 
 EXPERIMENTS_DIR = Path(__file__).parent
@@ -72,16 +81,23 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir or os.environ.get("FUSEDKV_COMPARE_CACHE", "runs/compare-cache"))
     base = {"preset": preset} if preset else dict(spec.get("base", {}))
-    base = _merge(base, overrides or {})
+    overrides = overrides or {}  # --set: over the base and over each run's own values ("for every run")
     seeds = seeds if seeds is not None else list(spec.get("seeds", [0]))
+    evaluate = spec.get("evaluate") or {}
     results = []
+    finished: dict[tuple[str, int], tuple[str, dict]] = {}  # (run name, seed) -> (cache key, result)
     total = len(spec["runs"]) * len(seeds)
     for run in spec["runs"]:
         for seed in seeds:
             run_dir = out_dir / _slug(run["name"]) / f"seed{seed}"
             done = run_dir / "result.json"
-            fields = {**_merge(base, {k: v for k, v in run.items() if k != "name"}), "seed": seed}
-            key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
+            fields = {**_merge(_merge(base, own), overrides), "seed": seed}
+            parents = {k: _parent(run, k, seed, finished) for k in ("from", "distill") if k in run}
+            # A chained run is another run whenever an ancestor is: its key includes theirs.
+            identity = {**fields, **{k: key for k, (key, _) in parents.items()}, **({"evaluate": evaluate}
+                                                                                 if evaluate else {})}
+            key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
             cached = cache_dir / key / "result.json"
             if done.exists() or cached.exists():
                 result = {**json.loads((done if done.exists() else cached).read_text()), "name": run["name"]}
@@ -89,15 +105,112 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                 if progress:
                     print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
                 # No result means the run did not finish: train it again from the start.
-                cfg = TrainConfig.from_dict({**fields, "out_dir": str(cache_dir / key / "train"), "progress": False,
-                                     "overwrite": True})
+                train_fields = _chain(fields, parents, cache_dir / key)
+                cfg = TrainConfig.from_dict({**train_fields, "out_dir": str(cache_dir / key / "train"),
+                                             "progress": False, "overwrite": True})
                 result = _summarise(run["name"], seed, train(cfg), task_limit)
+                ancestor = parents["from"][1] if "from" in parents else {}
+                result["tokens_offset"] = ancestor.get("tokens_offset", 0) + ancestor.get("tokens_seen", 0)
+                result["curve"] = [(t + result["tokens_offset"], v) for t, v in result["curve"]]
+                if "retrieval" in evaluate:
+                    result["retrieval"] = _retrieval(result["checkpoint"], evaluate["retrieval"])
                 result["config"] = fields
                 write_json_atomic(cached, result)  # a killed run never leaves a half result
             run_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(done, result)
             results.append(result)
+            finished[(run["name"], seed)] = (key, result)
     return results
+
+
+# Run keys that say where a run starts, not how it trains (they are not TrainConfig fields).
+_CHAIN_KEYS = ("name", "from", "distill")
+
+
+def _parent(run: dict, what: str, seed: int, finished: dict) -> tuple[str, dict]:
+    name = run[what]
+    if (name, seed) not in finished:
+        raise ValueError(f"run {run['name']!r}: {what}: {name!r} must name a run listed before it")
+    return finished[(name, seed)]
+
+
+def _chain(fields: dict, parents: dict, work: Path) -> dict:
+    """The training fields of a chained run: `init_from` the parent's final model (converted to this run's
+    plan when it differs), `distill_from` the teacher's. The architecture then comes from the checkpoint, so
+    the base's model overrides are dropped."""
+    if "from" not in parents and "distill" not in parents:
+        return fields
+    fields = dict(fields)
+    if "distill" in parents:
+        fields["distill_from"] = parents["distill"][1]["checkpoint"]
+    if "from" not in parents:
+        return fields
+    parent = parents["from"][1]
+    plan = fields.pop("plan", None) or fields.pop("kv_sharing", None)
+    fields.pop("kv_sharing", None)
+    fields.pop("model", None)
+    fields.pop("vocab_size", None)
+    init = parent["checkpoint"]
+    if plan is not None and resolve_plan_choice(plan).sharing != parent["plan"]:
+        from ..convert import convert_qwen3
+
+        converted = work / "converted"
+        if not (converted / "config.json").is_file():
+            convert_qwen3(init, converted, kv_sharing=plan, overwrite=True)
+        init = str(converted)
+    fields["init_from"] = init
+    return fields
+
+
+def _retrieval(checkpoint: str, settings: dict) -> dict:
+    """Retrieval accuracy of a finished run at the configured lengths that fit its context."""
+    from transformers import AutoTokenizer
+
+    from ..eval.retrieval import DEFAULT_PAIRS, run_retrieval
+    from ..model import FusedKVForCausalLM
+
+    model = FusedKVForCausalLM.from_pretrained(checkpoint).eval()
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    context = model.config.max_position_embeddings
+    lengths = [L for L in settings.get("lengths", [context]) if L <= context]
+    return run_retrieval(model, tok, lengths, settings.get("pairs", DEFAULT_PAIRS), settings.get("samples", 20))
+
+
+def retrieval_report(results: list[dict], out_dir, title: str) -> str | None:
+    """retrieval.md (one table per run, mean over seeds) and retrieval.png; None when no run has scores."""
+    from ..eval.retrieval import format_retrieval, plot_retrieval
+
+    per_run: dict[str, dict] = {}
+    for name in dict.fromkeys(r["name"] for r in results):
+        scored = [r["retrieval"] for r in results if r["name"] == name and r.get("retrieval")]
+        if not scored:
+            continue
+        mean = {"lengths": scored[0]["lengths"], "pairs": scored[0]["pairs"], "mqar": {}, "passkey": {}}
+        for p in mean["pairs"]:
+            mean["mqar"][p] = {L: _mean_cell([s["mqar"][_k(s["mqar"], p)] for s in scored], L)
+                               for L in mean["lengths"]}
+        mean["passkey"] = {L: _mean_cell([s["passkey"] for s in scored], L) for L in mean["lengths"]}
+        per_run[name] = mean
+    if not per_run:
+        return None
+    out_dir = Path(out_dir)
+    seeds = len({r["seed"] for r in results})
+    text = f"# {title}: retrieval accuracy (%), mean over {seeds} seed(s)\n\n"
+    text += "\n\n".join(f"## {name}\n\n{format_retrieval(r)}" for name, r in per_run.items())
+    (out_dir / "retrieval.md").write_text(text + "\n\n![retrieval](retrieval.png)\n")
+    plot_retrieval(per_run, out_dir / "retrieval.png", title)
+    return str(out_dir / "retrieval.md")
+
+
+def _k(d: dict, key):
+    """A key as stored: int in memory, str once a result went through JSON."""
+    return key if key in d else str(key)
+
+
+def _mean_cell(rows: list[dict], length: int) -> float | None:
+    vals = [row.get(_k(row, length)) for row in rows]
+    vals = [v for v in vals if v is not None]
+    return statistics.mean(vals) if vals else None
 
 
 def _summarise(name: str, seed: int, res: dict, task_limit: int | None) -> dict:
@@ -111,7 +224,7 @@ def _summarise(name: str, seed: int, res: dict, task_limit: int | None) -> dict:
         val_loss=res["val_loss"], val_ppl=res.get("val_ppl", math.exp(res["val_loss"])),
         cache=c.kv_cache_fraction(),
         curve=[(r["tokens"], r["val_loss"]) for r in res.get("val_curve", []) if r.get("val_loss") is not None],
-        tokens_per_s=res.get("tokens_per_s"),
+        tokens_per_s=res.get("tokens_per_s"), tokens_seen=res.get("tokens_seen"),
     )
     if task_limit:
         out["tasks"] = _task_scores(model, ckpt, task_limit)

@@ -133,3 +133,24 @@ def test_too_long_for_the_model_is_refused(tokenizer, words, fkv_model):
     samples = passkey_samples(tokenizer, 600, 1, words=words)
     with pytest.raises(ValueError, match="model context 512"):
         score_samples(fkv_model, tokenizer, samples)
+
+
+def test_eval_command_retrieval(tmp_path, tokenizer, tokenizer_dir, corpus_text, fkv_model, capsys):
+    from fusedkv.cli import main
+    from fusedkv.data import prepare_dataset
+
+    ckpt = tmp_path / "ckpt"
+    fkv_model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    (tmp_path / "val.txt").write_text(corpus_text)
+    val = prepare_dataset(str(tmp_path / "val.txt"), tmp_path / "val", tokenizer=str(tokenizer_dir), num_proc=1)
+    args = ["eval", str(ckpt), "--val", str(val.out_dir), "--seq-len", "64", "--max-batches", "1", "--tasks", "none",
+            "--retrieval",
+            "--retrieval-lengths", "96,200", "--retrieval-pairs", "2", "--retrieval-samples", "2",
+            "--retrieval-plot", str(tmp_path / "r.png"), "--json", str(tmp_path / "r.json")]
+    assert main(args) == 0
+    assert "| MQAR 2 pairs |" in capsys.readouterr().out and (tmp_path / "r.png").is_file()
+    import json
+
+    assert set(json.loads((tmp_path / "r.json").read_text())["retrieval"]["passkey"]) == {"96", "200"}
+    assert main(args[:-4] + ["--retrieval-lengths", "1024"]) == 2  # past the 512-token context: refused
