@@ -143,7 +143,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)
     # full: state gathered to rank 0, which writes it (checkpoint.py); sharded: every rank writes its own
     # shard with torch.distributed.checkpoint, asynchronously, and resumes on any number of ranks (dcp.py)
-    checkpoint_format: str = "full"
+    checkpoint_format: str | None = None  # None: the preset's (sharded for the paper presets), else full
     out_dir: str | None = None  # None: runs/<preset>-<plan>
     resume: bool | str = False  # True: newest intact checkpoint in out_dir; a path: that run or checkpoint
     overwrite: bool = False  # start afresh in an out_dir that already holds a run (replaces it)
@@ -176,6 +176,8 @@ class TrainConfig:
             self.kv_sharing = DEFAULT_PLAN
         if self.distributed is None:
             self.distributed = "none"
+        if self.checkpoint_format is None:
+            self.checkpoint_format = "full"
         if self.grad_checkpointing is None:
             self.grad_checkpointing = False
         if self.out_dir is None:

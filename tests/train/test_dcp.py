@@ -119,3 +119,13 @@ def test_kill_mid_save_leaves_no_checkpoint(tmp_path):
         ck.verify_checkpoint(tmp)
     ck.remove_stale_temporaries(root)
     assert not tmp.exists()
+
+
+def test_paper_presets_save_sharded():
+    from fusedkv.train import TrainConfig
+
+    assert TrainConfig(preset="4b", progress=False).checkpoint_format == "sharded"  # FSDP cluster runs
+    assert TrainConfig(preset="nano", progress=False).checkpoint_format == "full"
+    assert TrainConfig(preset="4b", checkpoint_format="full", progress=False).checkpoint_format == "full"
+    with pytest.raises(ValueError, match="checkpoint_format='zip': choose full or sharded"):
+        TrainConfig(preset="nano", checkpoint_format="zip", progress=False)
