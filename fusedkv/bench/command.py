@@ -42,6 +42,10 @@ def register(sub) -> None:
     p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
     p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
                    help="KIVI residual length R (default 128)")
+    p.add_argument("--precisions", default="",
+                   help="extra rows per plan with reduced-precision weights and KV cache on CPU, comma-separated "
+                   "WEIGHTS/KV (weights float32, bfloat16, float16, half, int8; KV float32, bfloat16, float16, half), "
+                   "e.g. float32/half,half/half,int8/half; benchmarks/cpu_decode.py adds llama.cpp next to them")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=argtypes.int_range(1, 1024), default=None,
@@ -85,7 +89,16 @@ def run(args) -> None:
 
         for bits in args.kv_bits:
             check_kivi_settings(bits, args.kv_group, args.kv_residual, args.head_dim)
-    per_plan = 1 + len(args.kv_bits)
+    precisions = tuple(x.strip() for x in args.precisions.split(",") if x.strip())
+    if precisions:
+        from ..model.precision import kv_dtype_for, weight_format
+
+        if args.device != "cpu":
+            raise ValueError("--precisions: reduced-precision weights are a CPU decode path; use --dtype on a GPU")
+        for spec in precisions:
+            weights, _, kv = spec.partition("/")
+            weight_format(weights), kv_dtype_for(kv or weights)  # a bad name is refused before any work
+    per_plan = 1 + len(args.kv_bits) + len(precisions)
     runs_per_shape = per_plan * len(set(plans) | {VANILLA}) + (0 if args.no_hf else 1)
     total = args.repeats * len(lens) * len(batches) * runs_per_shape
     bar = tqdm(total=total, desc="bench", unit="run")
@@ -97,7 +110,7 @@ def run(args) -> None:
     try:  # close the bar on an error too, so the error line starts a line of its own
         rows = run_inference_bench(shape, plans, lens, batches, args.new_tokens, args.repeats, not args.no_hf,
                                    args.device, getattr(torch, args.dtype), progress, tuple(args.kv_bits),
-                                   args.kv_group, args.kv_residual)
+                                   args.kv_group, args.kv_residual, precisions)
     finally:
         bar.close()
     print(f"\nmodel: {vars(shape)}, {args.dtype} on {args.device} ({torch.get_num_threads()} threads), "

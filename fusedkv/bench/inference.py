@@ -114,26 +114,49 @@ def _measure(model, name: str, ids: torch.Tensor, new_tokens: int, cache_factory
     return dict(ttft=r.ttft_s, tpot=r.tpot_s, cache_bytes=r.cache_bytes)
 
 
-def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: int, batch: int) -> float:
-    """(weights + KV read per decode step) of `model` over the same for vanilla."""
-    def per_step(m):
+def precision_row(model, label: str, spec: str):
+    """(row name, reduced copy of `model`, cache factory) for a "WEIGHTS/KV" spec ("int8/half")."""
+    import copy
+
+    from ..cache import StaticKVCache
+    from ..model.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
+
+    weights, _, kv = spec.partition("/")
+    fmt, kv_dtype = weight_format(weights), kv_dtype_for(kv or weights)
+    reduced = model if fmt == "float32" else reduce_precision(copy.deepcopy(model), fmt)
+
+    def factory(config, batch, max_len, dtype, device):
+        return StaticKVCache(config, batch, max_len, kv_dtype, device)
+
+    factory.kv_element_size = torch.finfo(kv_dtype).bits // 8
+    return f"{label} w={SHORT_NAMES[fmt]} kv={SHORT_NAMES[str(kv_dtype).removeprefix('torch.')]}", reduced, factory
+
+
+def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: int, batch: int,
+               kv_element_size: int | None = None) -> float:
+    """(weights + KV read per decode step) of `model` over the same for vanilla. Reduced-precision
+    weights are buffers (`fusedkv.model.precision`), so buffers count; `kv_element_size` is the
+    model's cache width when it differs from its parameters' (a 16-bit cache)."""
+    def per_step(m, kv_size=None):
         c = m.config
-        weights = sum(p.numel() * p.element_size() for p in m.parameters())
+        weights = sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
         # Each layer reads every source once, over the context (a window layer: over its window).
         tokens = sum((len(layer.k_sources) + len(layer.v_sources))
                      * (min(context, c.sliding_window) if layer.attention_type == SLIDING else context)
                      for layer in c.plan.layers)
         kv = tokens * c.num_key_value_heads * c.head_dim * batch
-        return weights + kv * next(m.parameters()).element_size()
-    return per_step(model) / per_step(vanilla)
+        return weights + kv * (kv_size or next(m.parameters()).element_size())
+    return per_step(model, kv_element_size) / per_step(vanilla)
 
 
 def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[int], batch_sizes: list[int],
                         new_tokens: int = 16, repeats: int = 3, include_hf: bool = True, device: str = "cpu",
                         dtype: torch.dtype = torch.float32, progress=None, kv_bits: tuple[int, ...] = (),
-                        kv_group: int = 32, kv_residual: int = 128) -> list[dict]:
+                        kv_group: int = 32, kv_residual: int = 128, precisions: tuple[str, ...] = ()) -> list[dict]:
     """`kv_bits` adds a row "<plan>+kivi<b>" per plan: the same model decoding through the KIVI b-bit
-    cache (`fusedkv.quant`), for its TPOT and bytes against the full-precision cache."""
+    cache (`fusedkv.quant`), for its TPOT and bytes against the full-precision cache. `precisions`
+    ("WEIGHTS/KV", e.g. "int8/half") adds a row "<plan> w=WEIGHTS kv=KV" per plan: reduced-precision
+    weights and a KV cache of that width (`fusedkv.model.precision`, CPU)."""
     if VANILLA not in plans:
         plans = [VANILLA, *plans]
     max_len = max(prompt_lens) + new_tokens + 8
@@ -143,6 +166,8 @@ def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[i
         for bits in kv_bits:
             models[f"{label}+kivi{bits}"] = models[label]
             factories[f"{label}+kivi{bits}"] = kivi_cache_factory(bits, kv_group, kv_residual)
+        for spec in precisions:
+            name, models[name], factories[name] = precision_row(models[label], label, spec)
     names = list(models)
     samples: dict[tuple, list[dict]] = {}
     gen = torch.Generator().manual_seed(0)
@@ -180,7 +205,8 @@ def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[i
             model = models[r["plan"]]
             mha = model.config.mha_kv_cache_bytes_per_token(next(model.parameters()).element_size())
             r["cache_ratio"] = r["cache_bytes"] / (mha * r["batch"] * context)
-            r["tpot_byte_floor"] = byte_floor(model, models[VANILLA], context, r["batch"])
+            kv_size = getattr(factories.get(r["plan"]), "kv_element_size", None)
+            r["tpot_byte_floor"] = byte_floor(model, models[VANILLA], context, r["batch"], kv_size)
             bytes_per_token = r["cache_bytes"] / (r["batch"] * (r["prompt"] + new_tokens))
             r["cache_bytes_per_token"] = bytes_per_token
     for r in rows:  # longest context inside a fixed cache budget, relative to vanilla

@@ -296,3 +296,6 @@ def apply_precision(model: nn.Module, dtype: str = "float32", weights: str | Non
         return kv
     reduce_precision(model, fmt)
     return kv
+
+
+SHORT_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8"}
