@@ -62,8 +62,21 @@ def test_half_cache_conversion_keeps_storage_weights(qwen3_dir, tmp_path):
 
 
 def test_convert_rejects_non_qwen3(tmp_path):
+    import json
+
     from tests.conftest import tiny_model
 
     tiny_model("vanilla").save_pretrained(tmp_path / "src")
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     with pytest.raises(ValueError, match="expected a Qwen3 checkpoint"):
         convert_qwen3(tmp_path / "src", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_rejects_a_fusedkv_model_without_its_upper_kv(tmp_path):
+    from tests.conftest import tiny_model
+
+    tiny_model("fusedkv").save_pretrained(tmp_path / "src")
+    with pytest.raises(ValueError, match="only a vanilla"):
+        convert_qwen3(tmp_path / "src", tmp_path / "dst", kv_sharing="yoco")
