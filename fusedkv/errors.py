@@ -18,6 +18,7 @@ entry points (`python -m fusedkv.train.command`) both go through it, so every co
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -66,6 +67,18 @@ def check_device(device: str | None, flag: str = "--device") -> None:
                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
     elif dev.type != "cpu":
         raise UsageError(f"{flag} {device}: fusedkv runs on cpu or cuda, not {dev.type}")
+
+
+@contextlib.contextmanager
+def writing(path):
+    """Name `path` in an OSError raised while writing it: a failed write() (a full disk) carries no file
+    name of its own, and the user must learn which file could not be written."""
+    try:
+        yield
+    except OSError as e:
+        if not e.filename:
+            e.filename = str(path)
+        raise
 
 
 def describe_os_error(e: OSError) -> str:

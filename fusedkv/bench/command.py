@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .. import argtypes
-from ..errors import UsageError
+from ..errors import UsageError, writing
 from ..plan import COMPARED_PLANS, GQA, PLAN_CHOICES, VANILLA, resolve_plan_choice
 
 
@@ -118,7 +118,8 @@ def run(args) -> None:
           f"median of {args.repeats} interleaved repeats\n")
     print(format_table(rows))
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(rows, indent=1))
+        with writing(args.json_path):
+            Path(args.json_path).write_text(json.dumps(rows, indent=1))
     if args.plot:
         plot(rows, args.plot)
         print(f"\nplot: {args.plot}")

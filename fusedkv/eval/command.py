@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from .. import argtypes
-from ..errors import UsageError
+from ..errors import UsageError, writing
 
 
 def register(sub) -> None:
@@ -198,7 +198,8 @@ def run(args) -> None:
         if args.retrieval_plot:
             print(f"wrote {plot_retrieval({report['plan']: r}, args.retrieval_plot, f'{ckpt} retrieval accuracy')}")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=1, default=str))
+        with writing(args.json_path):
+            Path(args.json_path).write_text(json.dumps(report, indent=1, default=str))
 
 
 def _validation_loss(model, ckpt: Path, val: str | None, window: int, batch_size: int, max_batches: int) -> float:

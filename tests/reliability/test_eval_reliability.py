@@ -91,3 +91,8 @@ def test_unknown_lm_eval_task(cli, tiny_ckpt, tiny_val):
     """Was a KeyError traceback from lm-eval's task index (indexing its tasks takes a while)."""
     r = cli("eval", tiny_ckpt, "--val", tiny_val, "--max-batches", "1", "--tasks", "bogus_task", timeout=300)
     assert_one_line_error(r, 2, "--tasks", "bogus_task")
+
+
+def test_full_disk_names_the_file_that_could_not_be_written(cli, tiny_ckpt, tiny_val, full_disk):
+    r = ev(cli, tiny_ckpt, tiny_val, "--json", full_disk / "results.json")
+    assert_one_line_error(r, 1, "no space left on the device", str(full_disk / "results.json"))
