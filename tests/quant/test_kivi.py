@@ -228,3 +228,15 @@ def test_bad_settings_are_one_line_errors(kwargs, message):
     settings = dict(bits=4, group_size=4, residual_length=8) | kwargs
     with pytest.raises(ValueError, match=message):
         KIVICache(model.config, **settings)
+
+
+def test_left_padded_batches_agree_between_generate_paths():
+    model = tiny_model("fusedkv-lite")
+    ids = torch.randint(1, 97, (2, 11))
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                            cache=KIVICache(model.config, 2, 4, 8))
+    lean = generate(model, ids, 20, attention_mask=mask, cache_factory=kivi_cache_factory(2, 4, 8))
+    assert torch.equal(lean.tokens, hf)
