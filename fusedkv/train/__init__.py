@@ -1,13 +1,15 @@
 """fusedkv.train: pre-training and continued training of FusedKV models (and every other KV plan).
 
     from fusedkv.train import TrainConfig, train
-    result = train(TrainConfig(preset="nano", plan="fusedkv", out_dir="runs/nano", progress=False))
+    result = train(TrainConfig(preset="nano", kv_sharing="fusedkv", out_dir="runs/nano", progress=False))
     result["val_loss"], result["tokens_per_s"], result["curve"]
 
-Modules: :mod:`.config` (TrainConfig, presets, YAML / key=value overrides), :mod:`.trainer` (the loop),
-:mod:`.optim` (AdamW groups, warm-up + cosine), :mod:`.checkpoint` (atomic, verified checkpoints,
-RNG, stop signals), :mod:`.distributed` (torchrun, DDP, FSDP2), :mod:`.data` (data preparation and
-vocabulary checks), :mod:`.metrics` (CSV, TensorBoard, plots), :mod:`.command` (`fusedkv train`).
+Modules: :mod:`.config` (TrainConfig, YAML / key=value overrides; presets in presets/*.yaml),
+:mod:`.trainer` (the loop), :mod:`.optim` (AdamW groups, warm-up + cosine), :mod:`.checkpoint` (atomic,
+verified checkpoints, RNG, stop signals), :mod:`.rundir` (the run directory's lock, --overwrite,
+which checkpoint --resume continues from), :mod:`.distributed` (torchrun, DDP, FSDP2), :mod:`.data`
+(data preparation and vocabulary checks), :mod:`.metrics` (CSV, TensorBoard, plots), :mod:`.command`
+(`fusedkv train`). The loss is fusedkv/model/loss.py.
 """
 
 from .config import PRESET_NAMES, PRESETS, TrainConfig, resolve_config
