@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import argtypes
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -16,12 +18,15 @@ def register(sub) -> None:
         "checkpoint's tokenizer. Prints the measured sparsity of every matrix.")
     p.add_argument("checkpoint", help="checkpoint directory (config, weights, tokenizer)")
     p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--sparsity", type=float, default=None, help="fraction of each row to zero (default 0.5)")
+    p.add_argument("--sparsity", type=argtypes.float_range(0.0, 1.0, hi_open=True), default=None,
+                   help="fraction of each row to zero (default 0.5)")
     p.add_argument("--nm", default=None, metavar="N:M", help="semi-structured: zero N of every M inputs, e.g. 2:4")
-    p.add_argument("--calib-seqs", type=int, default=64, help="calibration windows (default 64; Wanda used 128)")
-    p.add_argument("--calib-len", type=int, default=None, help="tokens per window (default: the model context)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0, help="seed for the calibration windows")
+    p.add_argument("--calib-seqs", type=argtypes.int_range(1, 1_000_000), default=64,
+                   help="calibration windows (default 64; Wanda used 128)")
+    p.add_argument("--calib-len", type=argtypes.int_range(2), default=None,
+                   help="tokens per window (default: the model context)")
+    p.add_argument("--batch-size", type=argtypes.int_range(1, 4096), default=8)
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="seed for the calibration windows")
     p.set_defaults(func=run)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import argtypes
 from .config import PRESET_NAMES, resolve_config
 from .memory_plan import format_plan, parse_bytes, plan_run
 
@@ -33,17 +34,21 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size and recipe (default: tiny)")
     p.add_argument("--plan", help="KV-sharing plan (default: fusedkv)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs in the data-parallel group (default 1)")
+    p.add_argument("--gpus", type=argtypes.int_range(1, 1_000_000), default=1,
+                   help="GPUs in the data-parallel group (default 1)")
     p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB or 141GiB (default 80GB)")
-    p.add_argument("--seq-len", type=int, help="training sequence length (default: the preset's)")
-    p.add_argument("--micro-batch", type=int, help="sequences per forward per GPU (default: the preset's)")
+    p.add_argument("--seq-len", type=argtypes.int_range(2), help="training sequence length (default: the preset's)")
+    p.add_argument("--micro-batch", type=argtypes.int_range(1, 1_000_000),
+                   help="sequences per forward per GPU (default: the preset's)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="bfloat16 autocast (GPU default) or float32 (CPU default)")
     p.add_argument("--activation-checkpointing", choices=("both", "on", "off"), default="both",
                    help="which columns to show (default both)")
-    p.add_argument("--tokens-per-gpu-s", type=float, help="measured training throughput of one GPU")
-    p.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (time from an assumed MFU)")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation with --peak-tflops (default 0.4)")
+    p.add_argument("--tokens-per-gpu-s", type=argtypes.positive_float, help="measured training throughput of one GPU")
+    p.add_argument("--peak-tflops", type=argtypes.positive_float,
+                   help="the GPU's peak dense bf16 TFLOP/s (time from an assumed MFU)")
+    p.add_argument("--mfu", type=argtypes.float_range(0.0, 1.0, lo_open=True), default=0.4,
+                   help="model FLOP utilisation with --peak-tflops (default 0.4)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set global_batch_tokens=2M")
     p.set_defaults(func=handle, handler=handle)

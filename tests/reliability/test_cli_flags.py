@@ -1,4 +1,4 @@
-"""Every numeric flag of `plans`, `bench`, `compare` and `analyze` is range-checked before any work, with a
+"""Every numeric flag of `plans`, `bench`, `compare`, `analyze`, `prune` and `plan-run` is range-checked before any work, with a
 message naming the flag; paths are checked before minutes of work. Each case is the real CLI in a child
 process (see conftest.py). The comments say what the same command did before."""
 
@@ -39,6 +39,12 @@ TINY_BENCH = ("--no-hf", "--plans", "vanilla", "--prompt-lens", "8", "--batch-si
     (("analyze", "grads", "x", "--batch-size", "0"), "argument --batch-size: must be between 1 and 4096"),
     (("analyze", "grads", "x", "--seq-len", "0"), "argument --seq-len: must be at least 2"),
     (("analyze", "bogus", "x"), "argument analysis: invalid choice: 'bogus'"),
+    (("prune", "x", "--out", "y", "--sparsity", "1"), "argument --sparsity: must be in [0, 1)"),
+    (("prune", "x", "--out", "y", "--calib-seqs", "0"), "argument --calib-seqs: must be between 1"),
+    (("prune", "x", "--out", "y", "--batch-size", "0"), "argument --batch-size: must be between 1 and 4096"),
+    (("plan-run", "--mfu", "0"), "argument --mfu: must be in (0, 1]"),
+    (("plan-run", "--gpus", "0"), "argument --gpus: must be between 1"),
+    (("plan-run", "--peak-tflops", "nan"), "argument --peak-tflops: expected a finite number"),
 ])
 def test_flags_are_range_checked(cli, argv, fragment):
     assert_one_line_error(cli(*argv), 2, f"fusedkv {argv[0]}: error:", fragment)
