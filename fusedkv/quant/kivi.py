@@ -3,7 +3,7 @@
 
 The scheme, exactly as KIVI's Algorithm 1 and reference code:
   * keys are quantised per channel: each group of G consecutive tokens shares one (scale, zero) per
-    channel (KIVI Sec. 3.2: key outliers live in fixed channels);
+    channel (KIVI Sec. 3: key outliers live in fixed channels);
   * values are quantised per token: each token's channels are split into groups of G channels that
     share one (scale, zero) (value errors must stay local to a token);
   * asymmetric min/max: scale = (max - min) / (2^b - 1), zero = min, x ~ code * scale + zero;
@@ -118,7 +118,7 @@ def _min_max_quantize(x: torch.Tensor, bits: int, dim: int):
 
 
 def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> QuantizedKV:
-    """Per-channel quantisation of keys [B, H, T, D], T a multiple of G (KIVI Sec. 3.2)."""
+    """Per-channel quantisation of keys [B, H, T, D], T a multiple of G (KIVI Sec. 3)."""
     b, h, t, d = k.shape
     if t % group_size:
         raise ValueError(f"per-channel key quantisation needs whole groups: {t} tokens, group size {group_size}")
@@ -128,7 +128,7 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> QuantizedKV:
 
 
 def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> QuantizedKV:
-    """Per-token quantisation of values [B, H, T, D] in groups of G channels (KIVI Sec. 3.2)."""
+    """Per-token quantisation of values [B, H, T, D] in groups of G channels (KIVI Sec. 3)."""
     b, h, t, d = v.shape
     if d % group_size:
         raise ValueError(f"group size {group_size} does not divide the head dimension {d}")
