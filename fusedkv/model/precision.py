@@ -7,16 +7,17 @@ that stores its weight in `fmt` and keeps everything else (embeddings, norms, fu
 residual stream, attention, softmax) in the model's own dtype, as llama.cpp does: only the inputs of
 the products are rounded to the weight's kind.
 
-Formats and kernels (all PyTorch's own CPU kernels, no extension):
-  * `bfloat16` / `float16`: `F.linear` on 16-bit operands (f32 accumulation). For one-row products
-    the vectorised GEMV fast path is used; oneDNN's bf16 route is turned off around it because at one
-    row it is the slower of the two (`benchmarks/cpu_decode.py --kernels`).
+Formats and kernels (all PyTorch's own CPU kernels, no extension); which one runs depends on the
+number of input rows (`GEMV_MAX_ROWS`, measured by `benchmarks/cpu_decode.py --kernels`):
+  * `bfloat16` / `float16`, few rows: ATen's vectorised reduced-precision GEMV (`F.linear` on 16-bit
+    operands, f32 accumulation). oneDNN is turned off around the bf16 call: at one row its bf16 route
+    is the slower of the two.
   * `int8`: symmetric per-output-channel quantisation (scale = max |w| / 127 per row of W) run by
     `torch.ops.aten._weight_int8pack_mm`, the kernel behind PyTorch's / torchao's int8 weight-only
-    CPU path; its activations are 16-bit (the f32-activation variant is several times slower).
-  * Products with many rows (prefill, large batches) dequantise the weight to the activation dtype
-    and run the ordinary f32 GEMM: the conversion is cheap next to a many-row product and keeps
-    time-to-first-token at the f32 model's level.
+    CPU path, with the activation dtype it runs fastest with here (`int8_activation_dtype`).
+  * Many rows (prefill, large batches): on a processor with bf16 arithmetic, bf16 and int8 weights run
+    oneDNN's bf16 GEMM (int8 dequantised to bf16 first), about twice as fast as the f32 GEMM; f16
+    weights (and everything elsewhere) are dequantised to the activation dtype for its GEMM.
 
 Which 16-bit kind a processor should use is decided once, from /proc/cpuinfo: bf16 where it has
 native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts f16 in hardware;
