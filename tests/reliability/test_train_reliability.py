@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -236,3 +237,19 @@ def test_resume_run_dir_falls_back_past_a_corrupt_checkpoint_and_a_finished_run_
     # A directory that is neither a run nor a checkpoint.
     p = run(env, "--resume", tmp_path, "--quiet")
     assert p.returncode == 2 and "not a run directory" in one_line_error(p)
+
+
+def test_non_finite_loss_stops_with_exit_1_and_keeps_the_last_good_checkpoint(tmp_path, env, data):
+    out = tmp_path / "run"
+    # A learning rate of 1e6 with no warm-up blows the weights up within a few steps.
+    p = run(env, *nano(data, out, "--max-steps", 8, "--set", "lr=1e6", "--set", "warmup_steps=0",
+                       "--set", "ckpt_every=1", "--set", "grad_clip=0"))
+    assert p.returncode == 1, p.stderr
+    msg = one_line_error(p)
+    m = re.search(r"training stopped at step (\d+): .*not finite.*the last good checkpoint (\S+) is untouched", msg)
+    assert m, msg
+    bad_step, last = int(m.group(1)), Path(m.group(2))
+    assert last.name == f"step-{bad_step - 1:08d}" and last.is_dir() and not (out / "final").exists()
+    from fusedkv.train.checkpoint import verify_checkpoint
+
+    verify_checkpoint(last)
