@@ -60,7 +60,9 @@ def test_prune_through_the_cli(checkpoint, tmp_path, capsys):
     assert "model.layers.3.mlp.down_proj.weight" in capsys.readouterr().out
     w = FusedKVForCausalLM.from_pretrained(out).model.layers[0].self_attn.q_proj.weight
     assert (w == 0).float().mean().item() == 0.5 and torch.isfinite(w).all()
-    assert main(["prune", str(checkpoint), "--out", str(tmp_path / "x"), "--sparsity", "2"]) == 2
+    with pytest.raises(SystemExit) as refused:  # out of range: refused while parsing, exit 2
+        main(["prune", str(checkpoint), "--out", str(tmp_path / "x"), "--sparsity", "2"])
+    assert refused.value.code == 2
 
 
 def _held_and_new(err):
