@@ -59,9 +59,8 @@ def test_reduced_logits_match_f32_within_tolerance(plan, fmt):
     assert 0 < _rel(out, ref)  # really reduced: a no-op conversion would pass the bound trivially
 
 
-@pytest.mark.parametrize("plan", ["vanilla", "fusedkv-lite", "fusedkv"])
+@pytest.mark.parametrize("plan,batch", [("vanilla", 1), ("fusedkv-lite", 4), ("fusedkv", 1), ("fusedkv", 4)])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("batch", [1, 4])
 def test_incremental_decode_matches_full_forward(plan, fmt, batch):
     model = reduce_precision(_trained_like(plan), fmt)
     ids = torch.randint(1, 97, (batch, 10), generator=torch.Generator().manual_seed(2))
