@@ -89,6 +89,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="start from a saved model's weights (and tokenizer), e.g. runs/x/final",
     )
     g.add_argument(
+        "--distill-from",
+        metavar="MODEL_DIR",
+        help="uptraining: distil from this full-cache model (loss = alpha KL + (1 - alpha) LM; fusedkv.train.distill)",
+    )
+    g.add_argument("--distill-alpha", type=float, metavar="A", help="weight of the KL term (default 0.5)")
+    g.add_argument("--distill-temperature", type=float, metavar="T", help="softmax temperature (default 1.0)")
+    g.add_argument(
+        "--distill-hidden-weight", type=float, metavar="W", help="weight of the hidden-state MSE (default 0: off)"
+    )
+    g.add_argument(
         "--rope-theta",
         "--rope-base",
         dest="rope_theta",
@@ -157,6 +167,10 @@ def build_config(args: argparse.Namespace, hold: contextlib.ExitStack | None = N
         max_steps=args.max_steps,
         seed=args.seed,
         init_from=args.init_from,
+        distill_from=args.distill_from,
+        distill_alpha=args.distill_alpha,
+        distill_temperature=args.distill_temperature,
+        distill_hidden_weight=args.distill_hidden_weight,
         rope_theta=args.rope_theta,
         out_dir=args.out,
         resume=args.resume,

@@ -99,6 +99,12 @@ class TrainConfig:
     model: dict = field(default_factory=dict)  # FusedKVConfig overrides on top of the preset's dims
     rope_theta: float | None = None  # RoPE base (paper: 10,000; 50,000 / 500,000 for long context)
     init_from: str | None = None  # start from a saved model directory's weights (save_pretrained)
+    # Uptraining (fusedkv.train.distill): the loss becomes alpha * T^2 * KL(teacher || student)
+    # + (1 - alpha) * LM [+ hidden_weight * hidden-state MSE], the teacher a saved full-cache model.
+    distill_from: str | None = None
+    distill_alpha: float = 0.5
+    distill_temperature: float = 1.0
+    distill_hidden_weight: float = 0.0
 
     # ---- data ----------------------------------------------------------------------------------
     data: str | None = None  # source spec (builtin, file, dir, .jsonl, .parquet, hf:...) or prepared dir
@@ -238,6 +244,11 @@ class TrainConfig:
         need(self.distributed in DISTRIBUTED_MODES, "distributed", f"choose one of {DISTRIBUTED_MODES}")
         need(self.checkpoint_format in ("full", "sharded"), "checkpoint_format", "choose full or sharded")
         need(not (self.resume and self.overwrite), "overwrite", "cannot be combined with resume")
+        need(0 <= self.distill_alpha <= 1, "distill_alpha", "must be in [0, 1] (1: distillation only, 0: LM only)")
+        need(math.isfinite(self.distill_temperature) and self.distill_temperature > 0, "distill_temperature",
+             "must be a positive number")
+        need(math.isfinite(self.distill_hidden_weight) and self.distill_hidden_weight >= 0, "distill_hidden_weight",
+             "must be >= 0 (0: logits only)")
         if self.init_from is None:
             self.model_config()  # the model's own checks (head counts, plan, source map ...), up front
 

@@ -166,6 +166,7 @@ class _Run:
         self.mc = self.ds = self.batches = self.model = self.wrapped = self.opt = self.sched = None
         self.accum = self.total = 0
         self.use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and env.device.type == "cuda")
+        self.distiller = None  # distill.Distiller when cfg.distill_from: replaces compute_loss
 
     def warn(self, msg: str) -> None:
         """Shown even when quiet (rank 0): the run goes on, but the user must know."""
@@ -302,6 +303,8 @@ class _Run:
     def setup(self) -> tuple[int, int, list[dict]]:
         """Steps 1-4 of the module docstring; returns (step, tokens seen, history) to start from."""
         cfg, env = self.cfg, self.env
+        if cfg.distill_from is not None:  # a missing teacher fails before any data is prepared
+            check_checkpoint_dir(cfg.distill_from)
         resume_path = self._checkpoint_to_resume()
         ckpt = None
         if resume_path is not None:  # a sharded checkpoint's tensors are read once the model is built
@@ -338,6 +341,13 @@ class _Run:
         )
 
         model, wrapped, opt, sched = self._build(mc, ckpt)
+        if cfg.distill_from is not None:
+            from .distill import Distiller
+
+            self.distiller = Distiller(cfg.distill_from, mc, env.device, cfg.distill_alpha, cfg.distill_temperature,
+                                       cfg.distill_hidden_weight)
+            self.say(f"distilling from {cfg.distill_from} (alpha {cfg.distill_alpha:g}, temperature "
+                     f"{cfg.distill_temperature:g}, hidden-state weight {cfg.distill_hidden_weight:g})")
         # Config validated, data ready, model built: only now may an old run be replaced. Nothing in
         # out_dir was written or deleted before this point (but the lock file).
         if env.is_main:
@@ -510,7 +520,7 @@ class _Run:
             y = y_all[i * mb : (i + 1) * mb].to(env.device, non_blocking=True)
             with D.grad_sync(self.wrapped, env, sync=i == accum - 1):
                 with self._autocast():
-                    loss = compute_loss(self.wrapped, x, y)
+                    loss = (self.distiller or compute_loss)(self.wrapped, x, y)
                 # Every micro-batch has the same number of tokens, so the mean of the micro-batch
                 # means is the global-batch mean (DDP/FSDP average over ranks on top).
                 (loss / accum).backward()

@@ -1,0 +1,101 @@
+"""Distillation for uptraining: the loss against a direct float64 computation, and the CLI path end to end
+(pre-train vanilla -> fusedkv convert -> fusedkv train --init-from --distill-from)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from train_helpers import REPO, subprocess_env
+
+from fusedkv.train.distill import distillation_loss
+
+
+def _direct(s, t, y, alpha, T, hs=(), ht=(), w=0.0):
+    """The loss written out term by term, in float64."""
+    s, t = s.double().flatten(0, 1), t.double().flatten(0, 1)
+    p_t = torch.softmax(t / T, -1)
+    log_p_s = torch.log_softmax(s / T, -1)
+    kl = (p_t * (torch.log(p_t) - log_p_s)).sum(-1).mean() * T * T
+    lm = -torch.log_softmax(s, -1).gather(1, y.flatten()[:, None]).mean()
+    hidden = sum(((a.double() - b.double()) ** 2).mean() for a, b in list(zip(hs, ht))[1:]) / max(1, len(hs) - 1)
+    return alpha * kl + (1 - alpha) * lm + w * hidden, kl, lm
+
+
+@pytest.mark.parametrize("alpha,T,w", [(0.5, 1.0, 0.0), (0.3, 2.0, 0.0), (1.0, 0.5, 0.7), (0.0, 3.0, 0.0)])
+def test_loss_matches_direct_computation(alpha, T, w):
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 5, 11, generator=g, dtype=torch.float64) * 3
+    t = torch.randn(2, 5, 11, generator=g, dtype=torch.float64) * 3
+    y = torch.randint(0, 11, (2, 5), generator=g)
+    hs = [torch.randn(2, 5, 4, generator=g) for _ in range(3)]
+    ht = [torch.randn(2, 5, 4, generator=g) for _ in range(3)]
+    loss, parts = distillation_loss(s, t, y, alpha, T, hs, ht, w)
+    ref, kl, lm = _direct(s, t, y, alpha, T, hs, ht, w)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    assert parts["kl"] == pytest.approx(float(kl), rel=1e-5) and parts["lm"] == pytest.approx(float(lm), rel=1e-5)
+
+
+def test_kl_gradient_is_temperature_times_probability_gap():
+    """d/ds [T^2 KL(p_t || softmax(s/T))] = T (softmax(s/T) - p_t), per token, divided by the token count."""
+    g = torch.Generator().manual_seed(1)
+    T = 2.0
+    s = torch.randn(1, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(1, 3, 7, generator=g, dtype=torch.float64)
+    loss, _ = distillation_loss(s, t, torch.zeros(1, 3, dtype=torch.long), alpha=1.0, temperature=T)
+    loss.backward()
+    expected = T * (torch.softmax(s.detach() / T, -1) - torch.softmax(t / T, -1)) / 3
+    torch.testing.assert_close(s.grad, expected.to(s.grad.dtype), rtol=1e-4, atol=1e-6)
+
+
+def test_identical_models_have_zero_kl_and_bad_settings_are_refused():
+    x = torch.randn(2, 4, 9)
+    y = torch.randint(0, 9, (2, 4))
+    loss, parts = distillation_loss(x, x.clone(), y, alpha=1.0)
+    assert abs(parts["kl"]) < 1e-6 and float(loss) == pytest.approx(parts["kl"], abs=1e-6)
+    with pytest.raises(ValueError, match="distill_alpha"):
+        distillation_loss(x, x, y, alpha=1.5)
+    with pytest.raises(ValueError, match="distill_temperature"):
+        distillation_loss(x, x, y, temperature=0)
+    with pytest.raises(ValueError, match="same vocabulary"):
+        distillation_loss(x, torch.randn(2, 4, 8), y)
+    with pytest.raises(ValueError, match="hidden states"):
+        distillation_loss(x, x, y, hidden_weight=1.0)
+
+
+def _cli(*args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "fusedkv.cli", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, env=subprocess_env(), timeout=timeout)
+    assert proc.returncode == 0, f"fusedkv {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_uptraining_by_distillation_through_the_cli(tmp_path, nano_data):
+    """vanilla nano run -> `fusedkv convert` to fusedkv-lite -> `fusedkv train --init-from --distill-from`."""
+    common = ["--preset", "nano", "--set", f"data={nano_data}", "--set", "threads=1", "--set", "ckpt_every=0"]
+    _cli("train", "--plan", "vanilla", "--out", tmp_path / "teacher", "--max-steps", 4, *common)
+    teacher = tmp_path / "teacher" / "final"
+    _cli("convert", teacher, tmp_path / "lite", "--kv-sharing", "fusedkv-lite")
+    conv = json.loads((tmp_path / "lite" / "config.json").read_text())
+    assert conv["kv_sharing"] == "fusedkv-lite"
+    from safetensors.torch import load_file
+
+    t_w, s_w = load_file(teacher / "model.safetensors"), load_file(tmp_path / "lite" / "model.safetensors")
+    assert "model.layers.3.self_attn.k_proj.weight" in t_w and "model.layers.3.self_attn.k_proj.weight" not in s_w
+    q = "model.layers.3.self_attn.q_proj.weight"
+    torch.testing.assert_close(s_w[q], t_w[q])  # everything else is the teacher's
+    out = _cli("train", "--init-from", tmp_path / "lite", "--distill-from", teacher, "--distill-alpha", 0.7,
+               "--distill-temperature", 2.0, "--out", tmp_path / "student", "--max-steps", 2, *common)
+    assert f"distilling from {teacher}" in out.stdout and "alpha 0.7" in out.stdout
+    summary = json.loads((tmp_path / "student" / "summary.json").read_text())
+    assert summary["plan"] == "fusedkv-lite" and summary["steps"] == 2 and summary["val_loss"] is not None
+
+
+def test_distilling_from_a_missing_teacher_is_a_one_line_error(tmp_path, nano_data):
+    proc = subprocess.run([sys.executable, "-m", "fusedkv.cli", "train", "--preset", "nano", "--set",
+                           f"data={nano_data}", "--distill-from", tmp_path / "nowhere", "--out", tmp_path / "run"],
+                          cwd=REPO, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 2 and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
