@@ -88,7 +88,6 @@ def test_fsdp_two_ranks_killed_mid_save_resume_on_one_process(tmp_path, nano_dat
     assert dcp.is_sharded(ck.latest_checkpoint(root))
 
 
-@pytest.mark.slow
 def test_one_process_resumes_on_two_ddp_ranks(tmp_path, nano_data, reference):
     out = tmp_path / "run"
     proc = train_cli("--preset", "nano", "--data", nano_data, "--out", out, "--max-steps", STEPS,
