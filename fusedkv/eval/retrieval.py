@@ -200,7 +200,9 @@ def plot_retrieval(results: dict[str, dict], path, title: str = "retrieval accur
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy (%)")
-    axes[0][-1].legend(fontsize=7)
+    labelled = [ax for ax in axes[0] if ax.get_legend_handles_labels()[0]]
+    if labelled:  # a panel whose cells all did not fit has no lines
+        labelled[-1].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,58 @@
+"""Chained experiment runs (`from:` / `distill:`) and retrieval evaluation in `fusedkv compare`, at nano size."""
+
+import json
+
+import pytest
+
+from fusedkv.cli import main
+from fusedkv.data import read_builtin_text
+from fusedkv.experiments import load_experiment, run_experiment
+
+
+def test_evidence_experiments_load():
+    runs = {r["name"]: r for r in load_experiment("uptrain")["runs"]}
+    assert runs["lite-uptrain-distill"]["from"] == runs["lite-uptrain-distill"]["distill"] == "teacher-vanilla"
+    assert runs["fusedkv-uptrain-lm"]["plan"] == "fusedkv" and "distill" not in runs["fusedkv-uptrain-lm"]
+    retrieval = load_experiment("retrieval")
+    assert retrieval["base"]["data"].startswith("mix:builtin:") and "retrieval" in retrieval["evaluate"]
+    assert {r["plan"] for r in retrieval["runs"]} == {"vanilla", "vanilla+gqa", "cla", "yoco", "fusedkv-lite",
+                                                       "fusedkv"}
+    assert load_experiment("long")["base"]["max_steps"] >= 10 * load_experiment("main")["base"]["max_steps"]
+
+
+def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(read_builtin_text(limit_chars=150_000))
+    spec_file = tmp_path / "exp.yaml"
+    spec_file.write_text(
+        "name: chain\ndescription: chained nano runs\n"
+        f"base: {{preset: nano, data: {corpus}, max_steps: 4, eval_every: 2, threads: 1, ckpt_every: 0}}\n"
+        "evaluate: {retrieval: {lengths: [48, 64, 128], pairs: [1, 2], samples: 2}}\n"
+        "runs:\n  - {name: teacher, plan: vanilla}\n"
+        "  - {name: lite-lm, from: teacher, plan: fusedkv-lite, max_steps: 2}\n"
+        "  - {name: lite-kd, from: teacher, distill: teacher, plan: fusedkv-lite, max_steps: 2, distill_alpha: 0.9}\n")
+    out = tmp_path / "out"
+    assert main(["compare", str(spec_file), "--out", str(out), "--seeds", "0", "--task-limit", "0"]) == 0
+    res = {n: json.loads((out / n / "seed0" / "result.json").read_text()) for n in ("teacher", "lite-lm", "lite-kd")}
+    assert res["teacher"]["plan"] == "vanilla" and res["lite-lm"]["plan"] == res["lite-kd"]["plan"] == "fusedkv-lite"
+    assert res["lite-lm"]["tokens_offset"] == res["teacher"]["tokens_seen"] == 4 * 512
+    assert res["lite-lm"]["curve"][0][0] == 4 * 512 + 2 * 512  # drawn at total tokens
+    assert res["lite-lm"]["val_loss"] != res["lite-kd"]["val_loss"]  # the distillation loss changed training
+    cache = tmp_path / "cache"
+    assert len(list(cache.glob("*/converted/config.json"))) == 2  # each chained run converted the teacher
+    # Retrieval: lengths past the 64-token context are not scored; cells that fit are percentages.
+    r = res["teacher"]["retrieval"]
+    assert r["lengths"] == [48, 64] and all(v is None or 0 <= v <= 100 for v in r["mqar"]["1"].values())
+    assert (out / "retrieval.md").read_text().count("## ") == 3 and (out / "retrieval.png").stat().st_size > 1000
+    # Finished runs are reused: a second call trains nothing and returns the same numbers.
+    again = run_experiment(load_experiment(str(spec_file)), out, seeds=[0], progress=False, task_limit=0)
+    assert [r["val_loss"] for r in again] == [res[n]["val_loss"] for n in ("teacher", "lite-lm", "lite-kd")]
+
+
+def test_a_chain_must_name_an_earlier_run(tmp_path):
+    spec = {"base": {"preset": "nano"}, "runs": [{"name": "a", "plan": "fusedkv", "from": "b"},
+                                                 {"name": "b", "plan": "vanilla"}]}
+    with pytest.raises(ValueError, match="must name a run listed before it"):
+        run_experiment(spec, tmp_path, seeds=[0], progress=False)
