@@ -99,3 +99,34 @@ def test_distilling_from_a_missing_teacher_is_a_one_line_error(tmp_path, nano_da
                            f"data={nano_data}", "--distill-from", tmp_path / "nowhere", "--out", tmp_path / "run"],
                           cwd=REPO, capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert proc.returncode == 2 and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_distiller_with_hidden_states_on_real_models(tmp_path):
+    """Distiller on FusedKV models: a student identical to its teacher has zero KL and zero hidden loss; a
+    converted Lite student gets exactly distillation_loss of the two models' outputs."""
+    from fusedkv import FusedKVConfig, FusedKVForCausalLM
+    from fusedkv.convert import from_qwen3_state, fusedkv_to_plan_config
+    from fusedkv.train.distill import Distiller
+
+    torch.manual_seed(0)
+    cfg = FusedKVConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, max_position_embeddings=32, kv_sharing="vanilla")
+    teacher = FusedKVForCausalLM(cfg).eval()
+    teacher.save_pretrained(tmp_path / "teacher")
+    x = torch.randint(0, 64, (2, 16))
+    y = torch.randint(0, 64, (2, 16))
+    same = Distiller(str(tmp_path / "teacher"), cfg, "cpu", alpha=1.0, temperature=2.0, hidden_weight=1.0)
+    loss = same(teacher, x, y)
+    assert abs(float(loss.detach())) < 1e-5 and abs(same.last_parts["hidden"]) < 1e-10
+    student = from_qwen3_state(teacher.state_dict(), fusedkv_to_plan_config(cfg.to_dict(), "fusedkv-lite")).eval()
+    kd = Distiller(str(tmp_path / "teacher"), student.config, "cpu", alpha=0.3, temperature=1.5, hidden_weight=0.5)
+    got = kd(student, x, y)
+    with torch.no_grad():
+        t = teacher(input_ids=x, output_hidden_states=True)
+    s = student(input_ids=x, output_hidden_states=True)
+    want, parts = distillation_loss(s.logits, t.logits, y, 0.3, 1.5, s.hidden_states, t.hidden_states, 0.5)
+    torch.testing.assert_close(got, want)
+    assert parts["kl"] > 1e-4 and parts["hidden"] > 0  # the conversion changed the upper layers' K/V
+    got.backward()  # gradients reach the student only
+    assert student.model.layers[3].self_attn.q_proj.weight.grad is not None
+    assert all(p.grad is None for p in kd.teacher.parameters())
