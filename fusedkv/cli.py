@@ -106,8 +106,9 @@ def _add_generate(sub):
     p.add_argument("checkpoint", type=argtypes.non_empty,
                    help="checkpoint directory holding config.json, weights and tokenizer")
     p.add_argument("--prompt", default="ROMEO:", help="prompt text (default 'ROMEO:')")
-    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=100,
-                   help="tokens to generate; prompt + these must fit the model context (default 100)")
+    p.add_argument("--max-new-tokens", type=argtypes.positive_int, default=None,
+                   help="tokens to generate; prompt + these must fit the model context (default: 100, or "
+                   "what the context leaves after the prompt if that is less)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--temperature", type=argtypes.float_range(0.0), default=0.8,
                    help="sampling temperature, 0 is greedy (default 0.8)")
@@ -151,6 +152,15 @@ def _run_generate(args) -> None:
     ids = tok([args.prompt] * args.num_samples, return_tensors="pt").input_ids.to(args.device)
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
+    room = model.config.max_position_embeddings - ids.shape[1]
+    if room < 1:
+        raise ValueError(f"the prompt is {ids.shape[1]} tokens but the model's context is "
+                         f"{model.config.max_position_embeddings}; shorten --prompt")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = min(100, room)  # the default fits the context; an explicit value is checked
+    elif args.max_new_tokens > room:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} does not fit: the prompt is {ids.shape[1]} tokens "
+                         f"and the model's context is {model.config.max_position_embeddings}; use at most {room}")
     eos = model.config.eos_token_id if model.config.eos_token_id is not None else tok.eos_token_id
     from .cache import StaticKVCache
     from .model.precision import apply_precision

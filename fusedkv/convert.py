@@ -2,7 +2,7 @@
 
 FusedKV's module names are Qwen3's, so conversion is a renaming-free copy: every weight keeps its
 name, reconstruction layers drop their K/V projections and K-norm, and their fusion weights start
-from the configured initialisation (SPEC section 5). With `kv_sharing="vanilla"` the result computes
+from the configured initialisation (paper App. A.3, Table 5). With `kv_sharing="vanilla"` the result computes
 exactly what transformers' `Qwen3ForCausalLM` computes; with another plan it is a starting point for
 continued training (the paper trains from scratch; a converted model must be trained to recover).
 A vanilla *fusedkv* checkpoint (model_type fusedkv, e.g. `fusedkv train --plan vanilla`'s final model)

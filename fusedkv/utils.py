@@ -1,7 +1,7 @@
 """Small helpers every part of the package needs, each written once.
 
 Nothing here knows about models or plans: byte sizes for people, file-safe names, an atomic JSON
-write, where a model's weights live, and a quick probe of the Hugging Face hub.
+write, an atomic directory replace, where a model's weights live, and a quick probe of the Hugging Face hub.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import urllib.parse
 from pathlib import Path
@@ -42,6 +43,20 @@ def write_json_atomic(path: str | Path, obj, indent: int = 1, sort_keys: bool = 
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def replace_dir(tmp: str | Path, final: str | Path) -> None:
+    """Move the finished directory `tmp` to `final`, replacing whatever is there. `os.replace` cannot
+    overwrite a non-empty directory, so an old `final` is moved aside first and removed after: at every
+    moment `final` is either the old directory or the new one, never a mix."""
+    tmp, final = Path(tmp), Path(final)
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def model_device(model):

@@ -1,4 +1,4 @@
-"""The KV-sharing plan: structure, capacity and I/O (SPEC Table 1), custom maps and their errors."""
+"""The KV-sharing plan: structure, capacity and I/O (paper Table 1), custom maps and their errors."""
 
 import pytest
 
@@ -69,7 +69,7 @@ def test_odd_layers_and_unknown_plan():
 
 
 def test_hybrid_window_plans_take_sources_of_their_own_type():
-    # SPEC section 7: groups of four, three window layers then one full layer.
+    # Paper App. A.6 (SWA hybrid): groups of four, three window layers then one full layer.
     types = [SLIDING, SLIDING, SLIDING, FULL] * 4
     wf = build_plan("fusedkv", 16, types)
     for layer in wf.layers[8:]:

@@ -15,11 +15,12 @@ Special tokens:
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from ..utils import replace_dir
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -101,14 +102,7 @@ def save_tokenizer(tokenizer, out_dir: str | Path) -> Path:
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private (0700); the tokenizer is ordinary shared output
         tokenizer.save_pretrained(str(tmp))
-        if out_dir.exists():
-            # os.replace cannot overwrite a non-empty directory; move the old one aside first.
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,8 @@ Interchangeable attention paths, all checked against each other by the tests:
     Compute-efficient for long query blocks (training, full-sequence scoring) and the plain reference.
   * factored (`fusedkv.kernels.reference`): key weights move onto the query and value weights onto
     the output, so no fused tensor is ever written. Used for short query blocks at inference (decode,
-    the last prompt position of a skipping prefill): measured 1.6-16x faster than materializing on CPU.
+    the last prompt position of a skipping prefill), where it is much faster than materializing
+    (`benchmarks/attention_paths_cpu.py`; figures in `docs/results.md`).
   * Triton flash-decoding (`fusedkv.kernels`): the factored idea in one kernel, for one-token decode
     on CUDA, reading each source once.
 

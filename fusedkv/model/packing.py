@@ -1,10 +1,11 @@
 """Decode-friendly weight layout: the projections a one-token step runs, packed for one GEMV each.
 
 At batch 1 a decode step is a chain of matrix-vector products, and how fast BLAS streams a weight
-matrix depends on its layout. `nn.Linear` stores W as [out, in] row-major; on the project's CPU
-(MKL, AVX2) `x @ W.T` then runs at ~11 GB/s while the same product over W stored column-major
-([in, out] row-major) runs at ~14 GB/s, and one product over Q|K|V (or gate|up) at ~16 GB/s, closer
-to the 22-24 GB/s one core can stream (`benchmarks/decode_layout.py`; figures in `docs/results.md`).
+matrix depends on its layout. `nn.Linear` stores W as [out, in] row-major; through MKL, `x @ W.T`
+streams it well below the memory bandwidth while the same product over W stored column-major
+([in, out] row-major) is faster, and one product over Q|K|V (or gate|up) faster still
+(`benchmarks/decode_layout.py` measures the three against the streaming ceiling; figures in
+`docs/results.md`).
 
 `pack_for_decode(model)` therefore moves each group of projections that read the same input (Q, K, V
 of a storage layer; gate and up of the MLP) into one column-major buffer, and makes every

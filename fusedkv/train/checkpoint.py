@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoints import MANIFEST_FORMAT, sha256_file, verify_manifest, write_manifest
 from ..errors import RunError
+from ..utils import replace_dir
 
 FORMAT_VERSION = MANIFEST_FORMAT  # names train/dcp.py uses
 _sha256 = sha256_file
@@ -120,13 +121,7 @@ def save_checkpoint(
         write_manifest(tmp, _FILES, step=step)  # last: its presence marks the files complete
         _fsync_dir(tmp)
         current = final
-        if final.exists():  # the same step saved again (e.g. signalled right after a resume)
-            old = root / f".old-{final.name}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        replace_dir(tmp, final)  # also when the same step is saved again (signalled right after a resume)
         _fsync_dir(root)
     except Exception as e:
         reason = write_failure(e, current)

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..utils import replace_dir
 from . import checkpoint as ckpt_io
 
 LAYOUT = "sharded"
@@ -178,13 +179,7 @@ class ShardedCheckpointer:
                 os.fsync(f.fileno())
             ckpt_io._fsync_dir(tmp / DCP_DIR)
             ckpt_io._fsync_dir(tmp)
-            if final.exists():  # the same step saved again (e.g. signalled right after a resume)
-                old = self.root / f".old-{final.name}-{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            replace_dir(tmp, final)  # also when the same step is saved again (signalled right after a resume)
             ckpt_io._fsync_dir(self.root)
             for old in ckpt_io.list_checkpoints(self.root)[:-keep]:
                 if old != final:

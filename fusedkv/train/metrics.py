@@ -120,10 +120,10 @@ def format_summary(result: dict) -> str:
         lines.append(f"validation loss {result['val_loss']:.4f}   perplexity {result['val_ppl']:.2f}")
     lines.append(
         f"KV cache (bf16): {result['kv_cache_bytes_per_token']:,} bytes/token, "
-        f"{human_bytes(result['kv_cache_bytes_full_context'])} for a full {ctx}-token context   |   vanilla: "
+        f"{human_bytes(result['kv_cache_bytes_full_context'])} for a full {ctx}-token context   |   MHA of this shape: "
         f"{result['kv_cache_bytes_per_token_vanilla']:,} bytes/token, "
         f"{human_bytes(result['kv_cache_bytes_full_context_vanilla'])}   "
-        f"({result['kv_cache_ratio']:.2f}x vanilla)"
+        f"({result['kv_cache_ratio']:.2f}x MHA)"
     )
     if result.get("checkpoint"):
         lines.append(f"model: {result['checkpoint']}")

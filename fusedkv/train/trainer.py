@@ -49,6 +49,7 @@ from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
 from ..model.loss import causal_lm_loss, lm_loss
 from ..plan import resolve_plan_choice
+from ..utils import replace_dir
 from . import checkpoint as ckpt_io
 from . import data as data_setup
 from . import dcp as dcp_io
@@ -690,13 +691,7 @@ class _Run:
                     plain.save_pretrained(str(tmp))
                     self.ds.load_tokenizer().save_pretrained(str(tmp))
                 write_manifest(tmp)  # sizes + SHA-256, verified by from_pretrained (checkpoints.py)
-                if final.exists():
-                    old = self.out / f".final.old-{os.getpid()}"
-                    os.replace(final, old)
-                    os.replace(tmp, final)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(tmp, final)
+                replace_dir(tmp, final)
             except Exception as e:
                 reason = ckpt_io.write_failure(e, tmp / "model.safetensors")
                 if reason is None:

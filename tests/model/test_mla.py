@@ -206,7 +206,8 @@ def test_mla_trains():
     (dict(head_dim=16), "head_dim=16"),
     (dict(num_key_value_heads=2), "num_key_value_heads=2"),
     (dict(fusion_init="iterative"), "iterative"),
-    (dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8), "sliding-window layers are not implemented"),
+    (dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8),
+     "sliding-window layers are not implemented"),
 ])
 def test_bad_mla_configs_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):

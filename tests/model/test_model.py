@@ -20,7 +20,7 @@ def shifted_logits(model, shift):
 
 @pytest.mark.parametrize("plan", ["fusedkv", "fusedkv-dense", "single-source-scaling"])
 def test_tied_key_weights_keep_scores_relative(plan):
-    """SPEC section 2: with tied key weights only relative positions matter (float64, < 1e-10)."""
+    """Paper Sec. 2.4, Eqs. (7)-(8): with tied key weights only relative positions matter (float64, < 1e-10)."""
     model = tiny_model(plan, dtype=torch.float64)
     assert (shifted_logits(model, 0) - shifted_logits(model, 37)).abs().max() < 1e-10
 

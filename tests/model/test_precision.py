@@ -20,7 +20,7 @@ from fusedkv.model.precision import (
 )
 from tests.conftest import tiny_model
 
-# Max |logit - f32 logit| relative to max |f32 logit| (docs/parts/cpu-decode.md): the rounding of
+# Max |logit - f32 logit| relative to max |f32 logit| (docs/cpu-decode.md): the rounding of
 # weights and of the products' inputs, bf16 8 significant bits, f16 11, int8 per-channel 7 + sign.
 # Measured on these random models (3 seeds x 3 plans): bf16 <= 0.020, f16 <= 0.0025, int8 <= 0.057.
 LOGIT_TOL = {"bfloat16": 3e-2, "float16": 4e-3, "int8": 8e-2}

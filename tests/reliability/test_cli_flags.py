@@ -1,6 +1,6 @@
-"""Every numeric flag of `plans`, `bench`, `compare`, `analyze`, `prune` and `plan-run` is range-checked before any work, with a
-message naming the flag; paths are checked before minutes of work. Each case is the real CLI in a child
-process (see conftest.py). The comments say what the same command did before."""
+"""Every numeric flag of `plans`, `bench`, `compare`, `analyze`, `prune` and `plan-run` is range-checked
+before any work, with a message naming the flag; paths are checked before minutes of work. Each case is the
+real CLI in a child process (see conftest.py). The comments say what the same command did before."""
 
 from __future__ import annotations
 

@@ -35,8 +35,16 @@ def test_flags_are_range_checked(cli, tiny_ckpt, args, fragment):
 def test_request_beyond_the_context_is_refused_before_generating(cli, tiny_ckpt):
     """A 64-token model failed after generating 63 tokens of the default 100."""
     r = cli("generate", tiny_ckpt, "--max-new-tokens", str(CONTEXT + 10), "--greedy")
-    assert_one_line_error(r, 2, f"max_position_embeddings={CONTEXT}")
+    assert_one_line_error(r, 2, f"--max-new-tokens {CONTEXT + 10} does not fit", f"context is {CONTEXT}")
     assert r.stdout == ""
+
+
+def test_the_default_length_fits_a_short_context(cli, tiny_ckpt):
+    """The default (100 new tokens) is cut to what the 64-token context leaves after the prompt."""
+    r = cli("generate", tiny_ckpt, "--greedy")
+    assert r.returncode == 0, r.stderr
+    new = int(r.stderr.split("plan ")[1].split(": ")[1].split(" new tokens")[0])
+    assert 0 < new < CONTEXT
 
 
 def test_empty_prompt_and_bad_checkpoints(cli, tiny_ckpt, bad_files, qwen3_src):

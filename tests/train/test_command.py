@@ -78,7 +78,7 @@ def test_cli_end_to_end_resume_and_init_from(tmp_path, corpus_file, capsys):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "validation loss" in stdout and "perplexity" in stdout
-    assert "KV cache (bf16): 512 bytes/token" in stdout and "vanilla: 1,024 bytes/token" in stdout
+    assert "KV cache (bf16): 512 bytes/token" in stdout and "MHA of this shape: 1,024 bytes/token" in stdout
     model = FusedKVForCausalLM.from_pretrained(out / "final")
     tok = AutoTokenizer.from_pretrained(out / "final")
     assert len(tok) == model.config.vocab_size == 512
@@ -93,7 +93,7 @@ def test_cli_end_to_end_resume_and_init_from(tmp_path, corpus_file, capsys):
     assert command.main(["--out", str(out), "--resume", "--set", "seed=5", "--quiet"]) == 2
     assert "seed" in capsys.readouterr().err
 
-    # Continued training at a longer context with a new RoPE base (SPEC section 8).
+    # Continued training at a longer context with a new RoPE base (paper App. A.7).
     longer = tmp_path / "runs" / "long"
     rc = command.main(
         [
