@@ -20,7 +20,7 @@ Zoology scores MQAR. Accuracy is the share of answers right (per query), in perc
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,41 +34,37 @@ def _count(tokenizer):
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def mqar_samples(tokenizer, num_pairs: int, length: int, num_samples: int, seed: int = 0,
-                 words: Sequence[str] | None = None) -> list[TextSample]:
-    """`num_samples` MQAR samples of at most `length` tokens, filled with held-out text to that length.
-    ValueError when `num_pairs` pairs and their queries alone do not fit in `length` tokens."""
+def _filled_samples(tokenizer, prefix: str, length: int, num_samples: int, words: Sequence[str] | None,
+                    make: Callable[[random.Random, list[str]], TextSample]) -> list[TextSample]:
+    """`num_samples` samples of at most `length` tokens: sample i is `make(rng, filler)` with the longest
+    run of held-out words that fits, its RNG and filler start seeded by `prefix` and i."""
     words = words if words is not None else _held_out_words()
     samples, hint = [], None
     for i in range(num_samples):
-        key = f"mqar:{num_pairs}:{length}:{seed}:{i}"
-        fill = random.Random(key + ":filler").randrange(len(words))
+        key = f"{prefix}:{i}"
+        start = random.Random(key + ":filler").randrange(len(words))
 
-        def build(n: int, key=key, fill=fill) -> TextSample:
-            gap = [words[(fill + j) % len(words)] for j in range(n)]
-            return mqar_sample(random.Random(key), num_pairs, gap)
+        def build(n: int, key=key, start=start) -> TextSample:
+            return make(random.Random(key), [words[(start + j) % len(words)] for j in range(n)])
 
         hint, _, _ = _largest_fitting(lambda n: build(n).text, _count(tokenizer), length, 0, 2 * length, hint)
         samples.append(build(hint))
     return samples
+
+
+def mqar_samples(tokenizer, num_pairs: int, length: int, num_samples: int, seed: int = 0,
+                 words: Sequence[str] | None = None) -> list[TextSample]:
+    """`num_samples` MQAR samples of at most `length` tokens, filled with held-out text to that length.
+    ValueError when `num_pairs` pairs and their queries alone do not fit in `length` tokens."""
+    return _filled_samples(tokenizer, f"mqar:{num_pairs}:{length}:{seed}", length, num_samples, words,
+                           lambda rng, gap: mqar_sample(rng, num_pairs, gap))
 
 
 def passkey_samples(tokenizer, length: int, num_samples: int, seed: int = 0, depth: float | None = None,
                     words: Sequence[str] | None = None) -> list[TextSample]:
     """`num_samples` passkey samples of at most `length` tokens (random depths unless `depth` is given)."""
-    words = words if words is not None else _held_out_words()
-    samples, hint = [], None
-    for i in range(num_samples):
-        key = f"passkey:{length}:{seed}:{i}"
-        start = random.Random(key + ":filler").randrange(len(words))
-
-        def build(n: int, key=key, start=start) -> TextSample:
-            hay = [words[(start + j) % len(words)] for j in range(n)]
-            return passkey_sample(random.Random(key), hay, depth)
-
-        hint, _, _ = _largest_fitting(lambda n: build(n).text, _count(tokenizer), length, 0, 2 * length, hint)
-        samples.append(build(hint))
-    return samples
+    return _filled_samples(tokenizer, f"passkey:{length}:{seed}", length, num_samples, words,
+                           lambda rng, hay: passkey_sample(rng, hay, depth))
 
 
 _HELD_OUT: list[str] = []

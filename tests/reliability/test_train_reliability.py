@@ -18,6 +18,7 @@ import pytest
 
 from fusedkv import FusedKVForCausalLM
 from fusedkv.data import prepare_dataset, read_builtin_text
+from tests.train.train_helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,19 +64,6 @@ def run(env, *args, timeout=300) -> subprocess.CompletedProcess:
 
 def nano(data, out, *extra):
     return ("--preset", "nano", "--data", data, "--out", out, "--set", "threads=1", "--quiet", *extra)
-
-
-def wait_for(predicate, proc, timeout=120.0, what="condition"):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"process ended (rc {proc.returncode}) before {what}:\n{out}\n{err}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def one_line_error(proc) -> str:
