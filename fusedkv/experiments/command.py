@@ -14,11 +14,13 @@ def register(sub) -> None:
         description="Run an experiment file: every run trains on the same data with the same token budget, "
         "optimiser and seeds, then is evaluated (held-out loss and perplexity, local lm-eval tasks). Writes "
         "results.md (mean ± std over seeds) and curves.png. Shipped experiments: main (Table 2), sources "
-        "(Table 17), reversed (Fig. 8), init (Table 5), dense (Fig. 2), and the evidence runs: retrieval "
-        "(Table 16 at toy scale), long (Table 2 at 10x tokens), uptrain (convert + distil). Finished runs are "
-        "reused, so an interrupted comparison resumes.")
+        "(Table 17), reversed (Fig. 8), init (Table 5), dense (Fig. 2); the compatibility pairs of App. A.6: "
+        "gqa, swa (window hybrids +W/+WF), moe, mla, quant (checkpoints for KIVI/Wanda); and the evidence runs: "
+        "retrieval (Table 16 at toy scale), long (Table 2 at 10x tokens), uptrain (convert + distil). Finished "
+        "runs are reused and a run killed part-way continues from its last checkpoint, so an interrupted "
+        "comparison resumes.")
     p.add_argument("experiment", nargs="?", default="main", type=argtypes.non_empty,
-                   help="shipped experiment name (main, sources, reversed, init, dense) or YAML path")
+                   help="shipped experiment name (main, gqa, swa, moe, mla, quant, long, ...) or YAML path")
     p.add_argument("--out", default=None, type=argtypes.non_empty,
                    help="output directory (default runs/compare-<name>)")
     p.add_argument("--seeds", default=None, type=argtypes.int_list(0, 2**32 - 1),

@@ -4,7 +4,8 @@ An experiment is a YAML file (the shipped ones sit beside this module: main, sou
 dense): a shared `base` training config (or `extends: FILE` to share one), a list of `runs` (a name,
 a plan, model overrides such as a custom source map) and `seeds`. Every run trains with the same data,
 token budget, optimiser and seeds; only the plan differs. Results are written per run as they finish
-(`RUN/seedN/result.json`), so an interrupted comparison resumes where it stopped. The summary is a
+(`RUN/seedN/result.json`), so an interrupted comparison resumes where it stopped: finished runs are
+reused, and a run killed part-way continues from its newest checkpoint (`ckpt_every`). The summary is a
 Table-2-style markdown table (mean +- std over seeds) and a learning-curve PNG.
 
 Chained runs (uptraining, continued training at a longer context): a run with `from: NAME` starts from
@@ -104,10 +105,14 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             else:
                 if progress:
                     print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
-                # No result means the run did not finish: train it again from the start.
+                # No result means the run did not finish: continue from its newest checkpoint (the key is
+                # the whole config, so the checkpoint is this run's), or train it again from the start.
+                train_dir = cache_dir / key / "train"
+                start = {"resume": True} if _resumable(train_dir) else {"overwrite": True}
+                if progress and "resume" in start:
+                    print(f"  resuming the interrupted run in {train_dir}", flush=True)
                 train_fields = _chain(fields, parents, cache_dir / key)
-                cfg = TrainConfig.from_dict({**train_fields, "out_dir": str(cache_dir / key / "train"),
-                                             "progress": False, "overwrite": True})
+                cfg = TrainConfig.from_dict({**train_fields, "out_dir": str(train_dir), "progress": False, **start})
                 result = _summarise(run["name"], seed, train(cfg), task_limit)
                 ancestor = parents["from"][1] if "from" in parents else {}
                 result["tokens_offset"] = ancestor.get("tokens_offset", 0) + ancestor.get("tokens_seen", 0)
@@ -121,6 +126,15 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             results.append(result)
             finished[(run["name"], seed)] = (key, result)
     return results
+
+
+def _resumable(train_dir: Path) -> bool:
+    """A run killed part-way: it has a checkpoint but no final model (a run killed after its final model
+    was written, while being evaluated, is trained again: there is nothing left to resume)."""
+    from ..train import checkpoint as ckpt_io
+
+    root = ckpt_io.checkpoint_root(train_dir)
+    return root.is_dir() and bool(ckpt_io.list_checkpoints(root)) and not (train_dir / "final").exists()
 
 
 # Run keys that say where a run starts, not how it trains (they are not TrainConfig fields).

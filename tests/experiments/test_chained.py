@@ -1,6 +1,7 @@
 """Chained experiment runs (`from:` / `distill:`) and retrieval evaluation in `fusedkv compare`, at nano size."""
 
 import json
+import shutil
 
 import pytest
 
@@ -56,3 +57,29 @@ def test_a_chain_must_name_an_earlier_run(tmp_path):
                                                  {"name": "b", "plan": "vanilla"}]}
     with pytest.raises(ValueError, match="must name a run listed before it"):
         run_experiment(spec, tmp_path, seeds=[0], progress=False)
+
+
+def test_a_run_killed_part_way_continues_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """Long evidence runs must survive the end of a session: rerunning the command resumes the killed run
+    from its newest checkpoint (not from step 0) and ends where an uninterrupted run ends."""
+    monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(read_builtin_text(limit_chars=150_000))
+    spec = {"base": {"preset": "nano", "data": str(corpus), "max_steps": 4, "eval_every": 2, "threads": 1,
+                     "ckpt_every": 2}, "runs": [{"name": "lite", "plan": "fusedkv-lite"}]}
+    first = run_experiment(spec, tmp_path / "a", seeds=[0], progress=False, task_limit=0)[0]
+    # Make it look killed after the step-2 checkpoint: no result, no final model, no later checkpoint.
+    train_dir = tmp_path / "cache" / first["checkpoint"].split("/")[-3] / "train"
+    for path in [*tmp_path.glob("*/lite/seed0/result.json"), *(tmp_path / "cache").glob("*/result.json")]:
+        path.unlink()
+    shutil.rmtree(train_dir / "final")
+    checkpoints = sorted((train_dir / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints][-1].endswith("4") and len(checkpoints) >= 2
+    shutil.rmtree(checkpoints[-1])
+    kept = (checkpoints[-2], checkpoints[-2].stat().st_mtime_ns)  # a restart from step 0 would rewrite it
+    capsys.readouterr()
+    again = run_experiment(spec, tmp_path / "a", seeds=[0], progress=True, task_limit=0)[0]
+    assert "resuming the interrupted run" in capsys.readouterr().out
+    assert kept[0].stat().st_mtime_ns == kept[1] and (train_dir / "final").is_dir()
+    assert again["val_loss"] == pytest.approx(first["val_loss"], rel=1e-5)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from fusedkv.cli import main
 from fusedkv.data import read_builtin_text
 from fusedkv.experiments import load_experiment, run_experiment, summary_table
@@ -13,6 +15,32 @@ def test_shipped_experiments_load():
         assert spec["runs"] and spec["base"]["model"]["num_hidden_layers"] == 8
     assert [r["plan"] for r in load_experiment("main")["runs"]] == [
         "vanilla", "cla", "yoco", "gqa", "fusedkv-lite", "fusedkv"]
+
+
+def test_compatibility_experiments_build_the_variants_they_name():
+    """Each pair of paper App. A.6 is the main table's budget with the variant's model; the cache fractions
+    (against MHA of the same shape, at the training context) are the ones the results table reports."""
+    from fusedkv.experiments.runner import _merge
+    from fusedkv.train import TrainConfig
+
+    main_base = load_experiment("main")["base"]
+    expected = {"gqa": {"gqa": 0.5, "gqa-fusedkv": 0.25}, "moe": {"moe": 1.0, "moe-fusedkv": 0.5},
+                "mla": {"mla": 0.5, "mla-fusedkv": 0.25}, "quant": {"vanilla": 1.0, "fusedkv": 0.5},
+                # 6 window layers hold 32 of 128 tokens, 2 full layers all 128 (+W: 3 + 2 storage, +WF: 3 + 1)
+                "swa": {"swa": (6 * 32 + 2 * 128) / 1024, "swa-fusedkv-W": (3 * 32 + 2 * 128) / 1024,
+                        "swa-fusedkv-WF": (3 * 32 + 128) / 1024}}
+    for name, fractions in expected.items():
+        spec = load_experiment(name)
+        assert spec["base"] == main_base and spec["seeds"] == [0, 1, 2]
+        got = {}
+        for run in spec["runs"]:
+            own = {k: v for k, v in run.items() if k != "name"}
+            c = TrainConfig.from_dict(_merge(spec["base"], own)).model_config()
+            got[run["name"]] = c.kv_cache_fraction(context=c.max_position_embeddings)
+        assert got == pytest.approx(fractions), name
+    moe_run = {k: v for k, v in load_experiment("moe")["runs"][1].items() if k != "name"}
+    moe = TrainConfig.from_dict(_merge(main_base, moe_run)).model_config()
+    assert (moe.num_experts, moe.num_experts_per_tok) == (8, 2)
 
 
 def test_compare_nano_end_to_end_and_resume(tmp_path, monkeypatch):
