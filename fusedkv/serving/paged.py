@@ -25,6 +25,12 @@ Two ways to evaluate it, chosen once per layer from its plan entry:
 The CPU backend stores blocks in its own layout (the "vec" ISA keeps each key block transposed,
 [head_dim, block]); `block_layout` learns the layout from the backend's own cache-write op instead of
 assuming it, so the gather is right for every ISA the op has.
+
+On a GPU backend (vLLM's FlashAttention or Triton backend: caches [num_blocks, block_size, H_kv, D], the
+view those backends take of their [num_blocks, H_kv, block_size, 2 * D] tensor) every plan that reads
+other layers goes through `paged_cross_layer_attention`: decode rows in one launch of the paged Triton
+kernel (`fusedkv.kernels.triton_paged_decode`, which reads the source blocks in place through the block
+table), prefill chunks gathered per sequence into `factored_attention` with the causal mask.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import functools
 
 import torch
 
-from ..kernels.reference import factored_attention
+from ..kernels.reference import factored_attention, merge_duplicate_sources
 
 
 def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +103,101 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Te
     return x.view(r, n, h, bs, d).permute(0, 2, 1, 3, 4).reshape(r, h, n * bs, d)
 
 
+# ---- GPU backends: caches [num_blocks, block_size, H_kv, D] --------------------------------------------
+GPU_PAGED_IMPLS = ("FlashAttentionImpl", "TritonAttentionImpl")  # backends whose caches split as below
+
+
+def split_gpu_kv_cache(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's FlashAttention / Triton backend cache [num_blocks, H_kv, block_size, 2*D] -> key cache, value
+    cache, each [num_blocks, block_size, H_kv, D] (strided views), exactly as those backends split it."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+    return key_cache, value_cache
+
+
+def gather_paged(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [R, n] of a [num_blocks, block_size, H_kv, D] cache -> [R, H_kv, n * block_size, D] in token
+    order (one copy)."""
+    r, n = blocks.shape
+    _, bs, h, d = cache.shape
+    return cache[blocks.reshape(-1)].reshape(r, n * bs, h, d).transpose(1, 2)
+
+
+def paged_kernel_fits(head_dim: int, num_k_sources: int, num_v_sources: int, device: torch.device,
+                      dtype: torch.dtype) -> bool:
+    """Decode rows of this layer can run in the paged Triton kernel (decided once per layer)."""
+    from ..kernels import triton_decode_fits, triton_runs_on
+
+    return triton_decode_fits(head_dim, num_k_sources, num_v_sources) and triton_runs_on(device, dtype)
+
+
+def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor], k_weights: list,
+                                value_caches: list[torch.Tensor], v_weights: list, query_start_loc: torch.Tensor,
+                                seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, *,
+                                out: torch.Tensor | None = None, max_query_len: int | None = None,
+                                max_seq_len: int | None = None, use_kernel: bool | None = None) -> torch.Tensor:
+    """Attention of one vLLM batch over fused paged sources (paper Sec. 3.3), nothing fused written.
+
+    q: [T, H_q, D], the batch's query tokens, request r owning rows query_start_loc[r] : query_start_loc[r+1];
+    its keys are the first seq_lens[r] tokens of its blocks (block_table[r]) in every cache
+    ([num_blocks, block_size, H_kv, D]); weights per source [H_kv, D] or None. Decode rows (one query token)
+    run batched, in the paged Triton kernel when `use_kernel` (None: decided here from the tensors), else
+    gathered into `factored_attention`; longer rows (prefill, chunked prefill) are gathered per request and
+    run with the causal mask. A batch of decode rows only (`max_query_len` 1) is one kernel launch that
+    reads no device value (CUDA-graph safe); mixed batches read the row lengths on the host.
+    Returns `out` (a new [T, H_q, D] tensor in q's dtype if None); rows of no request are left untouched."""
+    ks, kw = merge_duplicate_sources(list(key_caches), list(k_weights))
+    vs, vw = merge_duplicate_sources(list(value_caches), list(v_weights))
+    kw = [None if w is None else w.contiguous() for w in kw]
+    vw = [None if w is None else w.contiguous() for w in vw]
+    block_size, d = ks[0].shape[1], ks[0].shape[3]
+    num_reqs = query_start_loc.shape[0] - 1
+    if out is None:
+        out = torch.empty_like(q)
+    if use_kernel is None:
+        use_kernel = paged_kernel_fits(d, len(ks), len(vs), q.device, ks[0].dtype) and q.dtype == ks[0].dtype
+    if use_kernel:
+        from ..kernels.triton_paged_decode import paged_decode_step  # lazy: imports triton
+
+    if use_kernel and max_query_len == 1 and num_reqs <= q.shape[0]:
+        # Decode only: request r's token is row r (requests past the real ones have seq_len 0 -> zeros).
+        paged_decode_step(q[:num_reqs], ks, kw, vs, vw, block_table, seq_lens, scale, out=out[:num_reqs],
+                          max_seq_len=max_seq_len)
+        return out
+
+    starts = query_start_loc.tolist()
+    lens = seq_lens[:num_reqs].tolist()
+    decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
+    if decodes:
+        rows = torch.tensor(decodes, device=q.device)
+        tokens = torch.tensor([starts[r] for r in decodes], device=q.device)
+        if use_kernel:
+            out[tokens] = paged_decode_step(q[tokens], ks, kw, vs, vw, block_table[rows], seq_lens[rows], scale,
+                                            max_seq_len=max(lens[r] for r in decodes))
+        else:  # padded to the longest sequence, the tail masked
+            n_blocks = -(-max(lens[r] for r in decodes) // block_size)
+            # Table entries past a shorter sequence's end are not its blocks: any valid index will do.
+            blocks = block_table[rows, :n_blocks].clamp(0, ks[0].shape[0] - 1)
+            mask = torch.arange(n_blocks * block_size, device=q.device)[None, :] < seq_lens[rows, None]
+            # Zero the tail of the values too: a weight of 0 times whatever the slot holds must stay 0.
+            v_src = [gather_paged(c, blocks).masked_fill_(~mask[:, None, :, None], 0) for c in vs]
+            o = factored_attention(q[tokens].unsqueeze(2), [gather_paged(c, blocks) for c in ks], kw, v_src, vw,
+                                   mask=mask[:, None, None, :], scale=scale)
+            out[tokens] = o[:, :, 0].to(out.dtype)
+    for r in range(num_reqs):
+        t = starts[r + 1] - starts[r]
+        if t <= 1:
+            continue
+        s = lens[r]
+        blocks = block_table[r:r + 1, : -(-s // block_size)]
+        # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i.
+        mask = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - t, s, device=q.device)[:, None]
+        qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+        o = factored_attention(qr, [gather_paged(c, blocks)[:, :, :s] for c in ks], kw,
+                               [gather_paged(c, blocks)[:, :, :s] for c in vs], vw, mask=mask, scale=scale)
+        out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
 class CrossLayerAttention:
     """Stands in for a reconstruction layer's backend `impl` (see the module docstring).
 
@@ -104,13 +205,15 @@ class CrossLayerAttention:
     per-source fusion weights ([H_kv, D] tensors or None), K then V lists."""
 
     def __init__(self, base_impl, k_layers: list[str], v_layers: list[str], weights):
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-        if not isinstance(base_impl, CPUAttentionBackendImpl):
+        # The backend is recognised by class name: each backend module imports only on its own platform build.
+        names = {c.__name__ for c in type(base_impl).__mro__}
+        self.on_gpu = bool(names & set(GPU_PAGED_IMPLS))
+        if "CPUAttentionBackendImpl" not in names and not self.on_gpu:
             raise NotImplementedError(
                 f"FusedKV reconstruction layers that read two different layers (Lite, FusedKV, custom source "
-                f"maps) run on vLLM's CPU attention backend in this version, not on {type(base_impl).__name__}; "
-                "plans whose upper layers reuse one layer's K and V (vanilla, GQA, CLA, YOCO) run on any backend")
+                f"maps) run on vLLM's CPU, FlashAttention and Triton attention backends, not on "
+                f"{type(base_impl).__name__}; plans whose upper layers reuse one layer's K and V (vanilla, GQA, "
+                "CLA, YOCO) run on any backend")
         if base_impl.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise NotImplementedError(
                 f"kv_cache_dtype={base_impl.kv_cache_dtype!r}: FusedKV reconstruction layers read unquantised caches; "
@@ -119,6 +222,17 @@ class CrossLayerAttention:
         self.k_layers, self.v_layers = list(k_layers), list(v_layers)
         self.weights = weights
         self.gathered = len(self.k_layers) > 1
+        if self.on_gpu:
+            if (base_impl.alibi_slopes is not None or tuple(base_impl.sliding_window) != (-1, -1)
+                    or base_impl.logits_soft_cap or getattr(base_impl, "sinks", None) is not None):
+                raise NotImplementedError("FusedKV reconstruction layers on GPU take plain causal attention "
+                                          "(no ALiBi, sliding window, soft cap or sinks)")
+            from ..kernels import is_triton_available, triton_decode_fits
+
+            # Decode rows in the paged Triton kernel when it takes this layer (dtype is checked per call:
+            # the cache dtype is known only once vLLM has allocated the caches).
+            self.kernel_fits = is_triton_available() and triton_decode_fits(
+                base_impl.head_size, len(set(self.k_layers)), len(set(self.v_layers)))
 
     def __getattr__(self, name):  # backend attributes the runner reads (sliding_window, scale, ...)
         return getattr(self.base, name)
@@ -136,6 +250,8 @@ class CrossLayerAttention:
         from vllm.forward_context import get_forward_context
 
         layers = get_forward_context().no_compile_layers
+        if self.on_gpu:
+            return self._on_gpu(layers, query, attn_metadata, output)
         keys = [split_cpu_kv_cache(layers[n].kv_cache)[0] for n in self.k_layers]
         values = [split_cpu_kv_cache(layers[n].kv_cache)[1] for n in self.v_layers]
         k_weights, v_weights = self.weights()
@@ -145,6 +261,26 @@ class CrossLayerAttention:
             self._gathered(layer, q, keys, k_weights, values, v_weights, attn_metadata, out)
         else:
             self._with_cpu_op(layer, q, keys[0], k_weights[0], values, v_weights, attn_metadata, out)
+        return output
+
+    # ---- GPU backends: the paged kernel for decode rows, gathered prefill --------------------------
+    def _on_gpu(self, layers, query, meta, output):
+        # One split per layer: a layer listed twice gives the same tensors, which the kernel merges.
+        split = {n: split_gpu_kv_cache(layers[n].kv_cache, self.base.head_size)
+                 for n in dict.fromkeys(self.k_layers + self.v_layers)}
+        keys = [split[n][0] for n in self.k_layers]
+        values = [split[n][1] for n in self.v_layers]
+        k_weights, v_weights = self.weights()
+        t = meta.num_actual_tokens
+        # Under CUDA-graph capture the split sizes must not depend on this step's lengths (replays get
+        # longer sequences): the kernel then sizes them from the block table's width.
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        use_kernel = self.kernel_fits and query.dtype == keys[0].dtype and query.dtype in (
+            torch.float32, torch.float16, torch.bfloat16)
+        paged_cross_layer_attention(
+            query[:t], keys, k_weights, values, v_weights, meta.query_start_loc, meta.seq_lens, meta.block_table,
+            self.base.scale, out=output[:t], max_query_len=meta.max_query_len,
+            max_seq_len=None if capturing else meta.max_seq_len, use_kernel=use_kernel)
         return output
 
     # ---- one K source: vLLM's op, once per V source ---------------------------------------------
