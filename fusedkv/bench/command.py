@@ -36,6 +36,15 @@ def register(sub) -> None:
     p.add_argument("--window-group", type=argtypes.int_range(2, 1024), default=4,
                    help="with --sliding-window: each group of this many layers is all window layers but the last "
                    "(default 4: three window + one full, as in the paper)")
+    p.add_argument("--experts", type=argtypes.int_range(2, 1024), default=None,
+                   help="benchmark a mixture-of-experts model (Qwen3-MoE MLP in every layer) with this many "
+                   "experts; each expert is the dense MLP's width over --experts-per-tok (a token's active MLP is "
+                   "dense-sized)")
+    p.add_argument("--experts-per-tok", type=argtypes.int_range(1, 1024), default=2,
+                   help="with --experts: experts per token (default 2)")
+    p.add_argument("--mla-rank", type=argtypes.int_range(1, 1 << 16), default=None,
+                   help="benchmark multi-head latent attention (DeepSeek-V3) with this kv_lora_rank; the decoupled "
+                   "RoPE key is a quarter of --head-dim (paper App. A.6.1)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers Qwen3 baseline")
     p.add_argument("--kv-bits", type=argtypes.int_list(2, 4), default=[],
                    help="also time each plan decoding through a KIVI cache of these bit widths, e.g. 4 or 2,4")
@@ -65,7 +74,7 @@ def run(args) -> None:
         from .gpu_suite import main as gpu_main
 
         return gpu_main([])
-    from .inference import BenchShape, format_table, plot, run_inference_bench
+    from .inference import BenchShape, format_table, plot, run_inference_bench, shape_config
 
     _check_outputs(args.json_path, args.plot)
 
@@ -80,7 +89,9 @@ def run(args) -> None:
             raise ValueError(f"--plans: {e}") from None
     shape = BenchShape(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                        num_attention_heads=args.heads, head_dim=args.head_dim, vocab_size=args.vocab,
-                       sliding_window=args.sliding_window, window_group=args.window_group)
+                       sliding_window=args.sliding_window, window_group=args.window_group,
+                       architecture=_architecture(args))
+    shape_config(shape, plans)  # a bad combination (e.g. MLA with a window, Lite on MLA) fails before any work
     from tqdm import tqdm
 
     lens, batches = args.prompt_lens, args.batch_sizes
@@ -123,6 +134,22 @@ def run(args) -> None:
     if args.plot:
         plot(rows, args.plot)
         print(f"\nplot: {args.plot}")
+
+
+def _architecture(args) -> dict:
+    """The MoE / MLA fields of the benchmarked model (Qwen3-MoE and DeepSeek-V3 names)."""
+    arch = {}
+    if args.experts:
+        if args.experts_per_tok > args.experts:
+            raise UsageError(f"--experts-per-tok {args.experts_per_tok} is more than --experts {args.experts}")
+        arch.update(num_experts=args.experts, num_experts_per_tok=args.experts_per_tok,
+                    moe_intermediate_size=max(1, 3 * args.hidden // args.experts_per_tok))
+    if args.mla_rank:
+        rope = max(2, args.head_dim // 4)
+        # head_dim is the RoPE width under MLA (DeepSeek-V3's convention); keys are nope + rope = --head-dim wide
+        arch.update(kv_lora_rank=args.mla_rank, q_lora_rank=None, qk_rope_head_dim=rope, head_dim=rope,
+                    qk_nope_head_dim=args.head_dim - rope, v_head_dim=args.head_dim)
+    return arch
 
 
 def _check_outputs(*paths: str | None) -> None:

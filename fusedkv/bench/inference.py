@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
@@ -38,6 +38,10 @@ class BenchShape:
     # attend over a window of `sliding_window` tokens. None: every layer is full attention.
     sliding_window: int | None = None
     window_group: int = 4
+    # Other architectures (paper App. A.6), as FusedKVConfig fields given to every plan: MoE
+    # (num_experts, num_experts_per_tok, moe_intermediate_size) or MLA (kv_lora_rank, qk_*_head_dim, ...).
+    # Set: every plan gets fresh weights and there is no transformers Qwen3 row (it is another model).
+    architecture: dict = field(default_factory=dict)
 
     def layer_types(self) -> list[str] | None:
         if not self.sliding_window:
@@ -46,7 +50,8 @@ class BenchShape:
 
     def model_fields(self) -> dict:
         """The fields a FusedKVConfig takes."""
-        fields = {k: v for k, v in vars(self).items() if k not in ("sliding_window", "window_group")}
+        fields = {k: v for k, v in vars(self).items() if k not in ("sliding_window", "window_group", "architecture")}
+        fields.update(self.architecture)
         if self.sliding_window:
             fields.update(layer_types=self.layer_types(), sliding_window=self.sliding_window)
         return fields
@@ -61,6 +66,21 @@ class _StepTimer(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.stamps.append(time.perf_counter())
         return scores
+
+
+def shape_config(shape: BenchShape, plans: list[str], max_len: int = 4096) -> list[FusedKVConfig]:
+    """The config of every plan's model when it is built from scratch: validates the combination of
+    shape and plans up front (FusedKVConfig raises ValueError with the reason)."""
+    configs = []
+    for label in plans:
+        choice = resolve_plan_choice(label)
+        shared = {} if choice.shared_attention_types is None else dict(
+            shared_attention_types=list(choice.shared_attention_types))
+        configs.append(FusedKVConfig(**shape.model_fields(), max_position_embeddings=max_len,
+                                     kv_sharing=choice.sharing,
+                                     num_key_value_heads=choice.num_key_value_heads(shape.num_attention_heads),
+                                     **shared))
+    return configs
 
 
 def build_models(shape: BenchShape, plans: list[str], max_len: int, device: str, dtype: torch.dtype,
@@ -87,15 +107,13 @@ def build_models(shape: BenchShape, plans: list[str], max_len: int, device: str,
         # fewer KV heads means other K/V shapes and fresh weights (speed does not depend on their values).
         shared = {} if choice.shared_attention_types is None else dict(
             shared_attention_types=list(choice.shared_attention_types))
-        if kv_heads == shape.num_attention_heads:
+        if kv_heads == shape.num_attention_heads and not shape.architecture:
             cfg = qwen3_to_fusedkv_config(qwen3, choice.sharing, **window, **shared)
             model = from_qwen3_state(hf.state_dict(), cfg)
         else:
-            model = FusedKVForCausalLM(FusedKVConfig(**shape.model_fields(), max_position_embeddings=max_len,
-                                                     kv_sharing=choice.sharing, num_key_value_heads=kv_heads,
-                                                     **shared))
+            model = FusedKVForCausalLM(shape_config(shape, [label], max_len)[0])
         models[label] = model.to(device, dtype).eval()
-    if include_hf:
+    if include_hf and not shape.architecture:
         models[HF] = hf.to(device, dtype)
     return models
 
@@ -140,11 +158,16 @@ def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: 
     def per_step(m, kv_size=None):
         c = m.config
         weights = sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
-        # Each layer reads every source once, over the context (a window layer: over its window).
-        tokens = sum((len(layer.k_sources) + len(layer.v_sources))
-                     * (min(context, c.sliding_window) if layer.attention_type == SLIDING else context)
-                     for layer in c.plan.layers)
-        kv = tokens * c.num_key_value_heads * c.head_dim * batch
+        # Each layer reads every source once, over the context (a window layer: over its window); an MLA
+        # source is one latent and RoPE key that gives both K and V.
+        if c.kv_lora_rank is not None:
+            tokens = sum(len(set(layer.k_sources) | set(layer.v_sources)) * context for layer in c.plan.layers)
+            kv = tokens * (c.kv_lora_rank + c.qk_rope_head_dim) * batch
+        else:
+            tokens = sum((len(layer.k_sources) + len(layer.v_sources))
+                         * (min(context, c.sliding_window) if layer.attention_type == SLIDING else context)
+                         for layer in c.plan.layers)
+            kv = tokens * c.num_key_value_heads * c.head_dim * batch
         return weights + kv * (kv_size or next(m.parameters()).element_size())
     return per_step(model, kv_element_size) / per_step(vanilla)
 

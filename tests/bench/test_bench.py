@@ -3,6 +3,8 @@ machinery, not speed: speed lives in docs/results.md); the GPU benchmark fails w
 
 import json
 
+import pytest
+
 from fusedkv.bench.gpu_suite import main as gpu_suite_main
 from fusedkv.bench.inference import BenchShape, format_table, run_inference_bench
 from fusedkv.cli import main
@@ -73,3 +75,28 @@ def test_inference_bench_on_a_sliding_window_hybrid():
         assert by_plan[plan]["cache_bytes"] == per_layer * tokens, plan
         assert abs(by_plan[plan]["cache_ratio"] - tokens / (8 * context)) < 1e-9
     assert by_plan["fusedkv+WF"]["tpot_byte_floor"] < by_plan["vanilla"]["tpot_byte_floor"] == 1.0
+
+
+def test_inference_bench_on_moe_and_mla_models():
+    # MoE: the cache is the attention plan's, whatever the MLP; no transformers Qwen3 row (another model).
+    moe = BenchShape(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                     vocab_size=128, architecture=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
+    rows = {r["plan"]: r for r in run_inference_bench(moe, ["fusedkv"], [24], [1], new_tokens=2, repeats=1)}
+    assert set(rows) == {"vanilla", "fusedkv"} and rows["fusedkv"]["cache_ratio"] == pytest.approx(0.5)
+    # MLA: the cache holds the latent and the RoPE key per storage layer, never the expanded K/V.
+    mla = BenchShape(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=4,
+                     vocab_size=128, architecture=dict(kv_lora_rank=28, q_lora_rank=None, qk_rope_head_dim=4,
+                                                       qk_nope_head_dim=12, v_head_dim=16))
+    rows = {r["plan"]: r for r in run_inference_bench(mla, ["fusedkv"], [24], [2], new_tokens=2, repeats=1)}
+    context, latent = 24 + 2, 28 + 4
+    assert rows["vanilla"]["cache_bytes"] == 4 * latent * 4 * 2 * context  # layers x width x fp32 x batch x tokens
+    assert rows["fusedkv"]["cache_bytes"] * 2 == rows["vanilla"]["cache_bytes"]
+    assert rows["vanilla"]["cache_ratio"] == pytest.approx(latent / (4 * (12 + 4 + 16)))
+    assert rows["fusedkv"]["tpot_byte_floor"] < 1.0
+
+
+def test_bench_refuses_architectures_that_do_not_fit_before_measuring(capsys):
+    assert main(["bench", "--mla-rank", "64", "--plans", "fusedkv-lite", "--layers", "4"]) == 2
+    assert "fusedkv-lite does not apply to MLA" in capsys.readouterr().err
+    assert main(["bench", "--experts", "4", "--experts-per-tok", "5"]) == 2
+    assert "--experts-per-tok 5 is more than --experts 4" in capsys.readouterr().err
