@@ -62,8 +62,11 @@ def make_paged(seq_lens, h_kv, g, n_k, n_v, weighted, *, dtype=torch.float32, de
         value_dev = [splits[id(layers[i][1])][1] for i in range(n_v)]
     else:
         key_dev, value_dev = [low(c) for c in key_caches], [low(c) for c in value_caches]
-    dev = dict(q=low(q), key_caches=key_dev, k_weights=[None if w is None else low(w).float() for w in kw],
-               value_caches=value_dev, v_weights=[None if w is None else low(w).float() for w in vw],
+    # Per layer (index 0..): the whole vLLM cache tensor [num_blocks, H_kv, BLOCK, 2 * d] on the device.
+    dev_layers = [full[id(kv)] for _, kv in layers] if vllm_strides else None
+    dev = dict(q=low(q), layers=dev_layers, key_caches=key_dev,
+               k_weights=[None if w is None else low(w).float() for w in kw], value_caches=value_dev,
+               v_weights=[None if w is None else low(w).float() for w in vw],
                block_table=table.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
     # The reference sees the values the device tensors hold (rounded to `dtype`), in float64.
     ref = dict(q=low(q).double().cpu(), key_caches=[c.double().cpu() for c in key_dev], k_weights=kw,

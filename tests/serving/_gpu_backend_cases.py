@@ -1,0 +1,54 @@
+"""Run by test_gpu_backend_path.py with the vLLM environment's Python and TRITON_INTERPRET=1: a FusedKV
+reconstruction layer built on vLLM's FlashAttention and Triton backend impls takes the GPU path (the
+paged Triton kernel for decode rows, gathered prefill), reads the source layers' caches in those
+backends' [num_blocks, H_kv, block_size, 2 * D] layout through vLLM's own metadata and forward-context
+classes, and equals a float64 reference with the fused K/V materialised. The caches are CPU tensors
+(the interpreter runs the kernel); the layers themselves hold only their cache, as vLLM's do at run time."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from vllm.forward_context import ForwardContext, override_forward_context
+from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata
+from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from _paged_decode_checks import make_paged, max_error, reference  # noqa: E402
+
+from fusedkv.serving.paged import CrossLayerAttention  # noqa: E402
+
+H_KV, G, D = 2, 2, 16
+SEQ_LENS, QUERY_LENS = [37, 37, 1, 20, 16], [1, 5, 1, 20, 1]
+
+
+def run(impl_cls, meta_cls, extra, query_lens):
+    seq_lens = SEQ_LENS[:len(query_lens)]
+    dev, ref = make_paged(seq_lens, H_KV, G, 2, 2, True, query_lens=query_lens, seed=2)
+    impl = impl_cls(num_heads=H_KV * G, head_size=D, scale=D**-0.5, num_kv_heads=H_KV, alibi_slopes=None,
+                    sliding_window=None, kv_cache_dtype="auto")
+    # FusedKV: K from layers 1 and 2, V from layers 0 and 1 (make_paged's convention), weighted.
+    layer = CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"], lambda: (dev["k_weights"], dev["v_weights"]))
+    assert layer.on_gpu and layer.kernel_fits, impl_cls
+    t = dev["q"].shape[0]
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = meta_cls(num_actual_tokens=t, max_query_len=max(query_lens), query_start_loc=starts,
+                    max_seq_len=max(seq_lens), seq_lens=dev["seq_lens"], block_table=dev["block_table"],
+                    slot_mapping=torch.zeros(t, dtype=torch.long), **extra)
+    query = torch.cat([dev["q"], torch.randn(3, *dev["q"].shape[1:])])  # 3 padding rows past num_actual_tokens
+    output = torch.full_like(query, float("nan"))
+    layers = {f"l{i}": SimpleNamespace(kv_cache=kv) for i, kv in enumerate(dev["layers"])}
+    with override_forward_context(ForwardContext(no_compile_layers=layers, attn_metadata={}, slot_mapping={})):
+        layer.forward(None, query, None, None, None, meta, output)
+    err = max_error(output[:t], reference(ref))
+    assert err < 1e-5, (impl_cls.__name__, query_lens, err)
+    print(impl_cls.__name__, query_lens, f"max error {err:.1e}")
+
+
+triton_extra = dict(seq_threshold_3D=0, num_par_softmax_segments=0, softmax_segm_output=None, softmax_segm_max=None,
+                    softmax_segm_expsum=None, causal=True)
+for query_lens in (QUERY_LENS, [1, 1, 1]):  # a mixed batch; decode only (one kernel launch)
+    run(FlashAttentionImpl, FlashAttentionMetadata, {}, query_lens)
+    run(TritonAttentionImpl, TritonAttentionMetadata, triton_extra, query_lens)
+print("ALL OK")
