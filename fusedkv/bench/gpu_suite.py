@@ -112,6 +112,12 @@ def main(argv=None, kernel=None) -> int:
         kernel_rows = kernel_suite(device, dtype, args.dry_run, kernel=kernel, tune=args.tune)
         print(format_markdown(kernel_rows))
         bad = failed_checks(kernel_rows)
+        if kernel is None:  # the paged kernel (vLLM block tables) next to the contiguous one
+            from .paged_throughput import format_paged, paged_rows
+
+            paged = paged_rows(device, dtype, args.dry_run)
+            print("\n" + format_paged(paged))
+            bad += failed_checks(paged)
         print(f"(kernels done in {time.time() - start:.0f}s, {len(bad)} failed checks)\n", flush=True)
     if not args.skip_model:
         if args.dry_run:
