@@ -239,7 +239,10 @@ def _summarise(name: str, seed: int, res: dict, task_limit: int | None) -> dict:
         cache=c.kv_cache_fraction(),
         curve=[(r["tokens"], r["val_loss"]) for r in res.get("val_curve", []) if r.get("val_loss") is not None],
         tokens_per_s=res.get("tokens_per_s"), tokens_seen=res.get("tokens_seen"),
+        init_val_loss=res.get("init_val_loss"),  # a run started from another model: its loss before training
     )
+    if out["init_val_loss"] is not None:
+        out["curve"].insert(0, (0, out["init_val_loss"]))
     if task_limit:
         out["tasks"] = _task_scores(model, ckpt, task_limit)
     return out

@@ -28,7 +28,7 @@ from ..errors import UsageError
 
 LOCK_NAME = ".lock"
 # Everything a run writes into out_dir (besides the lock); --overwrite removes exactly these.
-RUN_OUTPUTS = ("checkpoints", "final", "tb", "metrics.csv", "summary.json", "learning_curves.png")
+RUN_OUTPUTS = ("checkpoints", "final", "tb", "metrics.csv", "summary.json", "learning_curves.png", "init_eval.json")
 
 # Locks this process holds: resolved out_dir -> [open lock file, re-entry count].
 _HELD: dict[str, list] = {}

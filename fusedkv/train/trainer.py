@@ -49,7 +49,7 @@ from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
 from ..model.loss import causal_lm_loss, lm_loss
 from ..plan import resolve_plan_choice
-from ..utils import replace_dir
+from ..utils import replace_dir, write_json_atomic
 from . import checkpoint as ckpt_io
 from . import data as data_setup
 from . import dcp as dcp_io
@@ -58,6 +58,15 @@ from .config import TrainConfig, normalise
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
 from .optim import build_optimizer, build_scheduler
 from .rundir import RunDirBusy, RunDirLock, clear_previous_run, find_resume_checkpoint
+
+# A run started from another model (--init-from) records its validation loss before the first step here.
+INIT_EVAL = "init_eval.json"
+
+
+def _read_init_eval(out: Path) -> float | None:
+    path = out / INIT_EVAL
+    return json.loads(path.read_text())["val_loss"] if path.is_file() else None
+
 
 # Fields a resumed run may change; any other difference would make it a different experiment.
 RESUME_MAY_CHANGE = {
@@ -563,6 +572,12 @@ class _Run:
         )
         sleep = float(os.environ.get(STEP_SLEEP_ENV, "0") or 0)
         train_time, session_tokens, stopped, last_saved = 0.0, 0, None, step
+        if cfg.init_from and step == 0:
+            # Where uptraining starts (a converted model before any step): the origin of the recovered gap.
+            val = self.evaluate(cfg.final_eval_batches)
+            self.say(f"step 0 (as initialised from {cfg.init_from}): val loss {val:.4f}")
+            if env.is_main:
+                write_json_atomic(self.out / INIT_EVAL, {"val_loss": val, "init_from": str(cfg.init_from)})
         try:
             with ckpt_io.StopSignals() as signals:
                 while step < self.total:
@@ -641,6 +656,7 @@ class _Run:
             "train_loss": history[-1]["loss"] if history else None,
             "tokens_per_s": session_tokens / train_time if train_time else 0.0,
             "tokens_seen": tokens,
+            "init_val_loss": _read_init_eval(self.out),
             "steps": step,
             "total_steps": self.total,
             "plan": mc.kv_sharing,

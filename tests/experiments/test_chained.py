@@ -39,7 +39,10 @@ def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch)
     res = {n: json.loads((out / n / "seed0" / "result.json").read_text()) for n in ("teacher", "lite-lm", "lite-kd")}
     assert res["teacher"]["plan"] == "vanilla" and res["lite-lm"]["plan"] == res["lite-kd"]["plan"] == "fusedkv-lite"
     assert res["lite-lm"]["tokens_offset"] == res["teacher"]["tokens_seen"] == 4 * 512
-    assert res["lite-lm"]["curve"][0][0] == 4 * 512 + 2 * 512  # drawn at total tokens
+    # Drawn at total tokens, starting with the converted model's loss before its first step.
+    assert res["teacher"]["init_val_loss"] is None and res["lite-lm"]["init_val_loss"] > 0
+    assert res["lite-lm"]["curve"][0] == [4 * 512, res["lite-lm"]["init_val_loss"]]
+    assert res["lite-lm"]["curve"][1][0] == 4 * 512 + 2 * 512
     assert res["lite-lm"]["val_loss"] != res["lite-kd"]["val_loss"]  # the distillation loss changed training
     cache = tmp_path / "cache"
     assert len(list(cache.glob("*/converted/config.json"))) == 2  # each chained run converted the teacher
