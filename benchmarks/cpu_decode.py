@@ -7,6 +7,7 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
     python benchmarks/cpu_decode.py --llamacpp-src ~/.cache/fusedkv/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/cpu_decode.py --kernels          # one-step weight products per format and row count
     python benchmarks/cpu_decode.py --quality RUN/final   # logits vs f32 and perplexity per precision
+    python benchmarks/cpu_decode.py --overhead --kv float32  # one step's CPU time: products, rest, floor
 
 Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8 weights; f32 or 16-bit cache), and
 `llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
@@ -272,6 +273,117 @@ def _col(m):
     return m
 
 
+# ---- per-step overhead -------------------------------------------------------------------------------
+def _product_calls(model):
+    """The weight products of one decode step, in the model's order, as (callable, input width)."""
+    calls = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = attn.packed_qkv if attn.layer.stores and attn.packed_qkv is not None else None
+        if qkv is not None:
+            calls.append((qkv, attn.q_proj.in_features))
+        else:
+            calls += [(m, m.in_features) for m in
+                      ([attn.q_proj, attn.k_proj, attn.v_proj] if attn.layer.stores else [attn.q_proj])]
+        calls.append((attn.o_proj, attn.o_proj.in_features))
+        if mlp.packed_gate_up is not None:
+            calls.append((mlp.packed_gate_up, mlp.gate_proj.in_features))
+        else:
+            calls += [(mlp.gate_proj, mlp.gate_proj.in_features), (mlp.up_proj, mlp.up_proj.in_features)]
+        calls.append((mlp.down_proj, mlp.down_proj.in_features))
+    calls.append((model.lm_head, model.lm_head.in_features))
+    return calls
+
+
+def _dispatch_floor(plan: str, fmt: str, steps: int) -> float:
+    """CPU ms of one decode step of the same plan and weight format at tiny widths (d=64, 8 heads of 8,
+    vocab 64, 16 tokens of context): the same ops and Python as the bench model's step, next to no
+    bytes, so what the step costs beyond its arithmetic and memory traffic."""
+    from fusedkv.generation import sample_next
+    from fusedkv.model.packing import set_decode_layout
+
+    tiny = BenchShape(hidden_size=64, intermediate_size=64, num_attention_heads=8, head_dim=8, vocab_size=64)
+    model = build_models(tiny, [plan], 64, "cpu", torch.float32, include_hf=False)[plan]
+    model = model if fmt == "float32" else reduce_precision(model, fmt)
+    set_decode_layout(model, 1)
+    times = []
+    with torch.inference_mode():
+        cache = StaticKVCache(model.config, 1, 64, torch.float32)
+        token = sample_next(model(torch.ones(1, 16, dtype=torch.long), cache=cache, use_cache=True,
+                                  logits_to_keep=1).logits[:, -1])
+        for i in range(4 * steps):
+            if i % 32 == 0:
+                cache._length = 16
+            t0 = time.process_time()
+            token = sample_next(model(token, cache=cache, use_cache=True).logits[:, -1])
+            times.append(time.process_time() - t0)
+    return statistics.median(times[4:]) * 1e3
+
+
+def overhead_table(plans: list[str], weights: list[str], prompts: list[int], steps: int, kv: str) -> str:
+    """Where one decode step's CPU time goes (`time.process_time`, this process only, so other jobs on a
+    shared machine count only through memory bandwidth). The step is `generate`'s loop body: model
+    forward on one token + greedy sampling, batch 1, weights in `generate`'s "auto" layout. Columns:
+    products = the same weight modules run alone on one row, interleaved with the steps; rest = step -
+    products (median of the pairs); dispatch floor = the same step at tiny widths (`_dispatch_floor`:
+    Python, op dispatch and small-op arithmetic, no bytes); rest - floor = the work that scales with
+    the context and widths (attention over the cache, mostly); ops = aten ops per step (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedkv.generation import sample_next
+    from fusedkv.model.packing import set_decode_layout
+
+    torch.set_num_threads(1)
+    kv_dtype = torch.float32 if kv in ("float32", "f32") else half_dtype()
+    max_len = max(prompts) + steps + 8
+    base = build_models(BenchShape(), plans, max_len, "cpu", torch.float32, include_hf=False)
+    lines = [f"{torch.get_num_threads()} thread, batch 1, KV {kv_dtype}, {steps} steps per cell, medians; CPU time "
+             f"(process_time). Load average at the start {open('/proc/loadavg').read().split()[0]}",
+             "| plan | weights | prompt | step ms | products ms | rest ms | dispatch floor ms | rest - floor ms | "
+             "ops per step |", "|---" * 9 + "|"]
+    for plan in plans:
+        for fmt in weights:
+            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
+            set_decode_layout(model, 1)
+            products = _product_calls(model)
+            floor = _dispatch_floor(plan, fmt, steps)
+            for prompt in prompts:
+                ids = torch.randint(1, BenchShape().vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+                xs = {w: torch.randn(1, 1, w) for _, w in products}
+                with torch.inference_mode():
+                    cache = StaticKVCache(model.config, 1, max_len, kv_dtype)
+                    token = sample_next(model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
+                    start = cache.get_seq_length()
+
+                    def step(token, model=model, cache=cache):
+                        return sample_next(model(token, cache=cache, use_cache=True).logits[:, -1])
+
+                    step_t, prod_t = [], []
+                    for i in range(steps):
+                        if i % 8 == 0:  # stay near `prompt` tokens of context
+                            cache._length = start
+                        t0 = time.process_time()
+                        token = step(token)
+                        t1 = time.process_time()
+                        for f, w in products:
+                            f(xs[w])
+                        t2 = time.process_time()
+                        step_t.append(t1 - t0)
+                        prod_t.append(t2 - t1)
+                    cache._length = start
+                    prof_steps = 4
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        for _ in range(prof_steps):
+                            token = step(token)
+                ops = sum(e.count for e in prof.key_averages()) / prof_steps
+                s, p = statistics.median(step_t[2:]) * 1e3, statistics.median(prod_t[2:]) * 1e3
+                rest = statistics.median(a - b for a, b in zip(step_t[2:], prod_t[2:])) * 1e3
+                lines.append(f"| {plan} | {SHORT[fmt]} | {prompt} | {s:.2f} | {p:.2f} | {rest:.2f} | {floor:.2f} | "
+                             f"{rest - floor:.2f} | {ops:.0f} |")
+                print(lines[-1], file=sys.stderr)
+    return "\n".join(lines)
+
+
 # ---- quality -----------------------------------------------------------------------------------------
 def quality_table(checkpoint: str, windows: int) -> str:
     """Per precision (weights x KV): on held-out windows of the built-in corpus, (1) full-forward
@@ -336,7 +448,15 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
     ap.add_argument("--quality", metavar="CHECKPOINT", help="print the quality table for a trained checkpoint")
     ap.add_argument("--windows", type=int, default=16, help="--quality: held-out windows")
+    ap.add_argument("--overhead", action="store_true", help="print where one decode step's CPU time goes (weight "
+                    "products, the rest, its dispatch floor; 1 thread, batch 1; --plans, --weights, --prompt-lens, "
+                    "--kv: one of float32, half)")
+    ap.add_argument("--steps", type=int, default=64, help="--overhead: decode steps per cell")
     args = ap.parse_args()
+    if args.overhead:
+        print(overhead_table(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
+                             [int(p) for p in args.prompt_lens.split(",")], args.steps, args.kv.split(",")[0]))
+        return
     if args.kernels:
         for t in [int(x) for x in args.threads.split(",")]:
             print(kernel_table(t, [int(r) for r in args.rows.split(",")], args.repeats))
