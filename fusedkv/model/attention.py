@@ -120,8 +120,11 @@ class Attention(nn.Module, DecodePackable):
         b, t, _ = x.shape
         if self.layer.stores:
             q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], self.packed_qkv)
-            q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin)
-            k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), cos, sin)
+            if t <= FACTORED_MAX_QUERY and q.dtype == torch.float32 and not torch.is_grad_enabled():
+                q, k = self._qk_norm_rope(q, k, cos, sin)
+            else:
+                q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin)
+                k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), cos, sin)
             v = self._heads(v, self.num_kv_heads)
             if kv.cache is not None:
                 k, v = kv.cache.update(k, v, self.layer.index)
@@ -139,9 +142,15 @@ class Attention(nn.Module, DecodePackable):
         causal = kv.causal
         if self.window:
             mask, causal = self._window_mask(kv, t, k_src[0].shape[2]), False
-        if q.dtype != k_src[0].dtype:  # a 16-bit KV cache under f32 activations: attend in the cache's dtype
+        q_in = q
+        if q.dtype != k_src[0].dtype:  # a 16-bit KV cache under f32 activations: attend in the cache's dtype,
             q = q.to(k_src[0].dtype)
         path = self._path_for(t, q)
+        if q is not q_in and path != "triton" and t <= FACTORED_MAX_QUERY and q.device.type == "cpu":
+            # ... except short blocks (decode) on CPU: those attend in f32 over K/V upcast as they are read.
+            # PyTorch's CPU SDPA at one query row is 3-4x slower over bf16 K/V than converting them and
+            # running its f32 kernel (`benchmarks/cpu_decode.py --overhead`), and f32 is the more exact.
+            q = q_in
         if path == "triton":
             out = triton_decode_step(q[:, :, 0], k_src, k_w, v_src, v_w, kv_start=self._kv_start(kv, k_src[0]),
                                      scale=self.scale).unsqueeze(2)
@@ -150,10 +159,24 @@ class Attention(nn.Module, DecodePackable):
                 mask = torch.ones(t, k_src[0].shape[2], dtype=torch.bool, device=q.device).tril(k_src[0].shape[2] - t)
             out = factored_attention(q, k_src, k_w, v_src, v_w, mask=mask, scale=self.scale)
         else:
-            k, v = fuse_sources(k_src, k_w), fuse_sources(v_src, v_w)
+            k, v = fuse_sources(k_src, k_w, q.dtype), fuse_sources(v_src, v_w, q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim).to(x.dtype))
+
+    def _qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """QK-norm and RoPE of a short f32 block's query and key heads in one pass, over [B, T, H_q + H_kv, D]:
+        the same arithmetic as `RMSNorm` (F.rms_norm's formula: x * rsqrt(mean(x^2) + eps) * w) and
+        `apply_rope` applied to each, with half the op calls, which is what a one-token step pays for."""
+        b, t, _ = q.shape
+        n_q, n_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = torch.cat((q, k), dim=-1).view(b, t, n_q + n_kv, d)
+        weight = torch.cat((self.q_norm.weight.expand(n_q, d), self.k_norm.weight.expand(n_kv, d)))
+        qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True).add_(self.q_norm.eps))
+        qk = qk.mul_(weight)
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, D]: broadcast over the heads
+        qk = apply_rope(qk, cos, sin).transpose(1, 2)  # [B, H_q + H_kv, T, D]
+        return qk[:, :n_q], qk[:, n_q:]
 
     def _window_mask(self, kv: KVState, t: int, num_keys: int) -> torch.Tensor | None:
         """The window mask for the keys this layer attends over: a window cache returns only the last
