@@ -81,6 +81,92 @@ def _pv(p, v, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_G: tl.co
 
 
 @triton.jit
+def _fused_queries(Q, K1, K2, KW1, KW2, b, j, heads, g_ok, offs_d, stride_qb, stride_qh, qk_scale,
+                   HAS_K2: tl.constexpr, HAS_KW1: tl.constexpr, HAS_KW2: tl.constexpr,
+                   USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, D: tl.constexpr):
+    # The query heads of kv head j, with scale*log2(e) and the key weights folded in (query-side key
+    # fusion, paper Sec. 3.3): returns (qa1, qa2), one per K source, [BLOCK_G, D].  qa2 is unused
+    # (qa1) without a second K source.
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    if HAS_KW1:
+        qa1 = q * tl.load(KW1 + j * D + offs_d).to(tl.float32)[None, :]
+    else:
+        qa1 = q
+    qa2 = qa1
+    if HAS_K2:
+        if HAS_KW2:
+            qa2 = q * tl.load(KW2 + j * D + offs_d).to(tl.float32)[None, :]
+        else:
+            qa2 = q
+
+    if USE_DOT:
+        if DOT_PRECISION != "ieee":
+            # Tensor-core operands in the cache dtype; converted once here, not per key block.
+            qa1 = qa1.to(K1.dtype.element_ty)
+            if HAS_K2:
+                qa2 = qa2.to(K2.dtype.element_ty)
+    return qa1, qa2
+
+
+@triton.jit
+def _attend_tile(qa1, qa2, k1_rows, k2_rows, v1_rows, v2_rows, n_ok, offs_d, m_i, l_i, acc1, acc2,
+                 HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+                 USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr):
+    # One tile of BLOCK_N keys.  *_rows: [BLOCK_N] pointers to each key's D-vector in a source (the
+    # kernels differ only in how they find them); n_ok: which keys are valid (others are not loaded).
+    # Updates the running max m_i, sum l_i and the fp32 accumulator of each V source (online softmax).
+    k1 = tl.load(k1_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    s = _qk(qa1, k1, USE_DOT, DOT_PRECISION, BLOCK_G)
+    if HAS_K2:
+        k2 = tl.load(k2_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        s += _qk(qa2, k2, USE_DOT, DOT_PRECISION, BLOCK_G)
+    s = tl.where(n_ok[None, :], s, float("-inf"))
+
+    # Online softmax (base 2); the caller visits only tiles holding >= 1 valid key, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    v1 = tl.load(v1_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    acc1 = acc1 * alpha[:, None] + _pv(p, v1, USE_DOT, DOT_PRECISION, BLOCK_G)
+    if HAS_V2:
+        v2 = tl.load(v2_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc2 = acc2 * alpha[:, None] + _pv(p, v2, USE_DOT, DOT_PRECISION, BLOCK_G)
+    return m_new, l_i, acc1, acc2
+
+
+@triton.jit
+def _fuse_values_and_store(acc1, acc2, m_i, l_i, VW1, VW2, O_PART, LSE_PART, OUT, b, j, split, heads, g_ok, offs_d,
+                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                           HAS_V2: tl.constexpr, HAS_VW1: tl.constexpr, HAS_VW2: tl.constexpr,
+                           SINGLE_SPLIT: tl.constexpr, D: tl.constexpr):
+    # ---- output-side value fusion: b1 (.) (P V1) + b2 (.) (P V2), once per program (paper Sec. 3.3) --
+    if HAS_VW1:
+        o = acc1 * tl.load(VW1 + j * D + offs_d).to(tl.float32)[None, :]
+    else:
+        o = acc1
+    if HAS_V2:
+        if HAS_VW2:
+            o += acc2 * tl.load(VW2 + j * D + offs_d).to(tl.float32)[None, :]
+        else:
+            o += acc2
+
+    # False for an empty split or a row with no key (fully masked, or a paged sequence of length 0).
+    has_keys = l_i > 0.0
+    o = o / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SINGLE_SPLIT:
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(O_PART + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+                 o, mask=g_ok[:, None])
+        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+
+
+@triton.jit
 def _fused_decode_stage1(
     Q, K1, K2, V1, V2, KW1, KW2, VW1, VW2, KV_START, KV_END,
     O_PART, LSE_PART, OUT,
@@ -109,25 +195,8 @@ def _fused_decode_stage1(
     g_ok = offs_g < G
     heads = j * G + offs_g  # query heads of kv head j
 
-    # ---- queries, with scale*log2(e) and the key weights folded in (query-side key fusion) --------
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-    if HAS_KW1:
-        qa1 = q * tl.load(KW1 + j * D + offs_d).to(tl.float32)[None, :]
-    else:
-        qa1 = q
-    if HAS_K2:
-        if HAS_KW2:
-            qa2 = q * tl.load(KW2 + j * D + offs_d).to(tl.float32)[None, :]
-        else:
-            qa2 = q
-
-    if USE_DOT:
-        if DOT_PRECISION != "ieee":
-            # Tensor-core operands in the cache dtype; converted once here, not per key block.
-            qa1 = qa1.to(K1.dtype.element_ty)
-            if HAS_K2:
-                qa2 = qa2.to(K2.dtype.element_ty)
+    qa1, qa2 = _fused_queries(Q, K1, K2, KW1, KW2, b, j, heads, g_ok, offs_d, stride_qb, stride_qh, qk_scale,
+                              HAS_K2, HAS_KW1, HAS_KW2, USE_DOT, DOT_PRECISION, D)
 
     # ---- key range of this split, clipped to the valid window [kv_start, kv_end) ------------------
     # Positions fit in int32; keeping the loop bounds int32 keeps the loop counter 32-bit.
@@ -158,49 +227,14 @@ def _fused_decode_stage1(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= kv_lo) & (offs_n < hi)
-        k1 = tl.load(k1_base + offs_n[:, None] * stride_k1s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        s = _qk(qa1, k1, USE_DOT, DOT_PRECISION, BLOCK_G)
-        if HAS_K2:
-            k2 = tl.load(k2_base + offs_n[:, None] * stride_k2s + offs_d[None, :],
-                         mask=n_ok[:, None], other=0.0)
-            s += _qk(qa2, k2, USE_DOT, DOT_PRECISION, BLOCK_G)
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc1, acc2 = _attend_tile(
+            qa1, qa2, k1_base + offs_n * stride_k1s, k2_base + offs_n * stride_k2s,
+            v1_base + offs_n * stride_v1s, v2_base + offs_n * stride_v2s, n_ok, offs_d, m_i, l_i, acc1, acc2,
+            HAS_K2, HAS_V2, USE_DOT, DOT_PRECISION, BLOCK_G)
 
-        # Online softmax (base 2); m_new is finite (see the range clipping above).
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v1 = tl.load(v1_base + offs_n[:, None] * stride_v1s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        acc1 = acc1 * alpha[:, None] + _pv(p, v1, USE_DOT, DOT_PRECISION, BLOCK_G)
-        if HAS_V2:
-            v2 = tl.load(v2_base + offs_n[:, None] * stride_v2s + offs_d[None, :],
-                         mask=n_ok[:, None], other=0.0)
-            acc2 = acc2 * alpha[:, None] + _pv(p, v2, USE_DOT, DOT_PRECISION, BLOCK_G)
-        m_i = m_new
-
-    # ---- output-side value fusion: b1 (.) (P V1) + b2 (.) (P V2), once per program ---------------
-    if HAS_VW1:
-        o = acc1 * tl.load(VW1 + j * D + offs_d).to(tl.float32)[None, :]
-    else:
-        o = acc1
-    if HAS_V2:
-        if HAS_VW2:
-            o += acc2 * tl.load(VW2 + j * D + offs_d).to(tl.float32)[None, :]
-        else:
-            o += acc2
-
-    has_keys = l_i > 0.0  # False for an empty split or a fully masked row
-    o = o / tl.where(has_keys, l_i, 1.0)[:, None]
-    if SINGLE_SPLIT:
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(OUT.dtype.element_ty), mask=g_ok[:, None])
-    else:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(O_PART + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-                 o, mask=g_ok[:, None])
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+    _fuse_values_and_store(acc1, acc2, m_i, l_i, VW1, VW2, O_PART, LSE_PART, OUT, b, j, split, heads, g_ok, offs_d,
+                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                           HAS_V2, HAS_VW1, HAS_VW2, SINGLE_SPLIT, D)
 
 
 @triton.jit
@@ -445,13 +479,20 @@ def decode_step(
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
-        _fused_decode_combine[(bsz * h_q,)](
-            o_part, lse_part, out,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1),
-            out.stride(0), out.stride(1),
-            h_q, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), D=d,
-            num_warps=4 if d >= 128 else 2,
-        )
+        _merge_splits(o_part, lse_part, out)
     return out
+
+
+def _merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor) -> None:
+    """Launch of the combine kernel: ``out[b, h]`` from the partials ``o_part [B, H_q, splits, D]`` (fp32)
+    and their log-sum-exps ``lse_part [B, H_q, splits]`` (base 2) written by a stage-1 kernel."""
+    bsz, h_q, num_splits, d = o_part.shape
+    _fused_decode_combine[(bsz * h_q,)](
+        o_part, lse_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        h_q, num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), D=d,
+        num_warps=4 if d >= 128 else 2,
+    )

@@ -13,8 +13,10 @@ Triton backends' ``kv_cache.transpose(1, 2).split(D, -1)`` view of ``[num_blocks
 ``block_table[b, t // block_size]``, slot ``t % block_size``.  The kernel looks the block up per key
 (one small int load, cached), so the source layers' blocks are read in place: nothing is gathered.
 
-The loop, the split over the sequence (flash-decoding), GQA in one program, exp2 softmax and the split
-merge are those of ``triton_decode``; its ``_qk`` / ``_pv`` helpers and its combine kernel are reused.
+The split over the sequence (flash-decoding), GQA in one program, exp2 softmax and the split merge are
+those of ``triton_decode``, whose helpers this kernel calls: the query with the key weights folded in, the
+online-softmax update of one tile, the value fusion and store, and the merge of the splits.  Only the key
+range of a split and the addressing of a tile (block table + slot) are this kernel's own.
 Split sizes depend only on the block table's width (the longest sequence a request can have) unless the
 caller passes ``max_seq_len``: the launch then never reads a device value, so it can be captured in a
 CUDA graph and replayed with longer sequences.  Splits past a sequence's end run no iteration.
@@ -32,7 +34,16 @@ import triton
 import triton.language as tl
 
 from .reference import expand_weight
-from .triton_decode import _LOG2E, _fused_decode_combine, _num_sms, _pv, _qk, choose_num_splits, default_launch
+from .triton_decode import (
+    _LOG2E,
+    _attend_tile,
+    _fuse_values_and_store,
+    _fused_queries,
+    _merge_splits,
+    _num_sms,
+    choose_num_splits,
+    default_launch,
+)
 
 Tensor = torch.Tensor
 
@@ -70,23 +81,8 @@ def _paged_decode_stage1(
     g_ok = offs_g < G
     heads = j * G + offs_g
 
-    # ---- queries with scale*log2(e) and the key weights folded in (query-side key fusion) ---------
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-    if HAS_KW1:
-        qa1 = q * tl.load(KW1 + j * D + offs_d).to(tl.float32)[None, :]
-    else:
-        qa1 = q
-    if HAS_K2:
-        if HAS_KW2:
-            qa2 = q * tl.load(KW2 + j * D + offs_d).to(tl.float32)[None, :]
-        else:
-            qa2 = q
-    if USE_DOT:
-        if DOT_PRECISION != "ieee":
-            qa1 = qa1.to(K1.dtype.element_ty)
-            if HAS_K2:
-                qa2 = qa2.to(K2.dtype.element_ty)
+    qa1, qa2 = _fused_queries(Q, K1, K2, KW1, KW2, b, j, heads, g_ok, offs_d, stride_qb, stride_qh, qk_scale,
+                              HAS_K2, HAS_KW1, HAS_KW2, USE_DOT, DOT_PRECISION, D)
 
     # ---- this split's keys: [split * CHUNK, min(+CHUNK, seq_len)); none past the sequence's end -----
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
@@ -106,57 +102,23 @@ def _paged_decode_stage1(
     acc1 = tl.zeros([BLOCK_G, D], tl.float32)
     acc2 = tl.zeros([BLOCK_G, D], tl.float32)
 
+    # Every visited tile holds >= 1 valid key (lo < seq_len), which keeps the running max finite.
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         # Physical block of each key (int64: block * block stride can pass 2^31 elements).
         block = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
         slot = (offs_n % PAGE).to(tl.int64)
-        k1 = tl.load(k1_head + (block * stride_k1n + slot * stride_k1t)[:, None] + offs_d[None, :],
-                     mask=n_ok[:, None], other=0.0)
-        s = _qk(qa1, k1, USE_DOT, DOT_PRECISION, BLOCK_G)
-        if HAS_K2:
-            k2 = tl.load(k2_head + (block * stride_k2n + slot * stride_k2t)[:, None] + offs_d[None, :],
-                         mask=n_ok[:, None], other=0.0)
-            s += _qk(qa2, k2, USE_DOT, DOT_PRECISION, BLOCK_G)
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        k1_rows = k1_head + (block * stride_k1n + slot * stride_k1t)
+        k2_rows = k2_head + (block * stride_k2n + slot * stride_k2t)
+        v1_rows = v1_head + (block * stride_v1n + slot * stride_v1t)
+        v2_rows = v2_head + (block * stride_v2n + slot * stride_v2t)
+        m_i, l_i, acc1, acc2 = _attend_tile(qa1, qa2, k1_rows, k2_rows, v1_rows, v2_rows, n_ok, offs_d,
+                                            m_i, l_i, acc1, acc2, HAS_K2, HAS_V2, USE_DOT, DOT_PRECISION, BLOCK_G)
 
-        # Online softmax (base 2); every visited tile holds >= 1 valid key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v1 = tl.load(v1_head + (block * stride_v1n + slot * stride_v1t)[:, None] + offs_d[None, :],
-                     mask=n_ok[:, None], other=0.0)
-        acc1 = acc1 * alpha[:, None] + _pv(p, v1, USE_DOT, DOT_PRECISION, BLOCK_G)
-        if HAS_V2:
-            v2 = tl.load(v2_head + (block * stride_v2n + slot * stride_v2t)[:, None] + offs_d[None, :],
-                         mask=n_ok[:, None], other=0.0)
-            acc2 = acc2 * alpha[:, None] + _pv(p, v2, USE_DOT, DOT_PRECISION, BLOCK_G)
-        m_i = m_new
-
-    # ---- output-side value fusion: b1 (.) (P V1) + b2 (.) (P V2), once per program ---------------
-    if HAS_VW1:
-        o = acc1 * tl.load(VW1 + j * D + offs_d).to(tl.float32)[None, :]
-    else:
-        o = acc1
-    if HAS_V2:
-        if HAS_VW2:
-            o += acc2 * tl.load(VW2 + j * D + offs_d).to(tl.float32)[None, :]
-        else:
-            o += acc2
-
-    has_keys = l_i > 0.0  # False for an empty split or a sequence of length 0 (a padded batch row)
-    o = o / tl.where(has_keys, l_i, 1.0)[:, None]
-    if SINGLE_SPLIT:
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(OUT.dtype.element_ty), mask=g_ok[:, None])
-    else:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(O_PART + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-                 o, mask=g_ok[:, None])
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+    _fuse_values_and_store(acc1, acc2, m_i, l_i, VW1, VW2, O_PART, LSE_PART, OUT, b, j, split, heads, g_ok, offs_d,
+                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                           HAS_V2, HAS_VW1, HAS_VW2, SINGLE_SPLIT, D)
 
 
 def paged_decode_attention(
@@ -336,13 +298,5 @@ def paged_decode_step(
         num_warps=num_warps, num_stages=2,
     )
     if not single:
-        _fused_decode_combine[(bsz * h_q,)](
-            o_part, lse_part, out,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1),
-            out.stride(0), out.stride(1),
-            h_q, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), D=d,
-            num_warps=4 if d >= 128 else 2,
-        )
+        _merge_splits(o_part, lse_part, out)
     return out
