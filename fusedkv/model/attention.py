@@ -99,6 +99,9 @@ class Attention(nn.Module, DecodePackable):
         scalar = fused and "scalar" in (layer.k_fusion, layer.v_fusion)
         self.kernel_fits = not scalar and triton_decode_fits(self.head_dim, k_count, v_count)
         self._triton_on: dict[tuple, bool] = {}  # (device, dtype) -> the kernel runs there
+        # Storage layers: does a later reconstruction layer read this layer's K/V (paper Sec. 2.2)?
+        self.read_later = layer.stores and any(
+            layer.index in (*other.k_sources, *other.v_sources) for other in config.plan.layers if not other.stores)
 
     def set_path(self, path: str) -> None:
         """"auto", or force "materialized", "factored" or "triton" (one-token steps; longer blocks use SDPA)."""
@@ -128,7 +131,13 @@ class Attention(nn.Module, DecodePackable):
             v = self._heads(v, self.num_kv_heads)
             if kv.cache is not None:
                 k, v = kv.cache.update(k, v, self.layer.index)
-            kv.layers[self.layer.index] = (k, v)
+            cached = (k, v)
+            if k.dtype != q.dtype and self._upcasts_cache(t, q):
+                # A 16-bit cache read by a short block on CPU (see below): upcast once, here, and hand the f32
+                # copy to the reconstruction layers that read this layer (kept only when one does: it is as
+                # large as the cache in f32), instead of each of them converting the same K/V again.
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            kv.layers[self.layer.index] = (k, v) if self.read_later else cached
             k_src, k_w, v_src, v_w = [k], [None], [v], [None]
         else:
             q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
@@ -163,6 +172,11 @@ class Attention(nn.Module, DecodePackable):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim).to(x.dtype))
+
+    def _upcasts_cache(self, t: int, q: torch.Tensor) -> bool:
+        """A short block (decode) on CPU attends in f32 over a 16-bit cache (the rule in `forward`), unless
+        the Triton kernel takes it (the interpreter on CPU), which reads the cache's dtype itself."""
+        return t <= FACTORED_MAX_QUERY and q.device.type == "cpu" and not triton_runs_on(q.device, q.dtype)
 
     def _qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """QK-norm and RoPE of a short f32 block's query and key heads in one pass, over [B, T, H_q + H_kv, D]:

@@ -94,3 +94,25 @@ def test_joint_qk_norm_and_rope_equal_the_modules_bit_for_bit(plan):
         k_ref = apply_rope(attn.k_norm(attn._heads(k, attn.num_kv_heads)), cos, sin)
     assert joint_q.shape == q_ref.shape and joint_k.shape == k_ref.shape
     assert torch.equal(joint_q, q_ref) and torch.equal(joint_k, k_ref)
+
+
+@pytest.mark.parametrize("plan", ["fusedkv-lite", "fusedkv", "fusedkv-iterative"])
+def test_storage_layers_share_their_f32_copy_with_the_layers_reading_them(plan):
+    # With a 16-bit cache, a decode step's storage layer upcasts its K/V once and hands the f32 copy to the
+    # reconstruction layers reading it; they must get what converting the cache themselves gives.
+    model = tiny_model(plan)
+    layers = [lay.self_attn for lay in model.model.layers]
+    sources = {s for a in layers if not a.layer.stores for s in (*a.layer.k_sources, *a.layer.v_sources)}
+    assert {a.layer.index for a in layers if a.read_later} == sources
+    assert not any(a.read_later for a in tiny_model("vanilla").model.layers.modules() if hasattr(a, "read_later"))
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    logits = []
+    with torch.inference_mode():
+        for share in (True, False):
+            for a in layers:
+                a.read_later = share and a.layer.index in sources
+            cache = StaticKVCache(model.config, 2, 12, torch.bfloat16)
+            model(ids[:, :-2], cache=cache, use_cache=True)
+            logits.append(torch.cat([model(ids[:, t:t + 1], cache=cache, use_cache=True).logits
+                                     for t in (7, 8)], 1))
+    assert torch.equal(logits[0], logits[1])
