@@ -43,6 +43,14 @@ class RunError(RuntimeError):
     exit_code = EXIT_FAILURE
 
 
+class Stopped(RunError):
+    """Work stopped by a signal after saving what resumes it (exit 143 for SIGTERM, 130 otherwise)."""
+
+    def __init__(self, message: str, signal_name: str | None):
+        super().__init__(message)
+        self.exit_code = EXIT_TERMINATED if signal_name == "SIGTERM" else EXIT_INTERRUPTED
+
+
 def debug_enabled(argv_flag: bool = False) -> bool:
     return argv_flag or os.environ.get("FUSEDKV_DEBUG", "") not in ("", "0", "false", "no")
 

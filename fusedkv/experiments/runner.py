@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import Stopped
 from ..plan import resolve_plan_choice
 from ..utils import slug, write_json_atomic
 
@@ -113,7 +114,13 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                     print(f"  resuming the interrupted run in {train_dir}", flush=True)
                 train_fields = _chain(fields, parents, cache_dir / key)
                 cfg = TrainConfig.from_dict({**train_fields, "out_dir": str(train_dir), "progress": False, **start})
-                result = _summarise(run["name"], seed, train(cfg), task_limit)
+                trained = train(cfg)
+                if trained.get("stopped"):  # SIGTERM / SIGINT: the checkpoint is saved, nothing to evaluate
+                    raise Stopped(f"run {run['name']!r} seed {seed} stopped by {trained['stopped']} at step "
+                                  f"{trained['steps']} of {trained['total_steps']} (checkpoint "
+                                  f"{trained['train_checkpoint']}); re-run the same command to resume it",
+                                  trained["stopped"])
+                result = _summarise(run["name"], seed, trained, task_limit)
                 ancestor = parents["from"][1] if "from" in parents else {}
                 result["tokens_offset"] = ancestor.get("tokens_offset", 0) + ancestor.get("tokens_seen", 0)
                 result["curve"] = [(t + result["tokens_offset"], v) for t, v in result["curve"]]

@@ -86,3 +86,38 @@ def test_a_run_killed_part_way_continues_from_its_checkpoint(tmp_path, monkeypat
     assert "resuming the interrupted run" in capsys.readouterr().out
     assert kept[0].stat().st_mtime_ns == kept[1] and (train_dir / "final").is_dir()
     assert again["val_loss"] == pytest.approx(first["val_loss"], rel=1e-5)
+
+
+def test_sigterm_stops_a_comparison_cleanly_and_the_rerun_resumes(tmp_path):
+    """A comparison stopped by SIGTERM (the end of a working session) saves the running run's checkpoint,
+    says how to go on and exits 143; the same command then resumes that run instead of starting over."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.train.train_helpers import REPO, subprocess_env, wait_for
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(read_builtin_text(limit_chars=150_000))
+    spec_file = tmp_path / "exp.yaml"
+    spec_file.write_text(
+        "name: stop\ndescription: one nano run\n"
+        f"base: {{preset: nano, data: {corpus}, max_steps: 40, eval_every: 0, threads: 1, ckpt_every: 0}}\n"
+        "runs:\n  - {name: lite, plan: fusedkv-lite}\n")
+    env = subprocess_env(FUSEDKV_TRAIN_STEP_SLEEP="0.1", FUSEDKV_DATA_DIR=str(tmp_path / "data"),
+                         FUSEDKV_COMPARE_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "fusedkv.cli", "compare", str(spec_file), "--out", str(tmp_path / "out"),
+           "--seeds", "0", "--task-limit", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = lambda: list((tmp_path / "cache").glob("*/train/metrics.csv"))  # noqa: E731
+    wait_for(lambda: metrics() and metrics()[0].read_text().count("\n") >= 3, proc, what="two logged steps")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM at step" in err and "re-run the same command to resume it" in err
+    assert "huggingface" not in err.lower() and not list(tmp_path.glob("out/lite/seed0/result.json"))
+    again = subprocess.run(cmd, cwd=REPO, env={**env, "FUSEDKV_TRAIN_STEP_SLEEP": "0"}, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "resuming the interrupted run" in again.stdout
+    assert json.loads((tmp_path / "out/lite/seed0/result.json").read_text())["plan"] == "fusedkv-lite"
