@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from fusedkv.cli import main
-from fusedkv.data import read_builtin_text
 from fusedkv.experiments import load_experiment, run_experiment
+from tests.experiments.nano_experiments import nano_corpus, nano_experiment
 
 
 def test_evidence_experiments_load():
@@ -24,12 +24,8 @@ def test_evidence_experiments_load():
 def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(read_builtin_text(limit_chars=150_000))
-    spec_file = tmp_path / "exp.yaml"
-    spec_file.write_text(
-        "name: chain\ndescription: chained nano runs\n"
-        f"base: {{preset: nano, data: {corpus}, max_steps: 4, eval_every: 2, threads: 1, ckpt_every: 0}}\n"
+    spec_file = nano_experiment(
+        tmp_path, "max_steps: 4, eval_every: 2, threads: 1, ckpt_every: 0",
         "evaluate: {retrieval: {lengths: [48, 64, 128], pairs: [1, 2], samples: 2}}\n"
         "runs:\n  - {name: teacher, plan: vanilla}\n"
         "  - {name: lite-lm, from: teacher, plan: fusedkv-lite, max_steps: 2}\n"
@@ -67,10 +63,8 @@ def test_a_run_killed_part_way_continues_from_its_checkpoint(tmp_path, monkeypat
     from its newest checkpoint (not from step 0) and ends where an uninterrupted run ends."""
     monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(read_builtin_text(limit_chars=150_000))
-    spec = {"base": {"preset": "nano", "data": str(corpus), "max_steps": 4, "eval_every": 2, "threads": 1,
-                     "ckpt_every": 2}, "runs": [{"name": "lite", "plan": "fusedkv-lite"}]}
+    spec = {"base": {"preset": "nano", "data": str(nano_corpus(tmp_path)), "max_steps": 4, "eval_every": 2,
+                     "threads": 1, "ckpt_every": 2}, "runs": [{"name": "lite", "plan": "fusedkv-lite"}]}
     first = run_experiment(spec, tmp_path / "a", seeds=[0], progress=False, task_limit=0)[0]
     # Make it look killed after the step-2 checkpoint: no result, no final model, no later checkpoint.
     train_dir = tmp_path / "cache" / first["checkpoint"].split("/")[-3] / "train"
@@ -97,13 +91,8 @@ def test_sigterm_stops_a_comparison_cleanly_and_the_rerun_resumes(tmp_path):
 
     from tests.train.train_helpers import REPO, subprocess_env, wait_for
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(read_builtin_text(limit_chars=150_000))
-    spec_file = tmp_path / "exp.yaml"
-    spec_file.write_text(
-        "name: stop\ndescription: one nano run\n"
-        f"base: {{preset: nano, data: {corpus}, max_steps: 40, eval_every: 0, threads: 1, ckpt_every: 0}}\n"
-        "runs:\n  - {name: lite, plan: fusedkv-lite}\n")
+    spec_file = nano_experiment(tmp_path, "max_steps: 40, eval_every: 0, threads: 1, ckpt_every: 0",
+                                "runs:\n  - {name: lite, plan: fusedkv-lite}\n")
     env = subprocess_env(FUSEDKV_TRAIN_STEP_SLEEP="0.1", FUSEDKV_DATA_DIR=str(tmp_path / "data"),
                          FUSEDKV_COMPARE_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "fusedkv.cli", "compare", str(spec_file), "--out", str(tmp_path / "out"),

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from fusedkv.cli import main
-from fusedkv.data import read_builtin_text
 from fusedkv.experiments import load_experiment, run_experiment, summary_table
+from tests.experiments.nano_experiments import nano_experiment
 
 
 def test_shipped_experiments_load():
@@ -46,12 +46,8 @@ def test_compatibility_experiments_build_the_variants_they_name():
 def test_compare_nano_end_to_end_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(read_builtin_text(limit_chars=150_000))
-    spec_file = tmp_path / "exp.yaml"
-    spec_file.write_text(
-        "name: nano\ndescription: nano comparison\n"
-        f"base: {{preset: nano, data: {corpus}, max_steps: 4, eval_every: 2, threads: 1}}\n"
+    spec_file = nano_experiment(
+        tmp_path, "max_steps: 4, eval_every: 2, threads: 1",
         "seeds: [0, 1]\nruns:\n  - {name: vanilla, plan: vanilla}\n  - {name: fusedkv, plan: fusedkv}\n")
     out = tmp_path / "out"
     assert main(["compare", str(spec_file), "--out", str(out), "--seeds", "0", "--task-limit", "2"]) == 0
