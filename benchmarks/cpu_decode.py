@@ -33,6 +33,7 @@ import torch
 from fusedkv.bench.inference import HF, BenchShape, build_models
 from fusedkv.cache import StaticKVCache
 from fusedkv.generation import generate
+from fusedkv.kernels import cpu_gemv
 from fusedkv.model.precision import half_dtype, reduce_precision, weight_format, weight_nbytes
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8"}
@@ -206,10 +207,11 @@ def format_rows(rows: list[dict]) -> str:
 # ---- kernels -----------------------------------------------------------------------------------------
 def kernel_table(threads: int, rows_list: list[int], repeats: int) -> str:
     """One decode step's weight products (the bench shape: 8 layers, Q|K|V, O, gate|up, down, LM head)
-    per weight format and input rows, through `ReducedLinear` (f32: the packed nn.Linear layout). With
-    several threads, also two ways to put a second core on an f32 one-row product: each weight split
-    in two by output rows, the halves run by two Python threads (torch releases the GIL) or as one
-    batched product (`torch.bmm`, two batch entries)."""
+    per weight format and input rows, through `ReducedLinear` (f32: the packed nn.Linear layout through
+    MKL, and the same column-major weights through the native kernel, `fusedkv.kernels.cpu_gemv`, up to
+    its MAX_ROWS). With several threads, also two ways to put a second core on an f32 one-row product
+    through PyTorch: each weight split in two by output rows, the halves run by two Python threads (torch
+    releases the GIL) or as one batched product (`torch.bmm`, two batch entries)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch.nn.functional as F
@@ -228,6 +230,9 @@ def kernel_table(threads: int, rows_list: list[int], repeats: int) -> str:
         mods[SHORT[fmt]] = [ReducedLinear.from_linears([m], fmt) for m in linears]
     nbytes = {k: sum(m.weight.numel() * m.weight.element_size() for m in ms) for k, ms in mods.items()}
     steps = {k: (lambda xs, ms=ms: [m(xs[m.in_features]) for m in ms]) for k, ms in mods.items()}
+    if cpu_gemv.available():
+        steps["f32 native"] = lambda xs, ms=mods["f32"]: [cpu_gemv.linear(xs[m.in_features], m.weight) for m in ms]
+        nbytes["f32 native"] = nbytes["f32"]
     if threads > 1:
         pool = ThreadPoolExecutor(1)
         halves = [(w[: w.shape[0] // 2], w[w.shape[0] // 2:]) for w in (m.weight.detach() for m in linears)]
@@ -256,7 +261,8 @@ def kernel_table(threads: int, rows_list: list[int], repeats: int) -> str:
         with torch.inference_mode():
             for _ in range(repeats + 1):
                 for k, step in steps.items():  # interleaved
-                    if rows > 1 and k.startswith("f32 "):
+                    if (rows > 1 and k.startswith("f32 ") and k != "f32 native"
+                            or k == "f32 native" and rows > cpu_gemv.MAX_ROWS):
                         continue
                     t0 = time.perf_counter()
                     step(xs)
@@ -469,7 +475,8 @@ def main() -> None:
     args.llamacpp_src = args.llamacpp_src or os.environ.get("FUSEDKV_LLAMA_CPP_SRC")
     rows = run(args)
     print(f"\nbench model {vars(BenchShape())}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
-          f"repeats; load average at the end {open('/proc/loadavg').read().split()[0]}\n")
+          f"repeats; load average at the end {open('/proc/loadavg').read().split()[0]}; native CPU product "
+          f"kernel: {'on' if cpu_gemv.available() else 'off'} (FUSEDKV_NATIVE_KERNELS)\n")
     print(format_rows(rows))
 
 

@@ -1,11 +1,13 @@
 """Small helpers every part of the package needs, each written once.
 
 Nothing here knows about models or plans: byte sizes for people, file-safe names, an atomic JSON
-write, an atomic directory replace, where a model's weights live, and a quick probe of the Hugging Face hub.
+write, an atomic directory replace, where a model's weights live, a quick probe of the Hugging Face hub,
+and the processor's instruction-set flags.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -104,3 +106,15 @@ def hub_unreachable_reason(timeout: float = 5.0) -> str | None:
     except OSError as e:
         return f"the Hugging Face hub ({endpoint}) is unreachable from this machine ({e})"
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

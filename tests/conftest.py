@@ -50,3 +50,16 @@ def tiny_model(plan: str = "fusedkv", seed: int = 0, dtype=torch.float32, **over
 @pytest.fixture(params=list(PLAN_CONFIGS))
 def plan_name(request):
     return request.param
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """Decode with PyTorch's kernels only: the native CPU kernel switched off as a user would
+    (FUSEDKV_NATIVE_KERNELS=0), and switched back on afterwards."""
+    from fusedkv.kernels import cpu_gemv
+
+    monkeypatch.setenv("FUSEDKV_NATIVE_KERNELS", "0")
+    cpu_gemv.redecide()
+    yield
+    monkeypatch.undo()
+    cpu_gemv.redecide()

@@ -32,7 +32,7 @@ from ..kernels.reference import factored_attention, fuse_sources
 from ..plan import SLIDING, LayerKV
 from .fusion import KVFusion
 from .layers import RMSNorm, apply_rope
-from .packing import DecodePackable, PackedLinears, project, to_column_major
+from .packing import DecodePackable, Linear, PackedLinears, project, to_column_major
 
 ATTENTION_PATHS = ("auto", "materialized", "factored", "triton")
 # Query blocks up to this length take the factored path under "auto" (measured by
@@ -81,12 +81,12 @@ class Attention(nn.Module, DecodePackable):
         self.path = "auto"
         self.packed_qkv: PackedLinears | None = None  # set by `pack_for_decode` (storage layers)
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         if layer.stores:
-            self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-            self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+            self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packing import DecodePackable, PackedLinears, project
+from .packing import DecodePackable, Linear, PackedLinears, column_major_down, project, to_column_major
 
 
 class RMSNorm(nn.Module):
@@ -51,19 +51,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class SwiGLU(nn.Module, DecodePackable):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.packed_gate_up: PackedLinears | None = None  # set by `pack_for_decode`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, [self.gate_proj, self.up_proj], self.packed_gate_up)
         return self.down_proj(F.silu(gate) * up)
 
-    # ---- decode layout (`fusedkv.model.packing`): gate|up in one buffer; down stays row-major ----------
+    # ---- decode layout (`fusedkv.model.packing`): gate|up in one buffer; down by `column_major_down` --
     def pack_for_decode(self) -> None:
         if not self.is_packed():
             self.packed_gate_up = PackedLinears([self.gate_proj, self.up_proj])
+        if column_major_down():
+            to_column_major(self.down_proj)
 
     def drop_packing(self) -> None:
         self.packed_gate_up = None

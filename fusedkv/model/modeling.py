@@ -31,6 +31,7 @@ from .layers import RMSNorm, SwiGLU, rope_cos_sin
 from .loss import lm_loss, shift_labels
 from .mla import MLA
 from .moe import Experts, RouterRecord, SparseMoE, is_sparse_layer, load_balancing_loss
+from .packing import Linear
 
 
 class DecoderLayer(nn.Module):
@@ -232,7 +233,7 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
     def __init__(self, config: FusedKVConfig):
         super().__init__(config)
         self.model = FusedKVModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @property

@@ -26,6 +26,12 @@ benchmark). `project` applies it per call (a prefill block never uses the packed
 `set_decode_layout(model, batch)` applies it to a whole model for a decode batch. Nothing re-lays out
 a model on its own: `fusedkv.generation.generate` does it only when asked (`weight_layout="auto"`).
 
+Where the native CPU kernel is built (`fusedkv.kernels.cpu_gemv`, f32), every product of a
+decode-layout weight up to its `MAX_ROWS` rows runs through it instead of MKL: it streams the
+column-major weight faster and splits it across cores, so the layout then wins up to that many rows,
+and the down projection is stored column-major too. `Linear` is the `nn.Linear` the model is built
+from: the same module, whose forward hands such products to that kernel.
+
 Each module that has a decode layout (attention, MLP) owns its packing (`DecodePackable`); this
 module only knows the mechanism and walks the model, so it imports no other model module.
 """
@@ -36,13 +42,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_gemv
+
 PACKED_MAX_ROWS = 2
 LAYOUTS = ("packed", "row-major")
 
 
 def packed_product_wins(rows: int) -> bool:
-    """The one layout rule: one packed GEMV beats separate products for up to PACKED_MAX_ROWS rows."""
-    return rows <= PACKED_MAX_ROWS
+    """The one layout rule: one packed GEMV beats separate products for up to PACKED_MAX_ROWS rows (up to
+    the native kernel's MAX_ROWS where it is built)."""
+    return rows <= (cpu_gemv.MAX_ROWS if cpu_gemv.available() else PACKED_MAX_ROWS)
+
+
+def column_major_down() -> bool:
+    """Whether the tall down projection joins the column-major layout: only for the native kernel (MKL
+    streams it faster row-major)."""
+    return cpu_gemv.available()
+
+
+class Linear(nn.Linear):
+    """`nn.Linear`, except that a few-row product over a column-major (decode-layout) f32 weight on CPU
+    runs the native kernel (`fusedkv.kernels.cpu_gemv.linear`, which declines everything else)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.stride(0) == 1:
+            y = cpu_gemv.linear(x, self.weight, self.bias)
+            if y is not None:
+                return y
+        return F.linear(x, self.weight, self.bias)
 
 
 class PackedLinears:
@@ -85,7 +112,8 @@ class PackedLinears:
         return True
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        y = cpu_gemv.linear(x, self.weight, self.bias)
+        return (F.linear(x, self.weight, self.bias) if y is None else y).split(self.sizes, dim=-1)
 
 
 def project(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | None) -> tuple[torch.Tensor, ...]:

@@ -31,28 +31,17 @@ model is for inference: its reduced weights are buffers, not parameters.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..utils import cpu_flags
+
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Up to this many input rows a product runs the reduced-precision GEMV kernel (`ReducedLinear`).
 GEMV_MAX_ROWS = {"bfloat16": 2, "float16": 8, "int8": 16}
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of the first processor in /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def native_bf16() -> bool:

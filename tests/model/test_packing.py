@@ -10,7 +10,9 @@ from torch.profiler import profile
 
 from fusedkv import FusedKVForCausalLM
 from fusedkv.generation import generate
+from fusedkv.kernels import cpu_gemv
 from fusedkv.model import is_packed, pack_for_decode, unpack_weights
+from fusedkv.model.packing import column_major_down, packed_product_wins
 from tests.conftest import tiny_model
 from tests.model.test_decode import incremental_logits, padded_batch
 
@@ -45,7 +47,8 @@ def test_packing_keeps_names_values_and_buffers_shared():
     assert attn.q_proj.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
     assert attn.v_proj.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
     assert packed.t().is_contiguous()  # column-major
-    assert model.model.layers[0].mlp.down_proj.weight.is_contiguous()  # row-major streams faster for it
+    # MKL streams the down projection faster row-major; the native kernel reads every weight column-major
+    assert model.model.layers[0].mlp.down_proj.weight.is_contiguous() != column_major_down()
     pack_for_decode(model)  # idempotent
     assert model.model.layers[0].self_attn.packed_qkv.weight.data_ptr() == packed.data_ptr()
 
@@ -56,7 +59,7 @@ def _linear_calls(model, ids, cache):
     return sum(e.count for e in prof.key_averages() if e.key == "aten::linear")
 
 
-def test_batch_one_decode_runs_one_product_per_packed_group():
+def test_batch_one_decode_runs_one_product_per_packed_group(torch_kernels):
     model = tiny_model("vanilla")  # 4 storage layers: q,k,v,o,gate,up,down + lm_head = 29 products
     ids = torch.randint(1, 97, (1, 6))
     with torch.no_grad():
@@ -66,6 +69,17 @@ def test_batch_one_decode_runs_one_product_per_packed_group():
         assert _linear_calls(model, ids[:, -1:], cache) == 4 * 4 + 1  # qkv, o, gate|up, down
         # A prefill block has more rows than PACKED_MAX_ROWS: separate products there.
         assert _linear_calls(model, ids, None) == 4 * 7 + 1
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler: the native CPU kernel is not built")
+def test_with_the_native_kernel_a_decode_step_runs_no_torch_product():
+    model = tiny_model("vanilla")
+    ids = torch.randint(1, 97, (1, 6))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        pack_for_decode(model)
+        assert _linear_calls(model, ids[:, -1:], cache) == 0  # every product, the LM head too, is native
+        assert _linear_calls(model, ids, None) == 4 * 7 + 1  # a prefill block keeps PyTorch's GEMM
 
 
 def test_save_and_reload_of_a_packed_model(tmp_path):
@@ -128,14 +142,22 @@ def test_generate_keeps_the_callers_layout_unless_asked():
     assert torch.equal(generate(model, ids, 5).tokens, ref) and is_packed(model)  # still the caller's layout
 
 
-def test_generate_auto_chooses_the_layout_by_batch_size():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_generate_auto_chooses_the_layout_by_batch_size(native, request):
+    if not native:
+        request.getfixturevalue("torch_kernels")
+    elif not cpu_gemv.available():
+        pytest.skip("no C compiler: the native CPU kernel is not built")
     model = tiny_model("fusedkv")
     ids = torch.randint(1, 97, (4, 10))
     ref = generate(model, ids, 5).tokens
     one = generate(model, ids[:1], 5, weight_layout="auto")
     assert is_packed(model)  # batch 1: one GEMV per group
     four = generate(model, ids, 5, weight_layout="auto")
-    assert not is_packed(model) and all(p.is_contiguous() for p in model.parameters())  # batch 4: row-major
+    if packed_product_wins(4):  # the native kernel: column-major up to its MAX_ROWS
+        assert is_packed(model)
+    else:
+        assert not is_packed(model) and all(p.is_contiguous() for p in model.parameters())  # batch 4: row-major
     assert torch.equal(four.tokens, ref) and torch.equal(one.tokens, ref[:1])
     with pytest.raises(ValueError, match="weight_layout"):
         generate(model, ids, 2, weight_layout="column")

@@ -1,0 +1,137 @@
+"""The native CPU product (`fusedkv.kernels.cpu_gemv`) against a float64 reference, and its build:
+odd sizes, slices of a packed buffer, bias, 1-4 rows, one and two threads; what it declines; the
+cached library, a broken compiler and the switch that turns it off."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedkv.kernels import cpu_gemv
+
+needs_native = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler: the native kernel is not built")
+
+
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    return w.t().contiguous().t()
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_features,out_features", [(64, 96), (37, 50), (200, 8), (512, 1536), (5, 3)])
+def test_matches_float64_reference(rows, in_features, out_features, threads):
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    w = column_major(torch.randn(out_features, in_features, generator=g))
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cpu_gemv.linear(x, w, bias)
+        y_nobias = cpu_gemv.linear(x.view(rows, 1, in_features), w)
+    finally:
+        torch.set_num_threads(before)
+    ref = x.double() @ w.double().T
+    tol = 1e-5 * in_features**0.5
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    assert (y.double() - (ref + bias.double())).abs().max() < tol
+    assert y_nobias.shape == (rows, 1, out_features)  # leading dims kept, as F.linear
+    assert (y_nobias.view(rows, -1).double() - ref).abs().max() < tol
+
+
+@needs_native
+def test_reads_a_column_slice_of_a_packed_buffer_in_place():
+    """Q|K|V in one column-major buffer: each module's weight is a row slice with the buffer's stride."""
+    sizes = [48, 16, 16]
+    buffer = torch.randn(64, sum(sizes)).t()  # [out, in], column-major
+    x = torch.randn(2, 64)
+    offset = 0
+    for n in sizes:
+        w = buffer[offset:offset + n]
+        assert w.stride() == (1, sum(sizes))
+        assert (cpu_gemv.linear(x, w).double() - x.double() @ w.double().T).abs().max() < 1e-4
+        offset += n
+
+
+@needs_native
+def test_declines_what_it_does_not_run():
+    w = torch.randn(32, 16)
+    x = torch.randn(1, 16)
+    assert cpu_gemv.linear(x, w) is None  # row-major weight: PyTorch's layout, not the decode layout
+    cm = column_major(w)
+    assert cpu_gemv.linear(torch.randn(cpu_gemv.MAX_ROWS + 1, 16), cm) is None  # a prefill block
+    assert cpu_gemv.linear(x.bfloat16(), cm.bfloat16()) is None  # f32 only
+    grad_w = column_major(torch.randn(32, 16)).requires_grad_()
+    assert cpu_gemv.linear(x, grad_w) is None  # autograd must see the product
+    with torch.no_grad():
+        assert cpu_gemv.linear(x, grad_w) is not None  # inference on trainable weights is fine
+
+
+@needs_native
+def test_build_is_cached_and_reused(tmp_path):
+    """A fresh cache directory gets one library; a second process finds it and does not rebuild."""
+    env = {**os.environ, "FUSEDKV_CACHE": str(tmp_path)}
+    code = ("from fusedkv.kernels import cpu_gemv; import torch; "
+            "w = torch.randn(8, 4).t().contiguous().t(); print(cpu_gemv.linear(torch.ones(1, 4), w) is not None)")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "True"
+    built = list((tmp_path / "native").glob("cpu_gemv-*.so"))
+    assert len(built) == 1 and not [p for p in (tmp_path / "native").iterdir() if p not in built]
+
+
+def test_a_failing_compiler_falls_back_with_one_warning(tmp_path):
+    env = {**os.environ, "FUSEDKV_CACHE": str(tmp_path), "CC": "/bin/false"}
+    code = ("import warnings; warnings.simplefilter('always'); from fusedkv.kernels import cpu_gemv; "
+            "print(cpu_gemv.available())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert "native CPU decode kernel is unavailable" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_switch_turns_it_off_and_decoding_still_works(torch_kernels):
+    from fusedkv.generation import generate
+    from tests.conftest import tiny_model
+
+    assert not cpu_gemv.available()
+    w = column_major(torch.randn(8, 4))
+    assert cpu_gemv.linear(torch.ones(1, 4), w) is None
+    model = tiny_model("fusedkv-lite")
+    ids = torch.randint(1, 97, (1, 6))
+    out = generate(model, ids, 4, weight_layout="packed")
+    assert out.tokens.shape == (1, 10)
+
+
+def _decode_logits(model, ids):
+    with torch.no_grad():
+        out = model(ids[:, :1], use_cache=True)
+        steps, cache = [out.logits], out.cache
+        for t in range(1, ids.shape[1]):
+            steps.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+    return torch.cat(steps, dim=1)
+
+
+@needs_native
+def test_native_decode_matches_torch_decode_and_the_full_forward(plan_name, monkeypatch):
+    """The same packed model decoded one token at a time with the native kernel and with PyTorch's, and
+    scored in one full forward: the same logits up to f32 rounding."""
+    from fusedkv.model import pack_for_decode
+    from tests.conftest import tiny_model
+
+    model = pack_for_decode(tiny_model(plan_name))
+    ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    native = _decode_logits(model, ids)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+    monkeypatch.setenv("FUSEDKV_NATIVE_KERNELS", "0")
+    cpu_gemv.redecide()
+    try:
+        torch_decode = _decode_logits(model, ids)
+    finally:
+        monkeypatch.undo()
+        cpu_gemv.redecide()
+    assert (native - torch_decode).abs().max() < 1e-5
+    assert (native - full).abs().max() < 1e-4
