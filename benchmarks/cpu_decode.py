@@ -33,7 +33,7 @@ import torch
 from fusedkv.bench.inference import HF, BenchShape, build_models
 from fusedkv.cache import StaticKVCache
 from fusedkv.generation import generate
-from fusedkv.kernels import cpu_gemv
+from fusedkv.kernels import cpu_gemv, native
 from fusedkv.model.precision import half_dtype, reduce_precision, weight_format, weight_nbytes
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8"}
@@ -230,7 +230,7 @@ def kernel_table(threads: int, rows_list: list[int], repeats: int) -> str:
         mods[SHORT[fmt]] = [ReducedLinear.from_linears([m], fmt) for m in linears]
     nbytes = {k: sum(m.weight.numel() * m.weight.element_size() for m in ms) for k, ms in mods.items()}
     steps = {k: (lambda xs, ms=ms: [m(xs[m.in_features]) for m in ms]) for k, ms in mods.items()}
-    if cpu_gemv.available():
+    if native.available():
         steps["f32 native"] = lambda xs, ms=mods["f32"]: [cpu_gemv.linear(xs[m.in_features], m.weight) for m in ms]
         nbytes["f32 native"] = nbytes["f32"]
     if threads > 1:
@@ -476,7 +476,7 @@ def main() -> None:
     rows = run(args)
     print(f"\nbench model {vars(BenchShape())}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
           f"repeats; load average at the end {open('/proc/loadavg').read().split()[0]}; native CPU product "
-          f"kernel: {'on' if cpu_gemv.available() else 'off'} (FUSEDKV_NATIVE_KERNELS)\n")
+          f"kernel: {'on' if native.available() else 'off'} (FUSEDKV_NATIVE_KERNELS)\n")
     print(format_rows(rows))
 
 

@@ -56,10 +56,23 @@ def plan_name(request):
 def torch_kernels(monkeypatch):
     """Decode with PyTorch's kernels only: the native CPU kernel switched off as a user would
     (FUSEDKV_NATIVE_KERNELS=0), and switched back on afterwards."""
-    from fusedkv.kernels import cpu_gemv
+    from fusedkv.kernels import native
 
     monkeypatch.setenv("FUSEDKV_NATIVE_KERNELS", "0")
-    cpu_gemv.redecide()
+    native.redecide()
     yield
     monkeypatch.undo()
-    cpu_gemv.redecide()
+    native.redecide()
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_kernels(request):
+    """Run a test once with the native CPU decode kernels (skipped where they are not built) and once with
+    PyTorch's alone."""
+    from fusedkv.kernels import native
+
+    if request.param == "torch":
+        request.getfixturevalue("torch_kernels")
+    elif not native.available():
+        pytest.skip("no C compiler: the native CPU kernels are not built")
+    return request.param

@@ -12,13 +12,15 @@ Interchangeable attention paths, all checked against each other by the tests:
     the output, so no fused tensor is ever written. Used for short query blocks at inference (decode,
     the last prompt position of a skipping prefill), where it is much faster than materializing
     (`benchmarks/attention_paths_cpu.py`; figures in `docs/results.md`).
-  * Triton flash-decoding (`fusedkv.kernels`): the factored idea in one kernel, for one-token decode
-    on CUDA, reading each source once.
+  * one-token kernels, the factored idea in one pass that reads each source once: Triton
+    flash-decoding (`fusedkv.kernels`) on CUDA, and the native CPU kernel (`fusedkv.kernels.cpu_attention`),
+    which also reads a 16-bit cache in place.
 
 The path is decided in one place, `Attention._path_for`, from facts fixed when the layer is built (does
-it carry fusion weights? can the Triton kernel take its sources?) plus the call's query length and
-device; the kernel is then launched with the layer's sources and weights as they are, with no second
-round of checks or normalisation per step.
+it carry fusion weights? which one-token kernel can take its sources?) plus the call's query length and
+device, and the one-token kernel for a (device, dtype) once per layer (`_one_token_kernel`); the kernel
+is then launched with the layer's sources and weights as they are, with no second round of checks or
+normalisation per step.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import triton_decode_fits, triton_decode_step, triton_runs_on
+from ..kernels import cpu_attention, native, triton_decode_fits, triton_decode_step, triton_runs_on
 from ..kernels.reference import factored_attention, fuse_sources
 from ..plan import SLIDING, LayerKV
 from .fusion import KVFusion
 from .layers import RMSNorm, apply_rope
 from .packing import DecodePackable, Linear, PackedLinears, project, to_column_major
 
-ATTENTION_PATHS = ("auto", "materialized", "factored", "triton")
+ATTENTION_PATHS = ("auto", "materialized", "factored", "triton", "native")
 # Query blocks up to this length take the factored path under "auto" (measured by
 # `benchmarks/attention_paths_cpu.py`; figures in docs/results.md).
 FACTORED_MAX_QUERY = 16
@@ -91,20 +93,23 @@ class Attention(nn.Module, DecodePackable):
         else:
             self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
         # Decided once, from the plan and the shapes: whether the layer's K/V carry fusion weights (the
-        # factored path pays off only then), and whether the Triton kernel takes its sources (the
-        # iterative variant hands it one fused K and V).
+        # factored path pays off only then), and whether the one-token kernels take its sources (the
+        # iterative variant hands them one fused K and V).
         fused = not layer.stores and not self.iterative
         self.weighted = fused and (layer.k_fusion != "reuse" or layer.v_fusion != "reuse")
         k_count, v_count = (len(layer.k_sources), len(layer.v_sources)) if fused else (1, 1)
         scalar = fused and "scalar" in (layer.k_fusion, layer.v_fusion)
         self.kernel_fits = not scalar and triton_decode_fits(self.head_dim, k_count, v_count)
-        self._triton_on: dict[tuple, bool] = {}  # (device, dtype) -> the kernel runs there
+        self.native_fits = not scalar and cpu_attention.supports(
+            self.head_dim, self.num_heads, self.num_kv_heads, k_count, v_count)
+        self._one_token: dict[tuple, str | None] = {}  # (device, dtype) -> "triton", "native" or None
         # Storage layers: does a later reconstruction layer read this layer's K/V (paper Sec. 2.2)?
         self.read_later = layer.stores and any(
             layer.index in (*other.k_sources, *other.v_sources) for other in config.plan.layers if not other.stores)
 
     def set_path(self, path: str) -> None:
-        """"auto", or force "materialized", "factored" or "triton" (one-token steps; longer blocks use SDPA)."""
+        """"auto", or force "materialized", "factored", or a one-token kernel, "triton" or "native" (one-token
+        steps only; longer blocks use SDPA)."""
         if path not in ATTENTION_PATHS:
             raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
         if path == "triton" and not self.kernel_fits:
@@ -113,6 +118,9 @@ class Attention(nn.Module, DecodePackable):
                 f"per-channel (not scalar) weights and a head_dim that is a power of two in [16, 256] "
                 f"(head_dim={self.head_dim}); use the 'factored' or 'materialized' path"
             )
+        if path == "native" and not self.native_fits:
+            raise ValueError(f"layer {self.layer.index + 1}: the native CPU decode kernel takes 1-2 K and 1-2 V "
+                             "sources with per-channel (not scalar) weights; use the 'factored' or 'materialized' path")
         self.path = path
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -156,10 +164,16 @@ class Attention(nn.Module, DecodePackable):
             q = q.to(k_src[0].dtype)
         path = self._path_for(t, q)
         if q is not q_in and path != "triton" and t <= FACTORED_MAX_QUERY and q.device.type == "cpu":
-            # ... except short blocks (decode) on CPU: those attend in f32 over K/V upcast as they are read.
+            # ... except short blocks (decode) on CPU: those attend in f32 (the native kernel widens a 16-bit
+            # cache as it reads it; the others read K/V upcast by their storage layer, `_upcasts_cache`).
             # PyTorch's CPU SDPA at one query row is 3-4x slower over bf16 K/V than converting them and
             # running its f32 kernel (`benchmarks/cpu_decode.py --overhead`), and f32 is the more exact.
             q = q_in
+        if path == "native":
+            out = cpu_attention.decode_attention(q, k_src, k_w, v_src, v_w, self._kv_start(kv, k_src[0]), self.scale)
+            if out is not None:
+                return self._output(out, x)
+            path = "factored" if self.weighted else "materialized"  # sources it cannot read in place
         if path == "triton":
             out = triton_decode_step(q[:, :, 0], k_src, k_w, v_src, v_w, kv_start=self._kv_start(kv, k_src[0]),
                                      scale=self.scale).unsqueeze(2)
@@ -171,12 +185,34 @@ class Attention(nn.Module, DecodePackable):
             k, v = fuse_sources(k_src, k_w, q.dtype), fuse_sources(v_src, v_w, q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self._output(out, x)
+
+    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, D] attention output -> the output projection, in the residual stream's dtype."""
+        b, t = x.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim).to(x.dtype))
 
     def _upcasts_cache(self, t: int, q: torch.Tensor) -> bool:
         """A short block (decode) on CPU attends in f32 over a 16-bit cache (the rule in `forward`), unless
-        the Triton kernel takes it (the interpreter on CPU), which reads the cache's dtype itself."""
-        return t <= FACTORED_MAX_QUERY and q.device.type == "cpu" and not triton_runs_on(q.device, q.dtype)
+        a one-token kernel takes it (native, or Triton's interpreter), which reads the cache's dtype itself."""
+        return (t <= FACTORED_MAX_QUERY and q.device.type == "cpu"
+                and not (t == 1 and self._one_token_kernel(q) is not None))
+
+    def _one_token_kernel(self, q: torch.Tensor) -> str | None:
+        """The one-token kernel for this layer on q's device and dtype: "triton" where Triton runs (CUDA, or
+        its interpreter) and takes the layer's sources, "native" on CPU where the native kernels are built
+        and take them, else None. Decided once per (device, dtype)."""
+        key = (q.device, q.dtype)
+        kernel = self._one_token.get(key, False)
+        if kernel is False:
+            if self.kernel_fits and triton_runs_on(q.device, q.dtype):
+                kernel = "triton"
+            elif self.native_fits and q.device.type == "cpu" and native.available():
+                kernel = "native"
+            else:
+                kernel = None
+            self._one_token[key] = kernel
+        return kernel
 
     def _qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """QK-norm and RoPE of a short f32 block's query and key heads in one pass, over [B, T, H_q + H_kv, D]:
@@ -214,21 +250,18 @@ class Attention(nn.Module, DecodePackable):
         return (start - (total - num_keys)).clamp(min=band)
 
     def _path_for(self, t: int, q: torch.Tensor) -> str:
-        """The forced path, or under "auto": Triton for one-token decode where the kernel runs and takes
-        this layer's sources, factored for short weighted query blocks at inference, SDPA otherwise
-        (training keeps SDPA's fused kernels). The Triton kernel only takes one query token; longer
-        blocks use SDPA."""
+        """The forced path, or under "auto": the one-token kernel (Triton or native) for one-token decode
+        where one runs and takes this layer's sources, factored for short weighted query blocks at
+        inference, SDPA otherwise (training keeps SDPA's fused kernels). The one-token kernels only take
+        one query token; longer blocks use SDPA."""
         if self.path != "auto":
-            return "materialized" if self.path == "triton" and t > 1 else self.path
+            return "materialized" if self.path in ("triton", "native") and t > 1 else self.path
         if torch.is_grad_enabled() and q.requires_grad:
             return "materialized"
-        if t == 1 and self.kernel_fits:
-            key = (q.device, q.dtype)
-            runs = self._triton_on.get(key)
-            if runs is None:
-                runs = self._triton_on[key] = triton_runs_on(q.device, q.dtype)
-            if runs:
-                return "triton"
+        if t == 1:
+            kernel = self._one_token_kernel(q)
+            if kernel is not None:
+                return kernel
         return "factored" if self.weighted and t <= FACTORED_MAX_QUERY else "materialized"
 
     # ---- decode layout (`fusedkv.model.packing`): Q|K|V in one buffer, O and lone Q column-major -------

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_gemv
+from ..kernels import cpu_gemv, native
 
 PACKED_MAX_ROWS = 2
 LAYOUTS = ("packed", "row-major")
@@ -51,13 +51,13 @@ LAYOUTS = ("packed", "row-major")
 def packed_product_wins(rows: int) -> bool:
     """The one layout rule: one packed GEMV beats separate products for up to PACKED_MAX_ROWS rows (up to
     the native kernel's MAX_ROWS where it is built)."""
-    return rows <= (cpu_gemv.MAX_ROWS if cpu_gemv.available() else PACKED_MAX_ROWS)
+    return rows <= (cpu_gemv.MAX_ROWS if native.available() else PACKED_MAX_ROWS)
 
 
 def column_major_down() -> bool:
     """Whether the tall down projection joins the column-major layout: only for the native kernel (MKL
     streams it faster row-major)."""
-    return cpu_gemv.available()
+    return native.available()
 
 
 class Linear(nn.Linear):

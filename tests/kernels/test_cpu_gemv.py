@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from fusedkv.kernels import cpu_gemv
+from fusedkv.kernels import cpu_gemv, native
 
-needs_native = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler: the native kernel is not built")
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernel is not built")
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:
@@ -79,24 +79,24 @@ def test_build_is_cached_and_reused(tmp_path):
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "True"
-    built = list((tmp_path / "native").glob("cpu_gemv-*.so"))
+    built = list((tmp_path / "native").glob("fusedkv-cpu-*.so"))
     assert len(built) == 1 and not [p for p in (tmp_path / "native").iterdir() if p not in built]
 
 
 def test_a_failing_compiler_falls_back_with_one_warning(tmp_path):
     env = {**os.environ, "FUSEDKV_CACHE": str(tmp_path), "CC": "/bin/false"}
-    code = ("import warnings; warnings.simplefilter('always'); from fusedkv.kernels import cpu_gemv; "
-            "print(cpu_gemv.available())")
+    code = ("import warnings; warnings.simplefilter('always'); from fusedkv.kernels import native; "
+            "print(native.available())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    assert "native CPU decode kernel is unavailable" in out.stderr and "Traceback" not in out.stderr
+    assert "native CPU decode kernels are unavailable" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_the_switch_turns_it_off_and_decoding_still_works(torch_kernels):
     from fusedkv.generation import generate
     from tests.conftest import tiny_model
 
-    assert not cpu_gemv.available()
+    assert not native.available()
     w = column_major(torch.randn(8, 4))
     assert cpu_gemv.linear(torch.ones(1, 4), w) is None
     model = tiny_model("fusedkv-lite")
@@ -123,15 +123,15 @@ def test_native_decode_matches_torch_decode_and_the_full_forward(plan_name, monk
 
     model = pack_for_decode(tiny_model(plan_name))
     ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(1))
-    native = _decode_logits(model, ids)
+    with_native = _decode_logits(model, ids)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
     monkeypatch.setenv("FUSEDKV_NATIVE_KERNELS", "0")
-    cpu_gemv.redecide()
+    native.redecide()
     try:
         torch_decode = _decode_logits(model, ids)
     finally:
         monkeypatch.undo()
-        cpu_gemv.redecide()
-    assert (native - torch_decode).abs().max() < 1e-5
-    assert (native - full).abs().max() < 1e-4
+        native.redecide()
+    assert (with_native - torch_decode).abs().max() < 1e-5
+    assert (with_native - full).abs().max() < 1e-4

@@ -1,5 +1,7 @@
-"""The trimmed CPU decode step: one-token attention over a 16-bit KV cache runs in f32 over the upcast
-cache (it equals attention over the same values stored in f32), and prefill keeps the cache's dtype."""
+"""The trimmed CPU decode step: one-token attention over a 16-bit KV cache runs in f32, over the cache
+widened as read by the native kernel or over a copy upcast once per storage layer with PyTorch's
+kernels (either equals attention over the same values stored in f32), and prefill keeps the cache's
+dtype."""
 
 import pytest
 import torch
@@ -22,10 +24,11 @@ def _sources(model, kv_dtype, seq=13, seed=0):
 
 @pytest.mark.parametrize("plan", ["fusedkv-lite", "fusedkv", "fusedkv-gqa"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
-def test_one_token_attention_over_a_16bit_cache_equals_f32_attention_over_its_values(plan, kv_dtype):
-    # Reconstruction layers (reuse: SDPA path; weighted: factored path) at one query row: the result over
-    # bf16/f16 sources must equal the result over the same values held in f32 (nothing rounded to 16 bits
-    # on the way), and both must match a float64 reference.
+def test_one_token_attention_over_a_16bit_cache_equals_f32_attention_over_its_values(plan, kv_dtype,
+                                                                                      decode_kernels):
+    # Reconstruction layers (native kernel; or reuse: SDPA path, weighted: factored path) at one query row:
+    # the result over bf16/f16 sources must equal the result over the same values held in f32 (nothing
+    # rounded to 16 bits on the way), and both must match a float64 reference.
     model = tiny_model(plan)
     c = model.config
     layer = next(lay for lay in model.model.layers if not lay.self_attn.layer.stores).self_attn
@@ -55,7 +58,7 @@ def test_one_token_attention_over_a_16bit_cache_equals_f32_attention_over_its_va
 
 
 @pytest.mark.parametrize("plan", ["vanilla", "fusedkv"])
-def test_16bit_cache_decode_step_is_as_close_as_prefill_allows(plan):
+def test_16bit_cache_decode_step_is_as_close_as_prefill_allows(plan, decode_kernels):
     # Whole model: decoding with a bf16 cache under f32 weights gives the logits of the f32 model decoding
     # over an f32 cache holding the bf16 cache's rounded prefix, up to the new token's own rounding.
     model = tiny_model(plan)
@@ -97,9 +100,10 @@ def test_joint_qk_norm_and_rope_equal_the_modules_bit_for_bit(plan):
 
 
 @pytest.mark.parametrize("plan", ["fusedkv-lite", "fusedkv", "fusedkv-iterative"])
-def test_storage_layers_share_their_f32_copy_with_the_layers_reading_them(plan):
-    # With a 16-bit cache, a decode step's storage layer upcasts its K/V once and hands the f32 copy to the
-    # reconstruction layers reading it; they must get what converting the cache themselves gives.
+def test_storage_layers_share_their_f32_copy_with_the_layers_reading_them(plan, torch_kernels):
+    # With a 16-bit cache and PyTorch's kernels, a decode step's storage layer upcasts its K/V once and hands
+    # the f32 copy to the reconstruction layers reading it; they must get what converting the cache
+    # themselves gives.
     model = tiny_model(plan)
     layers = [lay.self_attn for lay in model.model.layers]
     sources = {s for a in layers if not a.layer.stores for s in (*a.layer.k_sources, *a.layer.v_sources)}

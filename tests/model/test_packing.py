@@ -10,7 +10,7 @@ from torch.profiler import profile
 
 from fusedkv import FusedKVForCausalLM
 from fusedkv.generation import generate
-from fusedkv.kernels import cpu_gemv
+from fusedkv.kernels import native
 from fusedkv.model import is_packed, pack_for_decode, unpack_weights
 from fusedkv.model.packing import column_major_down, packed_product_wins
 from tests.conftest import tiny_model
@@ -71,7 +71,7 @@ def test_batch_one_decode_runs_one_product_per_packed_group(torch_kernels):
         assert _linear_calls(model, ids, None) == 4 * 7 + 1
 
 
-@pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler: the native CPU kernel is not built")
+@pytest.mark.skipif(not native.available(), reason="no C compiler: the native CPU kernel is not built")
 def test_with_the_native_kernel_a_decode_step_runs_no_torch_product():
     model = tiny_model("vanilla")
     ids = torch.randint(1, 97, (1, 6))
@@ -142,11 +142,11 @@ def test_generate_keeps_the_callers_layout_unless_asked():
     assert torch.equal(generate(model, ids, 5).tokens, ref) and is_packed(model)  # still the caller's layout
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
-def test_generate_auto_chooses_the_layout_by_batch_size(native, request):
-    if not native:
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_generate_auto_chooses_the_layout_by_batch_size(kernels, request):
+    if kernels == "torch":
         request.getfixturevalue("torch_kernels")
-    elif not cpu_gemv.available():
+    elif not native.available():
         pytest.skip("no C compiler: the native CPU kernel is not built")
     model = tiny_model("fusedkv")
     ids = torch.randint(1, 97, (4, 10))

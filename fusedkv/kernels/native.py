@@ -1,0 +1,90 @@
+"""The native CPU decode kernels (`cpu_gemv.c`, `cpu_decode_attention.c`): how they are built and loaded.
+
+Built on first use with the system C compiler (`cc -O3 -march=native -fopenmp`: the compiler picks
+AVX-512 or AVX2 for this processor) into `~/.cache/fusedkv/native/`, under a name that hashes the
+sources, the compiler and the processor's flags, written atomically; loaded with ctypes. The library
+links `libgomp.so.1` by its soname, which torch's own OpenMP runtime already holds in the process, so
+both share one thread pool. No compiler, a failed build, or `FUSEDKV_NATIVE_KERNELS=0`: `available()`
+is False and every caller keeps PyTorch's kernels (one warning says why). What the kernels do and when
+they run: `fusedkv.kernels.cpu_gemv` and `fusedkv.kernels.cpu_attention`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+from ..utils import cpu_flags
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c")]
+P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+SIGNATURES = {  # C function -> (argument types, result type)
+    "gemv_f32": ([P, I, I, P, L, P, P, I, I], None),
+    "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
+}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FUSEDKV_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                           os.path.expanduser("~/.cache"), "fusedkv")
+    return Path(root) / "native"
+
+
+def _build(compiler: str) -> Path:
+    """Compile the kernels for this processor, or return the cached library."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    flags = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, flags, platform.machine()]).encode())
+    target = _cache_dir() / f"fusedkv-cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # same filesystem: the rename is atomic
+        built = Path(tmp) / target.name
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(built),
+               *map(str, SOURCES), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run (decided once per process)."""
+    if os.environ.get("FUSEDKV_NATIVE_KERNELS", "1") in ("0", "", "false", "no"):
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None  # the build flags and the libgomp sharing are what was tested
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    try:
+        if compiler is None:
+            raise RuntimeError("no C compiler (cc or gcc) on PATH")
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        warnings.warn(f"fusedkv: the native CPU decode kernels are unavailable ({exc}); decoding uses PyTorch's "
+                      "kernels, which are slower at batch 1. Install a C compiler with OpenMP (gcc) to enable it, "
+                      "or set FUSEDKV_NATIVE_KERNELS=0 to silence this.", stacklevel=3)
+        return None
+    for name, (argtypes, restype) in SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
+    return lib
+
+
+def available() -> bool:
+    """True when the native kernel is built and loaded on this machine (decided once per process)."""
+    return library() is not None
+
+
+def redecide() -> None:
+    """Forget the decision, so the next call re-reads FUSEDKV_NATIVE_KERNELS and CC (tests, benchmarks)."""
+    library.cache_clear()
