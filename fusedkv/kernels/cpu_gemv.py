@@ -5,12 +5,17 @@ by how fast they are streamed. PyTorch's f32 product at one row (MKL) streams we
 rate and does not split one product across cores (`benchmarks/cpu_decode.py --kernels`; figures in
 `docs/cpu-decode.md`). This kernel reads W^T ([in, out] row-major: the column-major weight of
 `fusedkv.model.packing`'s decode layout) in long sequential runs and splits the output columns across
-threads. f32 weights only: the reduced-precision formats keep PyTorch's kernels
-(`fusedkv.model.precision`), which were faster than widening them in this loop. Built and loaded by
-`fusedkv.kernels.native`.
+threads. f32 weights there; the reduced-precision formats keep PyTorch's kernels
+(`fusedkv.model.precision`), which were faster than widening them in that loop, except bf16 on a
+processor with AVX-512 BF16: `linear_bf16_blocks` multiplies pairs of bf16 weights by pairs of bf16
+inputs in one instruction (f32 accumulation), over the weight stored in blocks of 16 outputs with their
+input channels in pairs (`to_bf16_blocks`: one contiguous run per block, read in order). Built and
+loaded by `fusedkv.kernels.native`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -44,3 +49,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                               None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
                               torch.get_num_threads())
     return y
+
+
+BLOCK = 16  # outputs per block of the bf16 layout (one AVX-512 register of f32 accumulators)
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_blocks_available() -> bool:
+    """The bf16 block kernel runs here: the native kernels are built for a processor with AVX-512 BF16."""
+    return native.available() and bool(native.library().has_bf16_blocks())
+
+
+def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """[out, in] weight -> [out / 16, ceil(in / 2), 16, 2] bf16: blocks of 16 outputs, each holding its
+    input channels in pairs (an odd last channel is paired with a zero); None when out is not a multiple
+    of 16 (the caller keeps its own layout)."""
+    out_features, in_features = weight.shape
+    if out_features % BLOCK:
+        return None
+    w = weight.detach().float()
+    if in_features % 2:
+        w = torch.cat([w, w.new_zeros(out_features, 1)], dim=1)
+    blocks = w.reshape(out_features // BLOCK, BLOCK, -1, 2).transpose(1, 2)
+    return blocks.contiguous().to(torch.bfloat16)
+
+
+def from_bf16_blocks(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of `to_bf16_blocks` (a copy): [out, in] bf16, row-major."""
+    n, pairs = blocks.shape[:2]
+    return blocks.transpose(1, 2).reshape(n * BLOCK, 2 * pairs)[:, :in_features].contiguous()
+
+
+def linear_bf16_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`F.linear(x.bfloat16(), W)` in f32 for a few rows, W given by `to_bf16_blocks` (or a slice of its
+    blocks, `blocks[a:b]`), x rounded to bf16 as PyTorch's bf16 GEMV rounds it; None where it does not
+    apply (no AVX-512 BF16, too many rows, autograd, not f32 on CPU)."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad
+            or torch.compiler.is_compiling() or not bf16_blocks_available()):
+        return None
+    rows = x.numel() // in_features
+    if rows > MAX_ROWS or rows == 0 or blocks.shape[0] == 0 or not blocks[0].is_contiguous():
+        return None
+    padded = 2 * blocks.shape[1]
+    xb = x.reshape(rows, in_features).to(torch.bfloat16)
+    if padded != in_features:
+        xb = torch.cat([xb, xb.new_zeros(rows, padded - in_features)], dim=1)
+    xb = xb.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or bias.stride(0) != 1):
+        return None
+    out_features = blocks.shape[0] * BLOCK
+    y = torch.empty(*x.shape[:-1], out_features)
+    native.library().gemv_bf16_blocks(xb.data_ptr(), rows, padded, blocks.data_ptr(), blocks.stride(0),
+                                      None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+                                      torch.get_num_threads())
+    return y
+
+
+native._DEPENDENT.append(bf16_blocks_available.cache_clear)

@@ -28,6 +28,8 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
     "gemv_f32": ([P, I, I, P, L, P, P, I, I], None),
+    "gemv_bf16_blocks": ([P, I, I, P, L, P, P, I, I], I),
+    "has_bf16_blocks": ([], I),
     "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
 }
 
@@ -88,3 +90,8 @@ def available() -> bool:
 def redecide() -> None:
     """Forget the decision, so the next call re-reads FUSEDKV_NATIVE_KERNELS and CC (tests, benchmarks)."""
     library.cache_clear()
+    for forget in _DEPENDENT:
+        forget()
+
+
+_DEPENDENT: list = []  # cache_clear of decisions derived from `library()` (registered by their modules)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_gemv
 from ..utils import cpu_flags
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
@@ -110,15 +111,21 @@ class ReducedLinear(nn.Module):
     run oneDNN's bf16 GEMM (native bf16 processors only) and the others are dequantised for the GEMM
     of the activation dtype, so prefill is no slower than in f32."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str,
+                 in_features: int | None = None):
         super().__init__()
         self.fmt = fmt
-        self.out_features, self.in_features = weight.shape
+        # A 4-D weight is bf16 in the native kernel's block layout (`cpu_gemv.to_bf16_blocks`).
+        self.blocked = weight.dim() == 4
+        if self.blocked:
+            self.out_features, self.in_features = weight.shape[0] * cpu_gemv.BLOCK, in_features
+        else:
+            self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)  # int8 only: [out] in the kernel's dtype
         self.register_buffer("bias", bias, persistent=False)
         self.kernel_dtype = scale.dtype if fmt == "int8" else weight.dtype
-        self.gemv_max_rows = GEMV_MAX_ROWS[fmt]
+        self.gemv_max_rows = cpu_gemv.MAX_ROWS if self.blocked else GEMV_MAX_ROWS[fmt]
         # Many rows: bf16 (on a bf16 processor) keeps its 16-bit operands for oneDNN; others dequantise.
         self.gemm_dtype = self.kernel_dtype if self.kernel_dtype == torch.bfloat16 and native_bf16() else None
 
@@ -133,14 +140,23 @@ class ReducedLinear(nn.Module):
         if fmt == "int8":
             q, scale = quantize_int8(weight)
             return cls(q, scale.to(int8_activation_dtype()), bias, fmt)
+        if (fmt == "bfloat16" and cpu_gemv.bf16_blocks_available()
+                and all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears)):  # slices stay whole blocks
+            return cls(cpu_gemv.to_bf16_blocks(weight), None, bias, fmt, in_features=weight.shape[1])
         return cls(weight.to(_DTYPES[fmt]).contiguous(), None, bias, fmt)
 
     def slice(self, start: int, stop: int) -> ReducedLinear:
         """A module over output rows [start, stop) that shares this one's storage."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        if self.blocked:
+            block = cpu_gemv.BLOCK
+            return ReducedLinear(self.weight[start // block:stop // block], None, bias, self.fmt, self.in_features)
         return ReducedLinear(self.weight[start:stop], None if self.scale is None else self.scale[start:stop],
-                             None if self.bias is None else self.bias[start:stop], self.fmt)
+                             bias, self.fmt)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.blocked:
+            return cpu_gemv.from_bf16_blocks(self.weight, self.in_features).to(dtype)
         if self.fmt == "int8":
             return self.weight.to(dtype) * self.scale.to(dtype)[:, None]
         return self.weight.to(dtype)
@@ -148,7 +164,7 @@ class ReducedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows <= self.gemv_max_rows:
-            y = self._gemv(x.reshape(rows, self.in_features).to(self.kernel_dtype))
+            y = self._gemv(x.reshape(rows, self.in_features))
         elif self.gemm_dtype is not None:
             y = F.linear(x.reshape(rows, self.in_features).to(self.gemm_dtype), self.dequantized(self.gemm_dtype))
         else:
@@ -157,6 +173,10 @@ class ReducedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked:  # the native kernel rounds x to bf16 itself
+            y = cpu_gemv.linear_bf16_blocks(x.float(), self.weight, self.in_features)
+            return y if y is not None else F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16))
+        x = x.to(self.kernel_dtype)
         if self.fmt == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
         if self.kernel_dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():

@@ -135,3 +135,44 @@ def test_native_decode_matches_torch_decode_and_the_full_forward(plan_name, monk
         native.redecide()
     assert (with_native - torch_decode).abs().max() < 1e-5
     assert (with_native - full).abs().max() < 1e-4
+
+
+needs_bf16 = pytest.mark.skipif(not cpu_gemv.bf16_blocks_available(),
+                                reason="the processor has no AVX-512 BF16, or the native kernels are not built")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("out_features,in_features", [(16, 3), (48, 37), (96, 64), (1536, 512)])
+def test_bf16_blocks_match_the_float64_product_of_the_rounded_operands(rows, out_features, in_features):
+    """The block kernel computes x_bf16 . W_bf16 in f32: against float64 over the same rounded values."""
+    g = torch.Generator().manual_seed(out_features + in_features)
+    w, x, bias = (torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g),
+                  torch.randn(out_features, generator=g))
+    blocks = cpu_gemv.to_bf16_blocks(w)
+    assert torch.equal(cpu_gemv.from_bf16_blocks(blocks, in_features), w.bfloat16())  # the layout round-trips
+    ref = x.bfloat16().double() @ w.bfloat16().double().T
+    tol = 1e-5 * in_features**0.5
+    assert (cpu_gemv.linear_bf16_blocks(x, blocks, in_features, bias).double() - ref - bias.double()).abs().max() < tol
+    if blocks.shape[0] > 2:  # an output slice of whole blocks (one projection of a packed group) reads in place
+        part = cpu_gemv.linear_bf16_blocks(x, blocks[1:3], in_features)
+        assert (part.double() - ref[:, 16:48]).abs().max() < tol
+
+
+@needs_bf16
+def test_bf16_blocks_decline_and_reduced_linear_uses_them():
+    from torch import nn
+
+    from fusedkv.model.precision import ReducedLinear
+
+    assert cpu_gemv.to_bf16_blocks(torch.randn(20, 8)) is None  # outputs not whole blocks
+    linear = nn.Linear(40, 32, bias=True)
+    reduced = ReducedLinear.from_linears([linear], "bfloat16")
+    assert reduced.blocked and reduced.weight.dim() == 4
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x.bfloat16().double(), linear.weight.bfloat16().double()) + linear.bias
+        few, many = reduced(x), reduced(torch.randn(7, 40))  # the kernel; the GEMM over re-laid-out blocks
+        assert (few.double() - ref).abs().max() < 1e-4 and many.shape == (7, 32)
+        many_ref = reduced(x.repeat(3, 1))[:3]  # 9 rows: the GEMM path on the same inputs
+        assert (many_ref.double() - ref).abs().max() < 1e-2
