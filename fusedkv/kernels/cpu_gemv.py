@@ -77,7 +77,11 @@ def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 def from_bf16_blocks(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     """The inverse of `to_bf16_blocks` (a copy): [out, in] bf16, row-major."""
     n, pairs = blocks.shape[:2]
-    return blocks.transpose(1, 2).reshape(n * BLOCK, 2 * pairs)[:, :in_features].contiguous()
+    # Move pairs as 32-bit units (a pair of input channels stays adjacent in [out, in]): ~4x faster than
+    # transposing 16-bit elements, which matters because prefill does this per product.
+    rows = blocks.contiguous().view(torch.int32).transpose(1, 2).contiguous().view(torch.bfloat16)
+    w = rows.reshape(n * BLOCK, 2 * pairs)
+    return w if w.shape[1] == in_features else w[:, :in_features].contiguous()
 
 
 def linear_bf16_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int,
