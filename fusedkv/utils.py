@@ -2,7 +2,7 @@
 
 Nothing here knows about models or plans: byte sizes for people, file-safe names, an atomic JSON
 write, an atomic directory replace, where a model's weights live, a quick probe of the Hugging Face hub,
-and the processor's instruction-set flags.
+the processor's instruction-set flags, and the per-user cache directory.
 """
 
 from __future__ import annotations
@@ -118,3 +118,11 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def cache_dir(*parts: str) -> Path:
+    """The per-user cache directory for built artefacts: $FUSEDKV_CACHE, else $XDG_CACHE_HOME/fusedkv,
+    else ~/.cache/fusedkv (not created here)."""
+    root = os.environ.get("FUSEDKV_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fusedkv")
+    return Path(root, *parts)

@@ -20,6 +20,7 @@ NOT_A_PLAN = {
     ("fusedkv/cli.py", "fusedkv"),  # the program name
     ("fusedkv/errors.py", "fusedkv"),  # the program name in messages
     ("fusedkv/serving/plugin.py", "fusedkv"),  # AutoConfig.register(model_type)
+    ("fusedkv/utils.py", "fusedkv"),  # the cache directory's name
 }
 # The one place that reads plan names, besides plan.py: none. (User-typed shorthands are resolved by
 # `fusedkv.plan.resolve_plan_choice`; the experiment YAML files are data, not code, and are not scanned.)

@@ -22,7 +22,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from ..utils import cpu_flags
+from ..utils import cache_dir, cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c")]
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -34,18 +34,12 @@ SIGNATURES = {  # C function -> (argument types, result type)
 }
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("FUSEDKV_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                           os.path.expanduser("~/.cache"), "fusedkv")
-    return Path(root) / "native"
-
-
 def _build(compiler: str) -> Path:
     """Compile the kernels for this processor, or return the cached library."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = " ".join(sorted(cpu_flags()))
     key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, flags, platform.machine()]).encode())
-    target = _cache_dir() / f"fusedkv-cpu-{key.hexdigest()[:16]}.so"
+    target = cache_dir("native") / f"fusedkv-cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
