@@ -31,23 +31,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     then runs its own product): `weight` f32 [out, in] column-major (stride(0) == 1, as the decode layout
     stores it; a row slice of a packed buffer is fine), `x` f32 on CPU with at most `MAX_ROWS` rows, no
     autograd, not under torch.compile (which cannot trace a foreign call), `bias` f32 and contiguous."""
-    if (weight.stride(0) != 1 or weight.dtype != torch.float32 or x.dtype != torch.float32
-            or x.device.type != "cpu" or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            or torch.compiler.is_compiling() or not native.available()):
+    # The checks run on every product of a decode step: cheapest first, no Module or device objects.
+    if (weight.stride(0) != 1 or weight.dtype is not torch.float32 or x.dtype is not torch.float32
+            or not x.is_cpu or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    lib = native.library()
+    if lib is None or torch.compiler.is_compiling():
         return None
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
-    if rows > MAX_ROWS or rows == 0:
+    if rows > MAX_ROWS or rows == 0 or bias is not None and (bias.dtype is not torch.float32 or bias.stride(0) != 1):
         return None
-    x2 = x.reshape(rows, in_features)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or bias.stride(0) != 1):
-        return None
-    y = torch.empty(*x.shape[:-1], out_features)
-    native.library().gemv_f32(x2.data_ptr(), rows, in_features, weight.data_ptr(), weight.stride(1),
-                              None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
-                              torch.get_num_threads())
+    x2 = x.reshape(rows, in_features).contiguous()
+    y = x2.new_empty((*x.shape[:-1], out_features))
+    lib.gemv_f32(x2.data_ptr(), rows, in_features, weight.data_ptr(), weight.stride(1),
+                 None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads())
     return y
 
 

@@ -98,18 +98,19 @@ class PackedLinears:
                     self.bias[offset:offset + n].copy_(m.bias)
                     m.bias.data = self.bias[offset:offset + n]
                 offset += n
+        # What `active` checks on every call: each module still holds the same parameter objects, viewing
+        # the buffers at the same addresses with the buffer's strides.
+        self._views = [(m._parameters, name, m._parameters[name], m._parameters[name].data_ptr())
+                       for m in linears for name in ("weight", "bias") if m._parameters.get(name) is not None]
+        self._stride = self.weight.stride()
 
     def active(self) -> bool:
-        """True while every module's weight (and bias) is still the matching slice of the buffers."""
-        base, size = self.weight.data_ptr(), self.weight.element_size()
-        offset = 0
-        for m, n in zip(self.linears, self.sizes):
-            if m.weight.data_ptr() != base + offset * size or m.weight.stride() != self.weight.stride():
+        """True while every module's weight (and bias) is still the matching slice of the buffers (a check
+        each packed product makes, so it reads the modules' parameter dicts directly)."""
+        for params, name, param, ptr in self._views:
+            if params.get(name) is not param or param.data_ptr() != ptr:
                 return False
-            if self.bias is not None and m.bias.data_ptr() != self.bias.data_ptr() + offset * size:
-                return False
-            offset += n
-        return True
+        return self.linears[0]._parameters["weight"].stride() == self._stride
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = cpu_gemv.linear(x, self.weight, self.bias)
