@@ -70,6 +70,8 @@ def register(sub) -> None:
 def run(args) -> None:
     import torch
 
+    from ..kernels import native
+
     if args.gpu_suite:
         from .gpu_suite import main as gpu_main
 
@@ -124,9 +126,11 @@ def run(args) -> None:
                                    args.kv_group, args.kv_residual, precisions)
     finally:
         bar.close()
+    kernels = ("; native CPU decode kernels " + ("on" if native.available() else "off (FUSEDKV_NATIVE_KERNELS=0 "
+               "or no C compiler)")) if args.device == "cpu" else ""
     print(f"\nmodel: {vars(shape)}, {args.dtype} on {args.device} ({torch.get_num_threads()} threads), "
           f"{args.new_tokens} decode steps, "
-          f"median of {args.repeats} interleaved repeats\n")
+          f"median of {args.repeats} interleaved repeats{kernels}\n")
     print(format_table(rows))
     if args.json_path:
         with writing(args.json_path):
