@@ -2,10 +2,6 @@
 odd sizes, slices of a packed buffer, bias, 1-4 rows, one and two threads; what it declines; the
 cached library, a broken compiler and the switch that turns it off."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -71,25 +67,36 @@ def test_declines_what_it_does_not_run():
 
 
 @needs_native
-def test_build_is_cached_and_reused(tmp_path):
-    """A fresh cache directory gets one library; a second process finds it and does not rebuild."""
-    env = {**os.environ, "FUSEDKV_CACHE": str(tmp_path)}
-    code = ("from fusedkv.kernels import cpu_gemv; import torch; "
-            "w = torch.randn(8, 4).t().contiguous().t(); print(cpu_gemv.linear(torch.ones(1, 4), w) is not None)")
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == "True"
-    built = list((tmp_path / "native").glob("fusedkv-cpu-*.so"))
-    assert len(built) == 1 and not [p for p in (tmp_path / "native").iterdir() if p not in built]
+def test_build_is_cached_and_reused(tmp_path, monkeypatch):
+    """A fresh cache directory gets one library, written whole (no temporary left behind); deciding again
+    finds it and does not rebuild."""
+    monkeypatch.setenv("FUSEDKV_CACHE", str(tmp_path))
+    w, x = column_major(torch.randn(8, 4)), torch.ones(1, 4)
+    try:
+        native.redecide()
+        assert cpu_gemv.linear(x, w) is not None
+        built = list((tmp_path / "native").iterdir())
+        assert len(built) == 1 and built[0].name.startswith("fusedkv-cpu-") and built[0].suffix == ".so"
+        stamp = built[0].stat().st_mtime_ns
+        native.redecide()
+        assert cpu_gemv.linear(x, w) is not None
+        assert list((tmp_path / "native").iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+    finally:
+        monkeypatch.undo()
+        native.redecide()
 
 
-def test_a_failing_compiler_falls_back_with_one_warning(tmp_path):
-    env = {**os.environ, "FUSEDKV_CACHE": str(tmp_path), "CC": "/bin/false"}
-    code = ("import warnings; warnings.simplefilter('always'); from fusedkv.kernels import native; "
-            "print(native.available())")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-    assert "native CPU decode kernels are unavailable" in out.stderr and "Traceback" not in out.stderr
+def test_a_failing_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEDKV_CACHE", str(tmp_path))  # nothing cached there: a build is needed
+    monkeypatch.setenv("CC", "/bin/false")
+    try:
+        native.redecide()
+        with pytest.warns(UserWarning, match="native CPU decode kernels are unavailable"):
+            assert not native.available()
+        assert cpu_gemv.linear(torch.ones(1, 4), column_major(torch.randn(8, 4))) is None
+    finally:
+        monkeypatch.undo()
+        native.redecide()
 
 
 def test_the_switch_turns_it_off_and_decoding_still_works(torch_kernels):
