@@ -4,8 +4,9 @@ The CPU counterpart of the Triton decode kernel: the factored form of paper Sec.
 weights on the query, value weights on the output) over 1-2 key and 1-2 value sources read in place,
 GQA with one read of each kv head for the query heads that share it, left padding as a first key per
 row, and the cache read in its own element type (f32, bf16 or f16, widened as read), so a 16-bit cache
-needs no f32 copy. PyTorch's CPU SDPA at one query row reads the cache below the memory's rate and
-is several times slower still over a 16-bit cache (`benchmarks/cpu_decode.py --overhead`; figures in
+needs no f32 copy. Over a plain f32 cache it is as fast as PyTorch's CPU SDPA at one query row; it
+replaces the factored PyTorch path of weighted layers (several ops per step) and the f32 copy that SDPA
+needs over a 16-bit cache, where SDPA is several times slower (`benchmarks/cpu_decode.py`; figures in
 `docs/cpu-decode.md`). Built and loaded by `fusedkv.kernels.native`; `decode_attention` declines (returns
 None) whatever it does not cover, and the caller runs its PyTorch path.
 """
