@@ -15,8 +15,6 @@ loaded by `fusedkv.kernels.native`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import native
@@ -26,21 +24,28 @@ from . import native
 MAX_ROWS = 4
 
 
+def _rows(x: torch.Tensor, in_features: int, bias: torch.Tensor | None) -> int:
+    """How many rows a native product over `x` computes, or 0 where it does not run: `x` f32 on CPU with
+    1 to `MAX_ROWS` rows, no autograd, not under torch.compile (which cannot trace a foreign call), `bias`
+    f32 and contiguous. These checks run on every product of a decode step: cheapest first."""
+    if (x.dtype is not torch.float32 or not x.is_cpu or torch.is_grad_enabled() and x.requires_grad
+            or bias is not None and (bias.dtype is not torch.float32 or bias.stride(0) != 1)
+            or torch.compiler.is_compiling()):
+        return 0
+    rows = x.numel() // in_features
+    return rows if rows <= MAX_ROWS else 0
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` for a few rows, or None where this kernel does not apply (the caller
-    then runs its own product): `weight` f32 [out, in] column-major (stride(0) == 1, as the decode layout
-    stores it; a row slice of a packed buffer is fine), `x` f32 on CPU with at most `MAX_ROWS` rows, no
-    autograd, not under torch.compile (which cannot trace a foreign call), `bias` f32 and contiguous."""
-    # The checks run on every product of a decode step: cheapest first, no Module or device objects.
-    if (weight.stride(0) != 1 or weight.dtype is not torch.float32 or x.dtype is not torch.float32
-            or not x.is_cpu or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return None
-    lib = native.library()
-    if lib is None or torch.compiler.is_compiling():
+    """`F.linear(x, weight, bias)` for a few rows (`_rows`), or None where this kernel does not apply (the
+    caller then runs its own product): `weight` f32 [out, in] column-major (stride(0) == 1, as the decode
+    layout stores it; a row slice of a packed buffer is fine) and not requiring a gradient."""
+    if weight.stride(0) != 1 or weight.dtype is not torch.float32 or torch.is_grad_enabled() and weight.requires_grad:
         return None
     out_features, in_features = weight.shape
-    rows = x.numel() // in_features
-    if rows > MAX_ROWS or rows == 0 or bias is not None and (bias.dtype is not torch.float32 or bias.stride(0) != 1):
+    rows = _rows(x, in_features, bias)
+    lib = native.library() if rows else None
+    if lib is None:
         return None
     x2 = x.reshape(rows, in_features).contiguous()
     y = x2.new_empty((*x.shape[:-1], out_features))
@@ -52,10 +57,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 BLOCK = 16  # outputs per block of the bf16 layout (one AVX-512 register of f32 accumulators)
 
 
-@functools.lru_cache(maxsize=1)
 def bf16_blocks_available() -> bool:
     """The bf16 block kernel runs here: the native kernels are built for a processor with AVX-512 BF16."""
-    return native.available() and bool(native.library().has_bf16_blocks())
+    lib = native.library()
+    return lib is not None and lib.bf16_blocks
 
 
 def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -87,19 +92,14 @@ def linear_bf16_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int,
     """`F.linear(x.bfloat16(), W)` in f32 for a few rows, W given by `to_bf16_blocks` (or a slice of its
     blocks, `blocks[a:b]`), x rounded to bf16 as PyTorch's bf16 GEMV rounds it; None where it does not
     apply (no AVX-512 BF16, too many rows, autograd, not f32 on CPU)."""
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad
-            or torch.compiler.is_compiling() or not bf16_blocks_available()):
-        return None
-    rows = x.numel() // in_features
-    if rows > MAX_ROWS or rows == 0 or blocks.shape[0] == 0 or not blocks[0].is_contiguous():
+    rows = _rows(x, in_features, bias)
+    if not rows or blocks.shape[0] == 0 or not blocks[0].is_contiguous() or not bf16_blocks_available():
         return None
     padded = 2 * blocks.shape[1]
     xb = x.reshape(rows, in_features).to(torch.bfloat16)
     if padded != in_features:
         xb = torch.cat([xb, xb.new_zeros(rows, padded - in_features)], dim=1)
     xb = xb.contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or bias.stride(0) != 1):
-        return None
     out_features = blocks.shape[0] * BLOCK
     y = torch.empty(*x.shape[:-1], out_features)
     native.library().gemv_bf16_blocks(xb.data_ptr(), rows, padded, blocks.data_ptr(), blocks.stride(0),
@@ -107,5 +107,3 @@ def linear_bf16_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int,
                                       torch.get_num_threads())
     return y
 
-
-native._DEPENDENT.append(bf16_blocks_available.cache_clear)

@@ -73,6 +73,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, (argtypes, restype) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
+    lib.bf16_blocks = bool(lib.has_bf16_blocks())  # compiled for a processor with AVX-512 BF16
     return lib
 
 
@@ -84,8 +85,3 @@ def available() -> bool:
 def redecide() -> None:
     """Forget the decision, so the next call re-reads FUSEDKV_NATIVE_KERNELS and CC (tests, benchmarks)."""
     library.cache_clear()
-    for forget in _DEPENDENT:
-        forget()
-
-
-_DEPENDENT: list = []  # cache_clear of decisions derived from `library()` (registered by their modules)

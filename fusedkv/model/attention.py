@@ -18,9 +18,9 @@ Interchangeable attention paths, all checked against each other by the tests:
 
 The path is decided in one place, `Attention._path_for`, from facts fixed when the layer is built (does
 it carry fusion weights? which one-token kernel can take its sources?) plus the call's query length and
-device, and the one-token kernel for a (device, dtype) once per layer (`_one_token_kernel`); the kernel
-is then launched with the layer's sources and weights as they are, with no second round of checks or
-normalisation per step.
+device, and the one-token kernel for a (device, dtype) once per layer (`_one_token_kernel`); `_route`
+derives from the path, once per call, whether a 16-bit cache is read in f32. The kernel is then launched
+with the layer's sources and weights as they are, with no second round of checks or normalisation.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Attention(nn.Module, DecodePackable):
         self.weighted = fused and (layer.k_fusion != "reuse" or layer.v_fusion != "reuse")
         k_count, v_count = (len(layer.k_sources), len(layer.v_sources)) if fused else (1, 1)
         scalar = fused and "scalar" in (layer.k_fusion, layer.v_fusion)
-        self.kernel_fits = not scalar and triton_decode_fits(self.head_dim, k_count, v_count)
+        self.triton_fits = not scalar and triton_decode_fits(self.head_dim, k_count, v_count)
         self.native_fits = not scalar and cpu_attention.supports(
             self.head_dim, self.num_heads, self.num_kv_heads, k_count, v_count)
         self._one_token: dict[tuple, str | None] = {}  # (device, dtype) -> "triton", "native" or None
@@ -112,7 +112,7 @@ class Attention(nn.Module, DecodePackable):
         steps only; longer blocks use SDPA)."""
         if path not in ATTENTION_PATHS:
             raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
-        if path == "triton" and not self.kernel_fits:
+        if path == "triton" and not self.triton_fits:
             raise ValueError(
                 f"layer {self.layer.index + 1}: the Triton decode kernel takes at most 2 K and 2 V sources with "
                 f"per-channel (not scalar) weights and a head_dim that is a power of two in [16, 256] "
@@ -137,18 +137,21 @@ class Attention(nn.Module, DecodePackable):
                 q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin)
                 k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), cos, sin)
             v = self._heads(v, self.num_kv_heads)
+            path, widen = self._route(t, q)
             if kv.cache is not None:
                 k, v = kv.cache.update(k, v, self.layer.index)
             cached = (k, v)
-            if k.dtype != q.dtype and self._upcasts_cache(t, q):
-                # A 16-bit cache read by a short block on CPU (see below): upcast once, here, and hand the f32
-                # copy to the reconstruction layers that read this layer (kept only when one does: it is as
-                # large as the cache in f32), instead of each of them converting the same K/V again.
+            if k.dtype != q.dtype and widen and path != "native":
+                # A 16-bit cache read in f32 by a path that cannot widen it as it reads (see `_route`):
+                # upcast once, here, and hand the f32 copy to the reconstruction layers that read this layer
+                # (kept only when one does: it is as large as the cache in f32), instead of each of them
+                # converting the same K/V again.
                 k, v = k.to(q.dtype), v.to(q.dtype)
             kv.layers[self.layer.index] = (k, v) if self.read_later else cached
             k_src, k_w, v_src, v_w = [k], [None], [v], [None]
         else:
             q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+            path, widen = self._route(t, q)
             if self.iterative:
                 k_src, k_w, v_src, v_w = self._iterative_sources(kv)
             else:
@@ -159,16 +162,8 @@ class Attention(nn.Module, DecodePackable):
         causal = kv.causal
         if self.window:
             mask, causal = self._window_mask(kv, t, k_src[0].shape[2]), False
-        q_in = q
-        if q.dtype != k_src[0].dtype:  # a 16-bit KV cache under f32 activations: attend in the cache's dtype,
-            q = q.to(k_src[0].dtype)
-        path = self._path_for(t, q)
-        if q is not q_in and path != "triton" and t <= FACTORED_MAX_QUERY and q.device.type == "cpu":
-            # ... except short blocks (decode) on CPU: those attend in f32 (the native kernel widens a 16-bit
-            # cache as it reads it; the others read K/V upcast by their storage layer, `_upcasts_cache`).
-            # PyTorch's CPU SDPA at one query row is 3-4x slower over bf16 K/V than converting them and
-            # running its f32 kernel (`benchmarks/cpu_decode.py --overhead`), and f32 is the more exact.
-            q = q_in
+        if q.dtype != k_src[0].dtype and not widen:  # a 16-bit KV cache under f32 activations: attend in
+            q = q.to(k_src[0].dtype)  # the cache's dtype, except where `_route` says f32
         if path == "native":
             out = cpu_attention.decode_attention(q, k_src, k_w, v_src, v_w, self._kv_start(kv, k_src[0]), self.scale)
             if out is not None:
@@ -192,11 +187,15 @@ class Attention(nn.Module, DecodePackable):
         b, t = x.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim).to(x.dtype))
 
-    def _upcasts_cache(self, t: int, q: torch.Tensor) -> bool:
-        """A short block (decode) on CPU attends in f32 over a 16-bit cache (the rule in `forward`), unless
-        a one-token kernel takes it (native, or Triton's interpreter), which reads the cache's dtype itself."""
-        return (t <= FACTORED_MAX_QUERY and q.device.type == "cpu"
-                and not (t == 1 and self._one_token_kernel(q) is not None))
+    def _route(self, t: int, q: torch.Tensor) -> tuple[str, bool]:
+        """The attention path (`_path_for`) and whether a 16-bit cache is read in f32, the one rule for both:
+        a short block (decode) on CPU attends in f32, because PyTorch's CPU SDPA at one query row is 3-4x
+        slower over bf16 K/V than converting them and running its f32 kernel (`benchmarks/cpu_decode.py
+        --overhead`), and f32 is the more exact. The native kernel widens the cache as it reads it; the
+        other CPU paths read K/V upcast once by their storage layer. Triton (its interpreter on CPU) reads
+        the cache's dtype itself."""
+        path = self._path_for(t, q)
+        return path, path != "triton" and t <= FACTORED_MAX_QUERY and q.device.type == "cpu"
 
     def _one_token_kernel(self, q: torch.Tensor) -> str | None:
         """The one-token kernel for this layer on q's device and dtype: "triton" where Triton runs (CUDA, or
@@ -205,7 +204,7 @@ class Attention(nn.Module, DecodePackable):
         key = (q.device, q.dtype)
         kernel = self._one_token.get(key, False)
         if kernel is False:
-            if self.kernel_fits and triton_runs_on(q.device, q.dtype):
+            if self.triton_fits and triton_runs_on(q.device, q.dtype):
                 kernel = "triton"
             elif self.native_fits and q.device.type == "cpu" and native.available():
                 kernel = "native"

@@ -65,11 +65,8 @@ class Linear(nn.Linear):
     runs the native kernel (`fusedkv.kernels.cpu_gemv.linear`, which declines everything else)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.stride(0) == 1:
-            y = cpu_gemv.linear(x, self.weight, self.bias)
-            if y is not None:
-                return y
-        return F.linear(x, self.weight, self.bias)
+        y = cpu_gemv.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if y is None else y
 
 
 class PackedLinears:

@@ -136,7 +136,7 @@ def test_model_decode_through_the_kernel(plan):
 
     model = tiny_model(plan)
     attn = model.model.layers[-1].self_attn
-    assert attn.kernel_fits and attn._path_for(1, torch.zeros(1, 4, 1, 16)) == "triton"
+    assert attn.triton_fits and attn._path_for(1, torch.zeros(1, 4, 1, 16)) == "triton"
     ids, mask, width = padded_batch(7)
     with torch.no_grad():
         steps, _ = incremental_logits(model, ids, mask, width)
