@@ -94,6 +94,13 @@ class StaticKVCache:
             self._length += t
         return full_k, full_v
 
+    def advance(self, t: int) -> None:
+        """Count `t` new tokens that a writer filling every storage layer's buffers itself has written (the
+        native decode step, `fusedkv.model.decode_step`), as `update` counts them."""
+        if self._length + t > self.max_len:
+            raise ValueError(f"StaticKVCache is full: {self._length} + {t} tokens exceed max_len={self.max_len}")
+        self._length += t
+
     def reset(self) -> None:
         self._length = 0
 

@@ -20,6 +20,7 @@ import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
 from .errors import RunError
+from .model.decode_step import NativeDecodeStep, unsupported
 from .model.packing import LAYOUTS, set_decode_layout
 
 WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
@@ -90,6 +91,14 @@ def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[t
     return ids, real.to(attention_mask.dtype)
 
 
+def _native_step(model, cache, batch: int) -> NativeDecodeStep | None:
+    """The native decode step for this model and cache, or None where it does not cover them (the loop then
+    runs the modules): only a `StaticKVCache` without window layers has the fixed buffers it writes."""
+    if type(cache) is not StaticKVCache or cache.windowed or unsupported(model, cache.keys, cache.values, batch):
+        return None
+    return NativeDecodeStep(model, cache.keys, cache.values, batch)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -99,7 +108,8 @@ def _sync(device: torch.device) -> None:
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
-             weight_layout: str = "keep", cache_factory=None, top_p: float = 1.0) -> GenerationResult:
+             weight_layout: str = "keep", cache_factory=None, top_p: float = 1.0,
+             native_step: bool = True) -> GenerationResult:
     """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`, an id or a list of ids;
     rows that finish earlier keep sampling, cut them at their first EOS).
 
@@ -112,7 +122,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     these re-lay out the caller's model in place and leave it so (same values, names and outputs; a
     change of layout copies the weights once, before the clock starts).
     `cache_factory(config, batch, max_len, dtype, device)` builds another cache instead (e.g.
-    `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache)."""
+    `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache).
+    `native_step`: on CPU, run each decode step's layers as one native call where it covers the model and
+    the cache (`fusedkv.model.decode_step`: f32 packed weights, a static cache, batch <= 4); False runs
+    the model's modules every step, as it always does elsewhere."""
     batch, prompt_len = input_ids.shape
     total = prompt_len + max_new_tokens
     if total > model.config.max_position_embeddings:
@@ -151,6 +164,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     _sync(device)
     ttft = time.perf_counter() - start
 
+    step = _native_step(model, cache, batch) if native_step else None
+    kv_start = None
+    if step is not None and mask is not None:  # left-aligned: each row's first real key, fixed from now on
+        kv_start = (mask[:, :prompt_len] == 0).sum(-1).to(torch.int64).contiguous()
     tokens = [token]
     steps: list[float] = []
     done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -160,8 +177,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
             if bool(done.all()):
                 break
         t0 = time.perf_counter()
-        out = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache, use_cache=True)
-        token = sample_next(out.logits[:, -1], temperature, top_k, generator, top_p)
+        if step is not None:
+            logits = step(token, kv_start, pos)
+            cache.advance(1)
+        else:
+            logits = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache,
+                           use_cache=True).logits
+        token = sample_next(logits[:, -1], temperature, top_k, generator, top_p)
         _sync(device)
         steps.append(time.perf_counter() - t0)
         tokens.append(token)

@@ -29,7 +29,8 @@ def supports(head_dim: int, num_heads: int, num_kv_heads: int, k_count: int, v_c
             and num_heads // num_kv_heads <= MAX_GROUP)
 
 
-def _weights(weights: Sequence[torch.Tensor | None], h_kv: int, d: int) -> tuple[int | None, int | None, int] | None:
+def weight_pointers(weights: Sequence[torch.Tensor | None], h_kv: int,
+                    d: int) -> tuple[int | None, int | None, int] | None:
     """Pointers to 1-2 f32 weights and the elements between kv heads (0: one [D] weight for every head);
     None when they are not in a form the kernel reads in place."""
     ptrs, head_stride = [None, None], 0
@@ -64,7 +65,7 @@ def decode_attention(q: torch.Tensor, k_src: Sequence[torch.Tensor], k_w: Sequen
     h_kv, length = sources[0].shape[1], sources[0].shape[2]
     if any(s.stride() != k_src[0].stride() for s in k_src) or any(s.stride() != v_src[0].stride() for s in v_src):
         return None
-    kw, vw = _weights(k_w, h_kv, d), _weights(v_w, h_kv, d)
+    kw, vw = weight_pointers(k_w, h_kv, d), weight_pointers(v_w, h_kv, d)
     if kw is None or vw is None:
         return None
     q = q.reshape(b, h_q, d).contiguous()

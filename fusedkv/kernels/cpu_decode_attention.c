@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 #define MAX_GROUP 64
 
@@ -31,23 +33,6 @@ static inline float load(const void* base, long i, int kind) {
         return f;
     }
     return (float)((const _Float16*)base)[i];
-}
-
-static inline float exp_poly(float x) { /* Cephes expf, for x <= 0 (scores minus their max) */
-    x = x < -87.f ? -87.f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return p * two_n;
 }
 
 /* Scores of 4 keys at a time: four independent dot products keep the FMA units busy while each one's

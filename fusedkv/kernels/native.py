@@ -1,4 +1,5 @@
-"""The native CPU decode kernels (`cpu_gemv.c`, `cpu_decode_attention.c`): how they are built and loaded.
+"""The native CPU decode kernels (`cpu_gemv.c`, `cpu_decode_attention.c`, `cpu_decode_step.c`): how they
+are built and loaded.
 
 Built on first use with the system C compiler (`cc -O3 -march=native -fopenmp`: the compiler picks
 AVX-512 or AVX2 for this processor) into `~/.cache/fusedkv/native/`, under a name that hashes the
@@ -6,7 +7,7 @@ sources, the compiler and the processor's flags, written atomically; loaded with
 links `libgomp.so.1` by its soname, which torch's own OpenMP runtime already holds in the process, so
 both share one thread pool. No compiler, a failed build, or `FUSEDKV_NATIVE_KERNELS=0`: `available()`
 is False and every caller keeps PyTorch's kernels (one warning says why). What the kernels do and when
-they run: `fusedkv.kernels.cpu_gemv` and `fusedkv.kernels.cpu_attention`.
+they run: `fusedkv.kernels.cpu_gemv`, `fusedkv.kernels.cpu_attention` and `fusedkv.model.decode_step`.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from pathlib import Path
 
 from ..utils import cache_dir, cpu_flags
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_decode_step.c")]
+HEADERS = [Path(__file__).with_name("cpu_math.h")]
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
     "gemv_f32": ([P, I, I, P, L, P, P, I, I], None),
     "gemv_bf16_blocks": ([P, I, I, P, L, P, P, I, I], I),
     "has_bf16_blocks": ([], I),
     "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
+    "decode_step": ([P, P, P, L, I], I),
 }
 
 
@@ -38,7 +41,8 @@ def _build(compiler: str) -> Path:
     """Compile the kernels for this processor, or return the cached library."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = " ".join(sorted(cpu_flags()))
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, flags, platform.machine()]).encode())
+    texts = [p.read_text() for p in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, version, flags, platform.machine()]).encode())
     target = cache_dir("native") / f"fusedkv-cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

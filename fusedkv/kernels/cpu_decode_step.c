@@ -1,0 +1,152 @@
+/* A whole decode step of the decoder layers in one call, for CPU decoding at batch <= 4.
+ *
+ * A one-token step is a chain of ~40 small operations per layer (norms, QK-norm, RoPE, the cache write,
+ * SiLU, residual adds) around a few matrix-vector products. Run as PyTorch ops, each costs a dispatch
+ * and an allocation; together they are a floor of milliseconds per step that no faster product removes.
+ * Here the same step is one C loop over the layers, reusing preallocated buffers, calling the native
+ * products (cpu_gemv.c) and attention (cpu_decode_attention.c) directly. The arithmetic is the model's,
+ * in the same order of operations (fusedkv/model/layers.py, attention.py):
+ *
+ *   h = RMSNorm(x);  [q | k | v] = h W_qkv^T (+ b)                (storage layer; Q only otherwise)
+ *   q = RoPE(RMSNorm_head(q)), k = RoPE(RMSNorm_head(k)), written with v into the cache at `length`
+ *   a = attention of q over the layer's 1-2 K / V sources with their fusion weights (paper Eq. 4-6,
+ *       Sec. 2.5's factored form), keys from kv_start[b]
+ *   x = x + a W_o^T;  h = RMSNorm(x);  x = x + (SiLU(h W_g^T) * h W_u^T) W_d^T
+ *
+ * The caller (fusedkv/model/decode_step.py) fills one `StepLayer` per layer once, with pointers to the
+ * model's weights in the decode layout (W^T stored [in, out]) and to the static cache's buffers, and
+ * checks that the model is one this step covers; it does the embedding, final norm and LM head itself.
+ * RoPE tables [positions, D] come precomputed (the model's own `rope_cos_sin`), so they match exactly.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+enum { MAX_ROWS = 4 };
+
+void gemv_f32(const float* x, int rows, int in, const float* wt, long ldw, const float* bias, float* y, int out,
+              int threads);
+int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len, float scale, int kind,
+                     int n_k, const void* k0, const void* k1, long ksb, long ksh, long kst,
+                     const float* ka0, const float* ka1, long ka_hs,
+                     int n_v, const void* v0, const void* v1, long vsb, long vsh, long vst,
+                     const float* vb0, const float* vb1, long vb_hs,
+                     const int64_t* kv_start, float* out, int threads);
+
+typedef struct {
+    int stores;                        /* 1: projects, caches and attends over its own K/V */
+    int n_proj;                        /* outputs of the first product: H_q D, plus 2 H_kv D when it stores */
+    const float* attn_norm;            /* [H] */
+    const float* mlp_norm;             /* [H] */
+    const float* w_proj; long ld_proj; const float* b_proj;  /* Q|K|V (or Q) W^T [H, n_proj] */
+    const float* q_norm;               /* [D] */
+    const float* k_norm;               /* [D] (storage layers) */
+    void* k_cache; void* v_cache;      /* storage layers: this layer's cache, [B, H_kv, S, D] contiguous */
+    int n_k, n_v;                      /* K / V sources attended over (1-2 each) */
+    const void* k_src[2]; const void* v_src[2];
+    const float* k_w[2]; const float* v_w[2];  /* fusion weights, f32, NULL for plain reuse */
+    long k_w_hs, v_w_hs;               /* elements between kv heads in those weights (0: one [D] weight) */
+    const float* w_o; long ld_o; const float* b_o;          /* W_o^T [H_q D, H] */
+    const float* w_gu; long ld_gu;     /* gate|up W^T [H, 2 I] */
+    const float* w_down; long ld_down; /* W_d^T [I, H] */
+} StepLayer;
+
+typedef struct {
+    int n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, batch, kind;
+    long cache_len;                    /* S: positions the cache buffers hold */
+    float eps, scale;
+    const float* cos; const float* sin;  /* [positions, D]: RoPE tables, sin with rotate-half's sign */
+    long rope_len;
+    StepLayer* layers;
+    /* scratch, preallocated by the caller: [B, H], [B, n_proj max], [B, H_q D] twice, [B, 2 I], [B, I] */
+    float *h, *proj, *q, *attn, *gu, *act;
+} Step;
+
+static void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+:ss)
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* RMSNorm over one head, then RoPE: y = n * cos + roll(n, D/2) * signed_sin (layers.apply_rope). */
+static void norm_rope(const float* x, const float* w, const float* cos, const float* sin, float* y, int D,
+                      float eps) {
+    float n[512];
+    rms_norm(x, w, n, D, eps);
+    const int half = D / 2;
+#pragma omp simd
+    for (int d = 0; d < half; d++) y[d] = n[d] * cos[d] + n[d + half] * sin[d];
+#pragma omp simd
+    for (int d = half; d < D; d++) y[d] = n[d] * cos[d] + n[d - half] * sin[d];
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void store(void* dst, long at, const float* src, int n, int kind) {
+    if (kind == KV_F32) memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
+    else if (kind == KV_BF16) for (int i = 0; i < n; i++) ((uint16_t*)dst)[at + i] = to_bf16(src[i]);
+    else for (int i = 0; i < n; i++) ((_Float16*)dst)[at + i] = (_Float16)src[i];
+}
+
+/* x [B, H]: the residual stream of one new token per row, updated in place through every layer. The
+ * token is written into the cache at column `length` (the same for every row: rows are left-padded);
+ * row b's first real key is kv_start[b] (NULL: 0), so its RoPE position is length - kv_start[b].
+ * Returns 0, or non-zero on a bad argument or a failed allocation in attention. */
+int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, int threads) {
+    const int B = s->batch, H = s->hidden, Hq = s->n_heads, Hkv = s->n_kv_heads, D = s->head_dim, I = s->inter;
+    if (B < 1 || B > MAX_ROWS || D > 512 || D % 2 || length < 0 || length >= s->cache_len) return 1;
+    const long S = s->cache_len, sb = (long)Hkv * S * D, sh = S * D;
+    for (int b = 0; b < B; b++) {
+        const long pos = length - (kv_start ? kv_start[b] : 0);
+        if (pos < 0 || pos >= s->rope_len) return 1;
+    }
+    for (int l = 0; l < s->n_layers; l++) {
+        const StepLayer* L = &s->layers[l];
+        for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->attn_norm, s->h + (long)b * H, H, s->eps);
+        gemv_f32(s->h, B, H, L->w_proj, L->ld_proj, L->b_proj, s->proj, L->n_proj, threads);
+        for (int b = 0; b < B; b++) {
+            const long pos = length - (kv_start ? kv_start[b] : 0);
+            const float *cos = s->cos + pos * D, *sin = s->sin + pos * D;
+            const float* row = s->proj + (long)b * L->n_proj;
+            for (int h = 0; h < Hq; h++)
+                norm_rope(row + (long)h * D, L->q_norm, cos, sin, s->q + ((long)b * Hq + h) * D, D, s->eps);
+            if (!L->stores) continue;
+            float k[512];
+            for (int g = 0; g < Hkv; g++) {
+                const long at = b * sb + g * sh + length * D;
+                norm_rope(row + (long)(Hq + g) * D, L->k_norm, cos, sin, k, D, s->eps);
+                store(L->k_cache, at, k, D, s->kind);
+                store(L->v_cache, at, row + (long)(Hq + Hkv + g) * D, D, s->kind);
+            }
+        }
+        int status = decode_attention(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->kind,
+                                      L->n_k, L->k_src[0], L->k_src[L->n_k - 1], sb, sh, D,
+                                      L->k_w[0], L->k_w[1], L->k_w_hs,
+                                      L->n_v, L->v_src[0], L->v_src[L->n_v - 1], sb, sh, D,
+                                      L->v_w[0], L->v_w[1], L->v_w_hs, kv_start, s->attn, threads);
+        if (status) return 2;
+        gemv_f32(s->attn, B, Hq * D, L->w_o, L->ld_o, L->b_o, s->h, H, threads);
+        for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
+        for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->mlp_norm, s->h + (long)b * H, H, s->eps);
+        gemv_f32(s->h, B, H, L->w_gu, L->ld_gu, NULL, s->gu, 2 * I, threads);
+        for (int b = 0; b < B; b++) {
+            const float *g = s->gu + (long)b * 2 * I, *u = g + I;
+            float* a = s->act + (long)b * I;
+#pragma omp simd
+            for (int i = 0; i < I; i++) a[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
+        }
+        gemv_f32(s->act, B, I, L->w_down, L->ld_down, NULL, s->h, H, threads);
+        for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
+    }
+    return 0;
+}

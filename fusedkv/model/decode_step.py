@@ -1,0 +1,163 @@
+"""The decoder layers of a one-token CPU decode step as one native call (`fusedkv/kernels/cpu_decode_step.c`).
+
+Run module by module, a decode step of a small model spends milliseconds on dispatch alone: about forty
+PyTorch ops per layer around the weight products (`benchmarks/cpu_decode.py --overhead`; figures in
+`docs/cpu-decode.md`). `NativeDecodeStep` takes that floor away the way gpt-fast and llama.cpp do, by
+deciding everything once: it reads the model's weights (in the decode layout of
+`fusedkv.model.packing`), the plan's sources and fusion weights, and the static cache's buffers into a
+table of pointers when it is built, and each step is then the embedding, one C call through every
+layer, the final norm and the LM head. The arithmetic is the modules' own (storage layers write their
+post-RoPE K/V into the cache; reconstruction layers attend over their sources with the fusion weights
+moved onto the query and output, paper Sec. 2.5), checked against the model's forward by the tests.
+
+It covers what the fast CPU path is for: f32 weights in the packed decode layout, batch <= 4, full
+attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of `fusedkv.plan`,
+dense SwiGLU MLPs). `unsupported` names the first thing it does not cover, and the caller then keeps the
+module-by-module step, which runs everything (MoE, MLA, sliding windows, reduced-precision weights).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..kernels import cpu_attention, cpu_gemv, native
+from .attention import Attention
+from .layers import SwiGLU, rope_cos_sin
+
+P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+MAX_HEAD_DIM = 512  # the C step's per-head buffers
+
+
+class _Layer(ctypes.Structure):  # `StepLayer` in cpu_decode_step.c, field for field
+    _fields_ = [("stores", I), ("n_proj", I), ("attn_norm", P), ("mlp_norm", P),
+                ("w_proj", P), ("ld_proj", L), ("b_proj", P), ("q_norm", P), ("k_norm", P),
+                ("k_cache", P), ("v_cache", P), ("n_k", I), ("n_v", I), ("k_src", P * 2), ("v_src", P * 2),
+                ("k_w", P * 2), ("v_w", P * 2), ("k_w_hs", L), ("v_w_hs", L),
+                ("w_o", P), ("ld_o", L), ("b_o", P), ("w_gu", P), ("ld_gu", L), ("w_down", P), ("ld_down", L)]
+
+
+class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
+    _fields_ = [("n_layers", I), ("hidden", I), ("n_heads", I), ("n_kv_heads", I), ("head_dim", I), ("inter", I),
+                ("batch", I), ("kind", I), ("cache_len", L), ("eps", F), ("scale", F), ("cos", P), ("sin", P),
+                ("rope_len", L), ("layers", ctypes.POINTER(_Layer)),
+                ("h", P), ("proj", P), ("q", P), ("attn", P), ("gu", P), ("act", P)]
+
+
+def _column_major(linear) -> bool:
+    w = getattr(linear, "weight", None)
+    return (isinstance(linear, torch.nn.Linear) and w.dtype == torch.float32 and w.stride(0) == 1
+            and (linear.bias is None or linear.bias.is_contiguous()))
+
+
+def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int) -> str | None:
+    """Why the native step cannot run `model` over these cache buffers at this batch, or None when it can."""
+    config = model.config
+    if not native.available():
+        return "the native CPU kernels are not built here"
+    if batch > cpu_gemv.MAX_ROWS:
+        return f"batch {batch} > {cpu_gemv.MAX_ROWS}"
+    if model.device.type != "cpu" or model.dtype != torch.float32 or model.training:
+        return "the model is not an f32 CPU model in eval mode"
+    if config.kv_lora_rank is not None or config.num_experts > 0 or config.hidden_act != "silu":
+        return "MLA, MoE and activations other than SiLU run module by module"
+    if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
+        return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
+    if sorted(config.plan.storage_layers) != sorted(keys):
+        return "the cache does not hold exactly the plan's storage layers"
+    buffers = [*keys.values(), *values.values()]
+    first = buffers[0]
+    if first.dtype not in cpu_attention.KINDS or any(
+            b.dtype != first.dtype or b.shape != first.shape or not b.is_contiguous() or b.shape[0] != batch
+            for b in buffers):
+        return "the cache buffers are not one contiguous [B, H_kv, S, D] shape and dtype (a window cache?)"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, Attention) or not isinstance(mlp, SwiGLU):
+            return "a layer is not Qwen3 attention with a dense MLP"
+        if attn.window or attn.iterative or not attn.native_fits or attn.path not in ("auto", "native"):
+            return f"layer {attn.layer.index + 1}: a window, the iterative fusion, scalar weights or a forced path"
+        if not (attn.is_packed() if attn.layer.stores else _column_major(attn.q_proj)):
+            return "the projections are not in the packed decode layout (fusedkv.model.packing.set_decode_layout)"
+        if not (_column_major(attn.o_proj) and mlp.is_packed() and _column_major(mlp.down_proj)):
+            return "the projections are not in the packed decode layout (fusedkv.model.packing.set_decode_layout)"
+    return None
+
+
+class NativeDecodeStep:
+    """`step(token, kv_start, length)` -> logits [B, 1, V] of one new token per row, with its K/V written into
+    `keys` / `values` (the static cache's storage-layer buffers, [B, H_kv, S, D]) at column `length`; the
+    caller counts the token in its cache. `kv_start` [B]: each row's first real key (left padding), or None.
+    Built once per generation; raises ValueError when `unsupported` says why it cannot run."""
+
+    def __init__(self, model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int):
+        reason = unsupported(model, keys, values, batch)
+        if reason is not None:
+            raise ValueError(f"the native decode step does not cover this model: {reason}")
+        self.model = model
+        config = model.config
+        d, h_q, h_kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        hidden, inter = config.hidden_size, config.intermediate_size
+        cache_len = next(iter(keys.values())).shape[2]
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer in the table refers to stays alive here
+        positions = torch.arange(cache_len).unsqueeze(0)
+        cos, sin = rope_cos_sin(positions, d, config.rope_theta, torch.float32)
+        cos, sin = self._hold(cos.reshape(cache_len, d)), self._hold(sin.reshape(cache_len, d))
+        layers = (_Layer * len(model.model.layers))()
+        n_proj_max = 0
+        for table, layer in zip(layers, model.model.layers):
+            self._fill(table, layer, keys, values, h_kv, d)
+            n_proj_max = max(n_proj_max, table.n_proj)
+        self._layers = layers
+        scratch = [torch.empty(batch, n) for n in (hidden, n_proj_max, h_q * d, h_q * d, 2 * inter, inter)]
+        self._keep += scratch
+        self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
+                           cpu_attention.KINDS[next(iter(keys.values())).dtype], cache_len, config.rms_norm_eps,
+                           d**-0.5, cos.data_ptr(), sin.data_ptr(), cache_len, layers,
+                           *(t.data_ptr() for t in scratch))
+        self._address = ctypes.addressof(self._step)
+        self._lib = native.library()
+
+    def _hold(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to(torch.float32).contiguous()
+        self._keep.append(t)
+        return t
+
+    def _fill(self, table: _Layer, layer, keys, values, h_kv: int, d: int) -> None:
+        attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.layer
+        table.stores = kv.stores
+        table.attn_norm = self._hold(layer.input_layernorm.weight).data_ptr()
+        table.mlp_norm = self._hold(layer.post_attention_layernorm.weight).data_ptr()
+        proj = attn.packed_qkv if kv.stores else attn.q_proj
+        table.w_proj, table.ld_proj, table.n_proj = proj.weight.data_ptr(), proj.weight.stride(1), proj.weight.shape[0]
+        table.b_proj = None if proj.bias is None else proj.bias.data_ptr()
+        table.q_norm = self._hold(attn.q_norm.weight).data_ptr()
+        if kv.stores:
+            table.k_norm = self._hold(attn.k_norm.weight).data_ptr()
+            table.k_cache, table.v_cache = keys[kv.index].data_ptr(), values[kv.index].data_ptr()
+            k_src, v_src, k_w, v_w = [keys[kv.index]], [values[kv.index]], [None], [None]
+        else:
+            k_src, v_src = [keys[s] for s in kv.k_sources], [values[s] for s in kv.v_sources]
+            k_w = [None if w is None else self._hold(w) for w in attn.fusion.key_weights()]
+            v_w = [None if w is None else self._hold(w) for w in attn.fusion.value_weights()]
+        table.n_k, table.n_v = len(k_src), len(v_src)
+        table.k_src[:] = [k_src[0].data_ptr(), k_src[-1].data_ptr()]
+        table.v_src[:] = [v_src[0].data_ptr(), v_src[-1].data_ptr()]
+        (k0, k1, table.k_w_hs), (v0, v1, table.v_w_hs) = (cpu_attention.weight_pointers(k_w, h_kv, d),
+                                                          cpu_attention.weight_pointers(v_w, h_kv, d))
+        table.k_w[:], table.v_w[:] = [k0, k1], [v0, v1]
+        table.w_o, table.ld_o = attn.o_proj.weight.data_ptr(), attn.o_proj.weight.stride(1)
+        table.b_o = None if attn.o_proj.bias is None else attn.o_proj.bias.data_ptr()
+        gate_up = mlp.packed_gate_up.weight
+        table.w_gu, table.ld_gu = gate_up.data_ptr(), gate_up.stride(1)
+        table.w_down, table.ld_down = mlp.down_proj.weight.data_ptr(), mlp.down_proj.weight.stride(1)
+
+    def __call__(self, token: torch.Tensor, kv_start: torch.Tensor | None, length: int) -> torch.Tensor:
+        model = self.model
+        x = model.model.embed_tokens(token).contiguous()  # [B, 1, H]: the residual stream, updated in place
+        status = self._lib.decode_step(self._address, x.data_ptr(), None if kv_start is None else kv_start.data_ptr(),
+                                       length, torch.get_num_threads())
+        if status:
+            raise RuntimeError(f"the native decode step refused its arguments (status {status}) at length {length}")
+        return model.lm_head(model.model.norm(x))

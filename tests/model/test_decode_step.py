@@ -1,0 +1,150 @@
+"""The native decode step (`fusedkv.model.decode_step`) against the model's own forward: every plan it
+covers, f32 and 16-bit caches, batch 1 and a left-padded batch; what it declines falls back."""
+
+import copy
+
+import pytest
+import torch
+
+from fusedkv.cache import StaticKVCache
+from fusedkv.generation import generate
+from fusedkv.kernels import native
+from fusedkv.model.decode_step import NativeDecodeStep, unsupported
+from fusedkv.model.packing import set_decode_layout
+from tests.conftest import PLAN_CONFIGS, tiny_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native CPU kernels are not built")
+
+COVERED = [p for p in PLAN_CONFIGS if p not in ("fusedkv-dense", "fusedkv-iterative")]  # 3+ sources / a carry
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _packed(plan, **overrides):
+    model = tiny_model(plan, **overrides)
+    set_decode_layout(model, "packed")
+    return model
+
+
+def _padded_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 97, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding of different lengths
+    mask[2, :5] = 0  # (inside the prompt: generation pads prompts only)
+    return ids * mask, mask
+
+
+@pytest.mark.parametrize("plan", COVERED)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_step_matches_the_full_forward(plan, cache_dtype):
+    """Teacher-forced decode through the native step gives, at every position, the logits of one forward
+    over the whole sequence (the plain reference), for a left-padded batch of 3."""
+    model = _packed(plan, attention_bias=plan == "vanilla")
+    ids, mask = _padded_batch()
+    prompt, steps = 6, ids.shape[1] - 6
+    cache = StaticKVCache(model.config, 3, ids.shape[1], cache_dtype)
+    with torch.inference_mode():
+        model(ids[:, :prompt], attention_mask=mask[:, :prompt], cache=cache, use_cache=True)
+        step = NativeDecodeStep(model, cache.keys, cache.values, 3)
+        kv_start = (mask[:, :prompt] == 0).sum(-1).to(torch.int64)
+        got = []
+        for i in range(prompt, prompt + steps):
+            got.append(step(ids[:, i : i + 1], kv_start, cache.get_seq_length()))
+            cache.advance(1)
+        full = model(ids, attention_mask=mask).logits[:, prompt:]
+    got = torch.cat(got, dim=1)
+    real = mask[:, prompt:].bool()
+    scale = full[real].abs().max()
+    assert (got - full)[real].abs().max() <= TOL[cache_dtype] * scale
+
+
+@pytest.mark.parametrize("plan", ["vanilla", "fusedkv-lite", "fusedkv", "fusedkv-gqa"])
+def test_step_writes_the_cache_the_modules_write(plan):
+    """The K/V the step writes into the static cache are the ones the storage layers' modules write."""
+    model = _packed(plan)
+    ids = torch.randint(1, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    caches = [StaticKVCache(model.config, 1, 12) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids[:, :8], cache=cache, use_cache=True)
+        step = NativeDecodeStep(model, caches[0].keys, caches[0].values, 1)
+        for i in range(8, 12):
+            step(ids[:, i : i + 1], None, caches[0].get_seq_length())
+            caches[0].advance(1)
+            model(ids[:, i : i + 1], cache=caches[1], use_cache=True)
+    for layer in caches[0].keys:
+        torch.testing.assert_close(caches[0].keys[layer], caches[1].keys[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[0].values[layer], caches[1].values[layer], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("plan", ["vanilla", "fusedkv", "yoco"])
+def test_generate_with_and_without_the_step(plan):
+    """`generate` takes the step by default; greedy tokens equal those of the module-by-module loop, for a
+    right-padded batch too (re-aligned to the left before prefill)."""
+    model = _packed(plan)
+    ids, mask = _padded_batch(seed=2)
+    ids, mask = ids.flip(-1), mask.flip(-1)  # right padding
+    fast = generate(model, ids, 10, attention_mask=mask)
+    slow = generate(model, ids, 10, attention_mask=mask, native_step=False)
+    assert torch.equal(fast.tokens, slow.tokens)
+
+
+def test_generate_uses_the_step(monkeypatch):
+    """The step really runs in `generate` (a test of the fast path, not of the fallback)."""
+    calls = []
+    original = NativeDecodeStep.__call__
+    monkeypatch.setattr(NativeDecodeStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    generate(_packed("fusedkv"), torch.randint(1, 97, (1, 5)), 6)
+    assert len(calls) == 5
+
+
+@pytest.mark.parametrize("case, overrides, batch, layout", [
+    ("unpacked", {}, 1, "row-major"),
+    ("batch above 4", {}, 5, "packed"),
+    ("moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 1, "packed"),
+    ("mla", dict(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16), 1,
+     "packed"),
+])
+def test_declined_models_fall_back(case, overrides, batch, layout):
+    """What the step does not cover is named by `unsupported`, refused by the constructor with that
+    reason, and `generate` then runs the modules (same tokens as forcing them)."""
+    model = tiny_model("fusedkv", **overrides)
+    set_decode_layout(model, layout)
+    cache = StaticKVCache(model.config, batch, 16)
+    reason = unsupported(model, cache.keys, cache.values, batch)
+    assert reason
+    with pytest.raises(ValueError, match="does not cover"):
+        NativeDecodeStep(model, cache.keys, cache.values, batch)
+    ids = torch.randint(1, 97, (batch, 5), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(generate(model, ids, 4).tokens, generate(model, ids, 4, native_step=False).tokens)
+
+
+def test_window_cache_is_declined():
+    model = _packed("fusedkv", sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    cache = StaticKVCache(model.config, 1, 16)
+    assert unsupported(model, cache.keys, cache.values, 1)
+
+
+def test_bf16_model_is_declined():
+    model = _packed("vanilla")
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    cache = StaticKVCache(bf16.config, 1, 16, torch.bfloat16)
+    assert "f32" in unsupported(bf16, cache.keys, cache.values, 1)
+
+
+def test_kernels_off_declines(torch_kernels):
+    model = _packed("vanilla")
+    cache = StaticKVCache(model.config, 1, 16)
+    assert "not built" in unsupported(model, cache.keys, cache.values, 1)
+
+
+def test_full_cache_is_refused_with_a_message():
+    model = _packed("vanilla")
+    cache = StaticKVCache(model.config, 1, 4)
+    with torch.inference_mode():
+        model(torch.randint(1, 97, (1, 4)), cache=cache, use_cache=True)
+        step = NativeDecodeStep(model, cache.keys, cache.values, 1)
+        with pytest.raises(RuntimeError, match="refused its arguments"):
+            step(torch.tensor([[5]]), None, cache.get_seq_length())
+    with pytest.raises(ValueError, match="full"):
+        cache.advance(1)
