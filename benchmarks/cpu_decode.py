@@ -333,10 +333,13 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
     products = the same weight modules run alone on one row, interleaved with the steps; rest = step -
     products (median of the pairs); dispatch floor = the same step at tiny widths (`_dispatch_floor`:
     Python, op dispatch and small-op arithmetic, no bytes); rest - floor = the work that scales with
-    the context and widths (attention over the cache, mostly); ops = aten ops per step (profiler)."""
+    the context and widths (attention over the cache, mostly); ops = aten ops per step (profiler);
+    native step = the same step as `generate` runs it by default, the layers in one native call
+    (`fusedkv.model.decode_step`; "-" where it does not cover the model), interleaved with the others."""
     from torch.profiler import ProfilerActivity, profile
 
     from fusedkv.generation import sample_next
+    from fusedkv.model.decode_step import NativeDecodeStep, unsupported
     from fusedkv.model.packing import set_decode_layout
 
     torch.set_num_threads(1)
@@ -346,7 +349,7 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
     lines = [f"{torch.get_num_threads()} thread, batch 1, KV {kv_dtype}, {steps} steps per cell, medians; CPU time "
              f"(process_time). Load average at the start {open('/proc/loadavg').read().split()[0]}",
              "| plan | weights | prompt | step ms | products ms | rest ms | dispatch floor ms | rest - floor ms | "
-             "ops per step |", "|---" * 9 + "|"]
+             "ops per step | native step ms |", "|---" * 10 + "|"]
     for plan in plans:
         for fmt in weights:
             model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
@@ -364,7 +367,9 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
                     def step(token, model=model, cache=cache):
                         return sample_next(model(token, cache=cache, use_cache=True).logits[:, -1])
 
-                    step_t, prod_t = [], []
+                    native_step = (None if unsupported(model, cache.keys, cache.values, 1)
+                                   else NativeDecodeStep(model, cache.keys, cache.values, 1))
+                    step_t, prod_t, native_t = [], [], []
                     for i in range(steps):
                         if i % 8 == 0:  # stay near `prompt` tokens of context
                             cache._length = start
@@ -374,6 +379,9 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
                         for f, w in products:
                             f(xs[w])
                         t2 = time.process_time()
+                        if native_step is not None:  # writes the column the next module step overwrites
+                            sample_next(native_step(token, None, cache.get_seq_length())[:, -1])
+                            native_t.append(time.process_time() - t2)
                         step_t.append(t1 - t0)
                         prod_t.append(t2 - t1)
                     cache._length = start
@@ -384,8 +392,9 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
                 ops = sum(e.count for e in prof.key_averages()) / prof_steps
                 s, p = statistics.median(step_t[2:]) * 1e3, statistics.median(prod_t[2:]) * 1e3
                 rest = statistics.median(a - b for a, b in zip(step_t[2:], prod_t[2:])) * 1e3
+                fast = f"{statistics.median(native_t[2:]) * 1e3:.2f}" if native_t else "-"
                 lines.append(f"| {plan} | {SHORT[fmt]} | {prompt} | {s:.2f} | {p:.2f} | {rest:.2f} | {floor:.2f} | "
-                             f"{rest - floor:.2f} | {ops:.0f} |")
+                             f"{rest - floor:.2f} | {ops:.0f} | {fast} |")
                 print(lines[-1], file=sys.stderr)
     return "\n".join(lines)
 

@@ -14,8 +14,10 @@
  *   x = x + a W_o^T;  h = RMSNorm(x);  x = x + (SiLU(h W_g^T) * h W_u^T) W_d^T
  *
  * The caller (fusedkv/model/decode_step.py) fills one `StepLayer` per layer once, with pointers to the
- * model's weights in the decode layout (W^T stored [in, out]) and to the static cache's buffers, and
- * checks that the model is one this step covers; it does the embedding, final norm and LM head itself.
+ * model's weights and to the static cache's buffers, and checks that the model is one this step covers;
+ * it does the embedding, final norm and LM head itself. Each weight is a `Product` in one of the layouts
+ * the native products read: f32 in the decode layout (W^T stored [in, out]), or bf16 / int8 blocks
+ * (cpu_gemv.c, processors with AVX-512 BF16), whose input the step rounds to bf16 itself.
  * RoPE tables [positions, D] come precomputed (the model's own `rope_cos_sin`), so they match exactly.
  */
 #include <stdint.h>
@@ -28,6 +30,10 @@ enum { MAX_ROWS = 4 };
 
 void gemv_f32(const float* x, int rows, int in, const float* wt, long ldw, const float* bias, float* y, int out,
               int threads);
+int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride, const float* scale,
+                     const float* bias, float* y, int out, int threads);
+int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long block_stride, const float* scale,
+                     const float* bias, float* y, int out, int threads);
 int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len, float scale, int kind,
                      int n_k, const void* k0, const void* k1, long ksb, long ksh, long kst,
                      const float* ka0, const float* ka1, long ka_hs,
@@ -35,12 +41,20 @@ int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len,
                      const float* vb0, const float* vb1, long vb_hs,
                      const int64_t* kv_start, float* out, int threads);
 
+enum { W_F32 = 0, W_BF16_BLOCKS = 1, W_INT8_BLOCKS = 2 };
+
+typedef struct {
+    int fmt, in, in_padded, out;       /* blocks pair the input channels: in_padded = in rounded up to even */
+    const void* w; long ld;            /* f32: W^T [in, out], ld floats per row; blocks: elements per block */
+    const float* scale;                /* int8: [out] */
+    const float* bias;                 /* [out] or NULL */
+} Product;
+
 typedef struct {
     int stores;                        /* 1: projects, caches and attends over its own K/V */
-    int n_proj;                        /* outputs of the first product: H_q D, plus 2 H_kv D when it stores */
     const float* attn_norm;            /* [H] */
     const float* mlp_norm;             /* [H] */
-    const float* w_proj; long ld_proj; const float* b_proj;  /* Q|K|V (or Q) W^T [H, n_proj] */
+    Product proj;                      /* Q|K|V (storage layers) or Q: H_q D (+ 2 H_kv D) outputs */
     const float* q_norm;               /* [D] */
     const float* k_norm;               /* [D] (storage layers) */
     void* k_cache; void* v_cache;      /* storage layers: this layer's cache, [B, H_kv, S, D] contiguous */
@@ -48,9 +62,9 @@ typedef struct {
     const void* k_src[2]; const void* v_src[2];
     const float* k_w[2]; const float* v_w[2];  /* fusion weights, f32, NULL for plain reuse */
     long k_w_hs, v_w_hs;               /* elements between kv heads in those weights (0: one [D] weight) */
-    const float* w_o; long ld_o; const float* b_o;          /* W_o^T [H_q D, H] */
-    const float* w_gu; long ld_gu;     /* gate|up W^T [H, 2 I] */
-    const float* w_down; long ld_down; /* W_d^T [I, H] */
+    Product o;                         /* H_q D -> H */
+    Product gate_up;                   /* H -> 2 I */
+    Product down;                      /* I -> H */
 } StepLayer;
 
 typedef struct {
@@ -60,9 +74,12 @@ typedef struct {
     const float* cos; const float* sin;  /* [positions, D]: RoPE tables, sin with rotate-half's sign */
     long rope_len;
     StepLayer* layers;
-    /* scratch, preallocated by the caller: [B, H], [B, n_proj max], [B, H_q D] twice, [B, 2 I], [B, I] */
+    /* scratch, preallocated by the caller: [B, H], [B, proj outputs max], [B, H_q D] twice, [B, 2 I], [B, I],
+     * and [B, widest input + 1] uint16 for inputs rounded to bf16 */
     float *h, *proj, *q, *attn, *gu, *act;
+    uint16_t* xb;
 } Step;
+
 
 static void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
     float ss = 0.f;
@@ -92,6 +109,21 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+static int product(const Product* p, const float* x, int rows, float* y, uint16_t* xb, int threads) {
+    if (p->fmt == W_F32) {
+        gemv_f32(x, rows, p->in, (const float*)p->w, p->ld, p->bias, y, p->out, threads);
+        return 0;
+    }
+    for (int r = 0; r < rows; r++) {
+        uint16_t* row = xb + (long)r * p->in_padded;
+        for (int i = 0; i < p->in; i++) row[i] = to_bf16(x[(long)r * p->in + i]);
+        for (int i = p->in; i < p->in_padded; i++) row[i] = 0;
+    }
+    if (p->fmt == W_BF16_BLOCKS)
+        return gemv_bf16_blocks(xb, rows, p->in_padded, (const uint16_t*)p->w, p->ld, NULL, p->bias, y, p->out, threads);
+    return gemv_int8_blocks(xb, rows, p->in_padded, (const int8_t*)p->w, p->ld, p->scale, p->bias, y, p->out, threads);
+}
+
 static void store(void* dst, long at, const float* src, int n, int kind) {
     if (kind == KV_F32) memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
     else if (kind == KV_BF16) for (int i = 0; i < n; i++) ((uint16_t*)dst)[at + i] = to_bf16(src[i]);
@@ -113,11 +145,11 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
     for (int l = 0; l < s->n_layers; l++) {
         const StepLayer* L = &s->layers[l];
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->attn_norm, s->h + (long)b * H, H, s->eps);
-        gemv_f32(s->h, B, H, L->w_proj, L->ld_proj, L->b_proj, s->proj, L->n_proj, threads);
+        if (product(&L->proj, s->h, B, s->proj, s->xb, threads)) return 3;
         for (int b = 0; b < B; b++) {
             const long pos = length - (kv_start ? kv_start[b] : 0);
             const float *cos = s->cos + pos * D, *sin = s->sin + pos * D;
-            const float* row = s->proj + (long)b * L->n_proj;
+            const float* row = s->proj + (long)b * L->proj.out;
             for (int h = 0; h < Hq; h++)
                 norm_rope(row + (long)h * D, L->q_norm, cos, sin, s->q + ((long)b * Hq + h) * D, D, s->eps);
             if (!L->stores) continue;
@@ -135,17 +167,17 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
                                       L->n_v, L->v_src[0], L->v_src[L->n_v - 1], sb, sh, D,
                                       L->v_w[0], L->v_w[1], L->v_w_hs, kv_start, s->attn, threads);
         if (status) return 2;
-        gemv_f32(s->attn, B, Hq * D, L->w_o, L->ld_o, L->b_o, s->h, H, threads);
+        if (product(&L->o, s->attn, B, s->h, s->xb, threads)) return 3;
         for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->mlp_norm, s->h + (long)b * H, H, s->eps);
-        gemv_f32(s->h, B, H, L->w_gu, L->ld_gu, NULL, s->gu, 2 * I, threads);
+        if (product(&L->gate_up, s->h, B, s->gu, s->xb, threads)) return 3;
         for (int b = 0; b < B; b++) {
             const float *g = s->gu + (long)b * 2 * I, *u = g + I;
             float* a = s->act + (long)b * I;
 #pragma omp simd
             for (int i = 0; i < I; i++) a[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
         }
-        gemv_f32(s->act, B, I, L->w_down, L->ld_down, NULL, s->h, H, threads);
+        if (product(&L->down, s->act, B, s->h, s->xb, threads)) return 3;
         for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
     }
     return 0;

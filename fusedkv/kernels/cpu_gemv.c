@@ -7,9 +7,9 @@
  * Every weight byte is read once per step, in long sequential runs, and the accumulators stay in L1,
  * so the loop runs at the memory's streaming rate; the threads split the bytes, not the reduction.
  *
- * f32 weights here; widening bf16 / f16 / int8 weights in this loop was measured slower than PyTorch's
- * own reduced-precision kernels (compute-bound). bf16 weights instead get `gemv_bf16_blocks` below, which
- * multiplies pairs of bf16 in one instruction where the processor has AVX-512 BF16. Compiled on the
+ * f32 weights here; widening f16 / int8 weights in this loop was measured slower than PyTorch's own
+ * reduced-precision kernels (compute-bound). bf16 and int8 weights instead get the block kernels below,
+ * which multiply pairs of bf16 in one instruction where the processor has AVX-512 BF16. Compiled on the
  * machine that runs it (-march=native, by fusedkv/kernels/native.py), so the compiler picks AVX-512 or
  * AVX2 itself. The macro keeps the weight type a parameter for that comparison.
  */
@@ -70,58 +70,82 @@ DEFINE_GEMV(gemv_f32, float, from_f32)
  * outputs j in one instruction. The weight is stored in blocks of 16 outputs, each block holding all its
  * input channels in pairs: wb[blk, p, j, 0..1] = (W[16 blk + j, 2p], W[16 blk + j, 2p + 1]) as bf16, so one
  * block is one contiguous run of memory that its accumulators consume in order (the layout these
- * instructions read; llama.cpp repacks its weights for the same reason). `block_stride`: uint16 elements
+ * instructions read; llama.cpp repacks its weights for the same reason). `block_stride`: elements
  * between blocks. x is given in bf16 (rounded once by the caller, as PyTorch's bf16 GEMV rounds it), with
  * `in` even (the caller pads with a zero channel). Accumulation in f32. `has_bf16_blocks` is 0 where the
- * processor lacks the instructions (the caller then keeps PyTorch's kernel). */
+ * processor lacks the instructions (the caller then keeps PyTorch's kernel).
+ *
+ * int8 weights (symmetric, one f32 scale per output) use the same blocks with int8 elements: every int8 is
+ * exactly a bf16, so a block pair-row of 32 weights is widened to bf16 in registers (int8 -> int32 -> f32
+ * -> bf16, exact) and multiplied the same way; y = scale (.) acc. Weight-only: x is rounded to bf16 as for
+ * bf16 weights, never quantised. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define MAX_BLOCK_ROWS 4
 
 int has_bf16_blocks(void) { return 1; }
 
-int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride,
-                     const float* bias, float* y, int out, int threads) {
-    if (rows > MAX_BLOCK_ROWS || out % 16 || in % 2) return 1;
-    const int pairs = in / 2, blocks = out / 16;
-#pragma omp parallel for num_threads(threads) schedule(static) if (blocks > 1 && threads > 1)
-    for (int blk = 0; blk < blocks; blk++) {
-        const uint16_t* w = wb + (long)blk * block_stride;
-        __m512 acc[MAX_BLOCK_ROWS][2];
-        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        int p = 0;
-        for (; p + 2 <= pairs; p += 2) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 32 * (long)p);
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32 * (long)(p + 1));
-            for (int r = 0; r < rows; r++) {
-                int32_t x0, x1;
-                memcpy(&x0, x + (long)r * in + 2 * p, 4);
-                memcpy(&x1, x + (long)r * in + 2 * p + 2, 4);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(x0), w0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(x1), w1);
-            }
-        }
-        if (p < pairs) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 32 * (long)p);
-            for (int r = 0; r < rows; r++) {
-                int32_t x0;
-                memcpy(&x0, x + (long)r * in + 2 * p, 4);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(x0), w0);
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);
-            if (bias) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias + 16 * blk));
-            _mm512_storeu_ps(y + (long)r * out + 16 * blk, sum);
-        }
-    }
-    return 0;
+static inline __m512bh load_bf16_pairs(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
+
+static inline __m512bh load_int8_pairs(const int8_t* w) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);  /* elements 0-15 from lo, 16-31 from hi: the stored order */
 }
+
+#define DEFINE_BLOCKS(NAME, T, LOAD)                                                                       \
+int NAME(const uint16_t* x, int rows, int in, const T* wb, long block_stride, const float* scale,         \
+         const float* bias, float* y, int out, int threads) {                                             \
+    if (rows > MAX_BLOCK_ROWS || out % 16 || in % 2) return 1;                                             \
+    const int pairs = in / 2, blocks = out / 16;                                                           \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (blocks > 1 && threads > 1)")       \
+    for (int blk = 0; blk < blocks; blk++) {                                                               \
+        const T* w = wb + (long)blk * block_stride;                                                        \
+        __m512 acc[MAX_BLOCK_ROWS][2];                                                                     \
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                        \
+        int p = 0;                                                                                         \
+        for (; p + 2 <= pairs; p += 2) {                                                                   \
+            const __m512bh w0 = LOAD(w + 32 * (long)p), w1 = LOAD(w + 32 * (long)(p + 1));                 \
+            for (int r = 0; r < rows; r++) {                                                               \
+                int32_t x0, x1;                                                                            \
+                memcpy(&x0, x + (long)r * in + 2 * p, 4);                                                  \
+                memcpy(&x1, x + (long)r * in + 2 * p + 2, 4);                                              \
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(x0), w0);              \
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(x1), w1);              \
+            }                                                                                              \
+        }                                                                                                  \
+        if (p < pairs) {                                                                                   \
+            const __m512bh w0 = LOAD(w + 32 * (long)p);                                                    \
+            for (int r = 0; r < rows; r++) {                                                               \
+                int32_t x0;                                                                                \
+                memcpy(&x0, x + (long)r * in + 2 * p, 4);                                                  \
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(x0), w0);              \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < rows; r++) {                                                                   \
+            __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);                                              \
+            if (scale) sum = _mm512_mul_ps(sum, _mm512_loadu_ps(scale + 16 * blk));                        \
+            if (bias) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias + 16 * blk));                          \
+            _mm512_storeu_ps(y + (long)r * out + 16 * blk, sum);                                           \
+        }                                                                                                  \
+    }                                                                                                      \
+    return 0;                                                                                              \
+}
+
+DEFINE_BLOCKS(gemv_bf16_blocks, uint16_t, load_bf16_pairs)
+DEFINE_BLOCKS(gemv_int8_blocks, int8_t, load_int8_pairs)
 #else
 int has_bf16_blocks(void) { return 0; }
-int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride,
+int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride, const float* scale,
                      const float* bias, float* y, int out, int threads) {
-    (void)x; (void)rows; (void)in; (void)wb; (void)block_stride; (void)bias; (void)y; (void)out; (void)threads;
+    (void)x; (void)rows; (void)in; (void)wb; (void)block_stride; (void)scale; (void)bias; (void)y; (void)out;
+    (void)threads;
+    return 1;
+}
+int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long block_stride, const float* scale,
+                     const float* bias, float* y, int out, int threads) {
+    (void)x; (void)rows; (void)in; (void)wb; (void)block_stride; (void)scale; (void)bias; (void)y; (void)out;
+    (void)threads;
     return 1;
 }
 #endif

@@ -5,12 +5,12 @@ by how fast they are streamed. PyTorch's f32 product at one row (MKL) streams we
 rate and does not split one product across cores (`benchmarks/cpu_decode.py --kernels`; figures in
 `docs/cpu-decode.md`). This kernel reads W^T ([in, out] row-major: the column-major weight of
 `fusedkv.model.packing`'s decode layout) in long sequential runs and splits the output columns across
-threads. f32 weights there; the reduced-precision formats keep PyTorch's kernels
-(`fusedkv.model.precision`), which were faster than widening them in that loop, except bf16 on a
-processor with AVX-512 BF16: `linear_bf16_blocks` multiplies pairs of bf16 weights by pairs of bf16
-inputs in one instruction (f32 accumulation), over the weight stored in blocks of 16 outputs with their
-input channels in pairs (`to_bf16_blocks`: one contiguous run per block, read in order). Built and
-loaded by `fusedkv.kernels.native`.
+threads. f32 weights there; f16 keeps PyTorch's kernels (`fusedkv.model.precision`), which were faster
+than widening it in that loop. On a processor with AVX-512 BF16, bf16 and int8 weights get
+`linear_blocks`: pairs of bf16 weights times pairs of bf16 inputs in one instruction (f32
+accumulation), over the weight stored in blocks of 16 outputs with their input channels in pairs
+(`to_blocks`: one contiguous run per block, read in order); int8 weights are widened to bf16 in
+registers, exactly, and scaled per output. Built and loaded by `fusedkv.kernels.native`.
 """
 
 from __future__ import annotations
@@ -54,46 +54,57 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-BLOCK = 16  # outputs per block of the bf16 layout (one AVX-512 register of f32 accumulators)
+BLOCK = 16  # outputs per block of the bf16 / int8 layout (one AVX-512 register of f32 accumulators)
+_PAIR_UNIT = {torch.bfloat16: torch.int32, torch.int8: torch.int16}  # a pair of input channels as one element
 
 
 def bf16_blocks_available() -> bool:
-    """The bf16 block kernel runs here: the native kernels are built for a processor with AVX-512 BF16."""
+    """The block kernels run here: the native kernels are built for a processor with AVX-512 BF16."""
     lib = native.library()
     return lib is not None and lib.bf16_blocks
 
 
-def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
-    """[out, in] weight -> [out / 16, ceil(in / 2), 16, 2] bf16: blocks of 16 outputs, each holding its
-    input channels in pairs (an odd last channel is paired with a zero); None when out is not a multiple
-    of 16 (the caller keeps its own layout)."""
+def to_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """[out, in] weight -> [out / 16, ceil(in / 2), 16, 2] in its own dtype: blocks of 16 outputs, each
+    holding its input channels in pairs (an odd last channel is paired with a zero); None when out is not
+    a multiple of 16 (the caller keeps its own layout). bf16 weights, or int8 ones from
+    `fusedkv.model.precision.quantize_int8`, are what the kernels read."""
     out_features, in_features = weight.shape
     if out_features % BLOCK:
         return None
-    w = weight.detach().float()
+    w = weight.detach()
     if in_features % 2:
         w = torch.cat([w, w.new_zeros(out_features, 1)], dim=1)
-    blocks = w.reshape(out_features // BLOCK, BLOCK, -1, 2).transpose(1, 2)
-    return blocks.contiguous().to(torch.bfloat16)
+    return w.reshape(out_features // BLOCK, BLOCK, -1, 2).transpose(1, 2).contiguous()
 
 
-def from_bf16_blocks(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The inverse of `to_bf16_blocks` (a copy): [out, in] bf16, row-major."""
+def to_bf16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """`to_blocks` of the weight rounded to bf16."""
+    return to_blocks(weight.detach().float().to(torch.bfloat16))
+
+
+def from_blocks(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of `to_blocks` (a copy): [out, in], row-major, in the blocks' dtype."""
     n, pairs = blocks.shape[:2]
-    # Move pairs as 32-bit units (a pair of input channels stays adjacent in [out, in]): ~4x faster than
-    # transposing 16-bit elements, which matters because prefill does this per product.
-    rows = blocks.contiguous().view(torch.int32).transpose(1, 2).contiguous().view(torch.bfloat16)
+    # Move pairs as single units (a pair of input channels stays adjacent in [out, in]): ~4x faster than
+    # transposing the elements one by one, which matters because prefill does this per product.
+    unit = _PAIR_UNIT[blocks.dtype]
+    rows = blocks.contiguous().view(unit).transpose(1, 2).contiguous().view(blocks.dtype)
     w = rows.reshape(n * BLOCK, 2 * pairs)
     return w if w.shape[1] == in_features else w[:, :in_features].contiguous()
 
 
-def linear_bf16_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int,
-                       bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`F.linear(x.bfloat16(), W)` in f32 for a few rows, W given by `to_bf16_blocks` (or a slice of its
-    blocks, `blocks[a:b]`), x rounded to bf16 as PyTorch's bf16 GEMV rounds it; None where it does not
+def linear_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int, scale: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`F.linear(x.bfloat16(), W)` in f32 for a few rows, W given by `to_blocks` in bf16, or in int8 with
+    its f32 per-output `scale` (W = scale (.) q); `blocks` may be a slice `blocks[a:b]` (with the matching
+    slice of `scale`). x is rounded to bf16, as PyTorch's bf16 GEMV rounds it. None where it does not
     apply (no AVX-512 BF16, too many rows, autograd, not f32 on CPU)."""
     rows = _rows(x, in_features, bias)
     if not rows or blocks.shape[0] == 0 or not blocks[0].is_contiguous() or not bf16_blocks_available():
+        return None
+    int8 = blocks.dtype == torch.int8
+    if int8 and (scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous()):
         return None
     padded = 2 * blocks.shape[1]
     xb = x.reshape(rows, in_features).to(torch.bfloat16)
@@ -102,8 +113,8 @@ def linear_bf16_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int,
     xb = xb.contiguous()
     out_features = blocks.shape[0] * BLOCK
     y = torch.empty(*x.shape[:-1], out_features)
-    native.library().gemv_bf16_blocks(xb.data_ptr(), rows, padded, blocks.data_ptr(), blocks.stride(0),
-                                      None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
-                                      torch.get_num_threads())
+    lib = native.library()
+    kernel = lib.gemv_int8_blocks if int8 else lib.gemv_bf16_blocks
+    kernel(xb.data_ptr(), rows, padded, blocks.data_ptr(), blocks.stride(0), scale.data_ptr() if int8 else None,
+           None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads())
     return y
-

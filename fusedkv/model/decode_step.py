@@ -10,10 +10,11 @@ layer, the final norm and the LM head. The arithmetic is the modules' own (stora
 post-RoPE K/V into the cache; reconstruction layers attend over their sources with the fusion weights
 moved onto the query and output, paper Sec. 2.5), checked against the model's forward by the tests.
 
-It covers what the fast CPU path is for: f32 weights in the packed decode layout, batch <= 4, full
-attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of `fusedkv.plan`,
-dense SwiGLU MLPs). `unsupported` names the first thing it does not cover, and the caller then keeps the
-module-by-module step, which runs everything (MoE, MLA, sliding windows, reduced-precision weights).
+It covers what the fast CPU path is for: weights f32 in the packed decode layout, or bf16 / int8 in the
+block layout of `fusedkv.model.precision` (processors with AVX-512 BF16); batch <= 4; full attention over
+1-2 K / V sources with per-channel weights or plain reuse (every plan of `fusedkv.plan`); dense SwiGLU
+MLPs. `unsupported` names the first thing it does not cover, and the caller then keeps the
+module-by-module step, which runs everything (MoE, MLA, sliding windows, f16 weights).
 """
 
 from __future__ import annotations
@@ -25,30 +26,62 @@ import torch
 from ..kernels import cpu_attention, cpu_gemv, native
 from .attention import Attention
 from .layers import SwiGLU, rope_cos_sin
+from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 MAX_HEAD_DIM = 512  # the C step's per-head buffers
 
 
-class _Layer(ctypes.Structure):  # `StepLayer` in cpu_decode_step.c, field for field
-    _fields_ = [("stores", I), ("n_proj", I), ("attn_norm", P), ("mlp_norm", P),
-                ("w_proj", P), ("ld_proj", L), ("b_proj", P), ("q_norm", P), ("k_norm", P),
+W_F32, W_BF16_BLOCKS, W_INT8_BLOCKS = 0, 1, 2  # the weight layouts of `Product` in cpu_decode_step.c
+
+
+class _Product(ctypes.Structure):  # `Product` in cpu_decode_step.c, field for field
+    _fields_ = [("fmt", I), ("in_", I), ("in_padded", I), ("out", I), ("w", P), ("ld", L), ("scale", P), ("bias", P)]
+
+
+class _Layer(ctypes.Structure):  # `StepLayer`
+    _fields_ = [("stores", I), ("attn_norm", P), ("mlp_norm", P), ("proj", _Product), ("q_norm", P), ("k_norm", P),
                 ("k_cache", P), ("v_cache", P), ("n_k", I), ("n_v", I), ("k_src", P * 2), ("v_src", P * 2),
                 ("k_w", P * 2), ("v_w", P * 2), ("k_w_hs", L), ("v_w_hs", L),
-                ("w_o", P), ("ld_o", L), ("b_o", P), ("w_gu", P), ("ld_gu", L), ("w_down", P), ("ld_down", L)]
+                ("o", _Product), ("gate_up", _Product), ("down", _Product)]
 
 
 class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
     _fields_ = [("n_layers", I), ("hidden", I), ("n_heads", I), ("n_kv_heads", I), ("head_dim", I), ("inter", I),
                 ("batch", I), ("kind", I), ("cache_len", L), ("eps", F), ("scale", F), ("cos", P), ("sin", P),
                 ("rope_len", L), ("layers", ctypes.POINTER(_Layer)),
-                ("h", P), ("proj", P), ("q", P), ("attn", P), ("gu", P), ("act", P)]
+                ("h", P), ("proj", P), ("q", P), ("attn", P), ("gu", P), ("act", P), ("xb", P)]
 
 
-def _column_major(linear) -> bool:
-    w = getattr(linear, "weight", None)
-    return (isinstance(linear, torch.nn.Linear) and w.dtype == torch.float32 and w.stride(0) == 1
-            and (linear.bias is None or linear.bias.is_contiguous()))
+def _product(module) -> _Product | None:
+    """The native description of one product (a projection, or a packed group of them), or None when its
+    weight is in no layout the native products read: f32 in the decode layout, or bf16 / int8 blocks."""
+    weight, bias = module.weight, module.bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    if isinstance(module, ReducedLinear):
+        if not module.blocked:
+            return None
+        fmt = W_INT8_BLOCKS if module.fmt == "int8" else W_BF16_BLOCKS
+        scale = module.scale.data_ptr() if fmt == W_INT8_BLOCKS else None
+        return _Product(fmt, module.in_features, 2 * weight.shape[1], module.out_features, weight.data_ptr(),
+                        weight.stride(0), scale, None if bias is None else bias.data_ptr())
+    if weight.dtype != torch.float32 or weight.stride(0) != 1:
+        return None
+    return _Product(W_F32, weight.shape[1], weight.shape[1], weight.shape[0], weight.data_ptr(), weight.stride(1),
+                    None, None if bias is None else bias.data_ptr())
+
+
+def _products(layer) -> dict[str, object] | None:
+    """The four products of a decoder layer as the modules hold them (the packed group where there is one),
+    or None when the layer is not in a layout the step reads."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.layer.stores and not attn.is_packed() or not mlp.is_packed():
+        return None
+    proj = attn.packed_qkv if attn.layer.stores else attn.q_proj
+    modules = {"proj": getattr(proj, "linear", proj), "o": attn.o_proj,  # a ReducedGroup holds one ReducedLinear
+               "gate_up": getattr(mlp.packed_gate_up, "linear", mlp.packed_gate_up), "down": mlp.down_proj}
+    return modules if all(_product(m) is not None for m in modules.values()) else None
 
 
 def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int) -> str | None:
@@ -78,10 +111,9 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             return "a layer is not Qwen3 attention with a dense MLP"
         if attn.window or attn.iterative or not attn.native_fits or attn.path not in ("auto", "native"):
             return f"layer {attn.layer.index + 1}: a window, the iterative fusion, scalar weights or a forced path"
-        if not (attn.is_packed() if attn.layer.stores else _column_major(attn.q_proj)):
-            return "the projections are not in the packed decode layout (fusedkv.model.packing.set_decode_layout)"
-        if not (_column_major(attn.o_proj) and mlp.is_packed() and _column_major(mlp.down_proj)):
-            return "the projections are not in the packed decode layout (fusedkv.model.packing.set_decode_layout)"
+        if _products(layer) is None:
+            return ("the weights are not f32 in the packed decode layout (fusedkv.model.packing.set_decode_layout) "
+                    "or bf16 / int8 blocks of fusedkv.model.precision")
     return None
 
 
@@ -105,12 +137,13 @@ class NativeDecodeStep:
         cos, sin = rope_cos_sin(positions, d, config.rope_theta, torch.float32)
         cos, sin = self._hold(cos.reshape(cache_len, d)), self._hold(sin.reshape(cache_len, d))
         layers = (_Layer * len(model.model.layers))()
-        n_proj_max = 0
         for table, layer in zip(layers, model.model.layers):
             self._fill(table, layer, keys, values, h_kv, d)
-            n_proj_max = max(n_proj_max, table.n_proj)
         self._layers = layers
-        scratch = [torch.empty(batch, n) for n in (hidden, n_proj_max, h_q * d, h_q * d, 2 * inter, inter)]
+        proj_max = max(table.proj.out for table in layers)
+        widest = max(p.in_padded for t in layers for p in (t.proj, t.o, t.gate_up, t.down))
+        scratch = [torch.empty(batch, n) for n in (hidden, proj_max, h_q * d, h_q * d, 2 * inter, inter)]
+        scratch.append(torch.empty(batch, widest, dtype=torch.bfloat16))
         self._keep += scratch
         self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
                            cpu_attention.KINDS[next(iter(keys.values())).dtype], cache_len, config.rms_norm_eps,
@@ -125,13 +158,12 @@ class NativeDecodeStep:
         return t
 
     def _fill(self, table: _Layer, layer, keys, values, h_kv: int, d: int) -> None:
-        attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.layer
+        attn, kv = layer.self_attn, layer.self_attn.layer
         table.stores = kv.stores
         table.attn_norm = self._hold(layer.input_layernorm.weight).data_ptr()
         table.mlp_norm = self._hold(layer.post_attention_layernorm.weight).data_ptr()
-        proj = attn.packed_qkv if kv.stores else attn.q_proj
-        table.w_proj, table.ld_proj, table.n_proj = proj.weight.data_ptr(), proj.weight.stride(1), proj.weight.shape[0]
-        table.b_proj = None if proj.bias is None else proj.bias.data_ptr()
+        for name, module in _products(layer).items():
+            setattr(table, name, _product(module))
         table.q_norm = self._hold(attn.q_norm.weight).data_ptr()
         if kv.stores:
             table.k_norm = self._hold(attn.k_norm.weight).data_ptr()
@@ -147,11 +179,6 @@ class NativeDecodeStep:
         (k0, k1, table.k_w_hs), (v0, v1, table.v_w_hs) = (cpu_attention.weight_pointers(k_w, h_kv, d),
                                                           cpu_attention.weight_pointers(v_w, h_kv, d))
         table.k_w[:], table.v_w[:] = [k0, k1], [v0, v1]
-        table.w_o, table.ld_o = attn.o_proj.weight.data_ptr(), attn.o_proj.weight.stride(1)
-        table.b_o = None if attn.o_proj.bias is None else attn.o_proj.bias.data_ptr()
-        gate_up = mlp.packed_gate_up.weight
-        table.w_gu, table.ld_gu = gate_up.data_ptr(), gate_up.stride(1)
-        table.w_down, table.ld_down = mlp.down_proj.weight.data_ptr(), mlp.down_proj.weight.stride(1)
 
     def __call__(self, token: torch.Tensor, kv_start: torch.Tensor | None, length: int) -> torch.Tensor:
         model = self.model

@@ -7,14 +7,18 @@ that stores its weight in `fmt` and keeps everything else (embeddings, norms, fu
 residual stream, attention, softmax) in the model's own dtype, as llama.cpp does: only the inputs of
 the products are rounded to the weight's kind.
 
-Formats and kernels (all PyTorch's own CPU kernels, no extension); which one runs depends on the
-number of input rows (`GEMV_MAX_ROWS`, measured by `benchmarks/cpu_decode.py --kernels`):
-  * `bfloat16` / `float16`, few rows: ATen's vectorised reduced-precision GEMV (`F.linear` on 16-bit
-    operands, f32 accumulation). oneDNN is turned off around the bf16 call: at one row its bf16 route
-    is the slower of the two.
-  * `int8`: symmetric per-output-channel quantisation (scale = max |w| / 127 per row of W) run by
-    `torch.ops.aten._weight_int8pack_mm`, the kernel behind PyTorch's / torchao's int8 weight-only
-    CPU path, with the activation dtype it runs fastest with here (`int8_activation_dtype`).
+Formats and kernels; which one runs depends on the number of input rows (`GEMV_MAX_ROWS`, measured
+by `benchmarks/cpu_decode.py --kernels`):
+  * Few rows on a processor with AVX-512 BF16, where the native kernels are built: `bfloat16` and `int8`
+    weights are stored in the block layout of `fusedkv.kernels.cpu_gemv.linear_blocks` and multiplied
+    with bf16 dot-product instructions (int8 widened to bf16 exactly, then scaled per output).
+  * Elsewhere, few rows: `bfloat16` / `float16` run ATen's vectorised reduced-precision GEMV (`F.linear`
+    on 16-bit operands, f32 accumulation; oneDNN is turned off around the bf16 call: at one row its bf16
+    route is the slower of the two); `int8` runs `torch.ops.aten._weight_int8pack_mm`, the kernel behind
+    PyTorch's / torchao's int8 weight-only CPU path, with the activation dtype it runs fastest with here
+    (`int8_activation_dtype`).
+  * int8 is symmetric per-output-channel quantisation (scale = max |w| / 127 per row of W), weight-only:
+    activations are rounded to the kernel's 16-bit kind, never quantised.
   * Many rows (prefill, large batches): on a processor with bf16 arithmetic, bf16 and int8 weights run
     oneDNN's bf16 GEMM (int8 dequantised to bf16 first), about twice as fast as the f32 GEMM; f16
     weights (and everything elsewhere) are dequantised to the activation dtype for its GEMM.
@@ -115,19 +119,21 @@ class ReducedLinear(nn.Module):
                  in_features: int | None = None):
         super().__init__()
         self.fmt = fmt
-        # A 4-D weight is bf16 in the native kernel's block layout (`cpu_gemv.to_bf16_blocks`).
+        # A 4-D weight is bf16 or int8 in the native kernels' block layout (`cpu_gemv.to_blocks`).
         self.blocked = weight.dim() == 4
         if self.blocked:
             self.out_features, self.in_features = weight.shape[0] * cpu_gemv.BLOCK, in_features
         else:
             self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)  # int8 only: [out] in the kernel's dtype
+        # int8 only: [out], in the kernel's dtype (f32 for the block kernel)
+        self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.kernel_dtype = scale.dtype if fmt == "int8" else weight.dtype
         self.gemv_max_rows = cpu_gemv.MAX_ROWS if self.blocked else GEMV_MAX_ROWS[fmt]
-        # Many rows: bf16 (on a bf16 processor) keeps its 16-bit operands for oneDNN; others dequantise.
-        self.gemm_dtype = self.kernel_dtype if self.kernel_dtype == torch.bfloat16 and native_bf16() else None
+        # Many rows: bf16 and int8 (on a bf16 processor) run oneDNN's bf16 GEMM; others dequantise.
+        bf16_gemm = native_bf16() and (self.blocked or self.kernel_dtype == torch.bfloat16)
+        self.gemm_dtype = torch.bfloat16 if bf16_gemm else None
 
     @classmethod
     def from_linears(cls, linears: list[nn.Linear], fmt: str) -> ReducedLinear:
@@ -137,29 +143,31 @@ class ReducedLinear(nn.Module):
         bias = torch.cat([b.detach() for b in biases]).float() if all(b is not None for b in biases) else None
         if any(b is not None for b in biases) and bias is None:
             raise ValueError("grouped projections must all have a bias or none")
+        blocks = (fmt in ("bfloat16", "int8") and cpu_gemv.bf16_blocks_available()
+                  and all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears))  # slices stay whole blocks
         if fmt == "int8":
             q, scale = quantize_int8(weight)
+            if blocks:
+                return cls(cpu_gemv.to_blocks(q), scale, bias, fmt, in_features=weight.shape[1])
             return cls(q, scale.to(int8_activation_dtype()), bias, fmt)
-        if (fmt == "bfloat16" and cpu_gemv.bf16_blocks_available()
-                and all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears)):  # slices stay whole blocks
+        if blocks:
             return cls(cpu_gemv.to_bf16_blocks(weight), None, bias, fmt, in_features=weight.shape[1])
         return cls(weight.to(_DTYPES[fmt]).contiguous(), None, bias, fmt)
 
     def slice(self, start: int, stop: int) -> ReducedLinear:
         """A module over output rows [start, stop) that shares this one's storage."""
         bias = None if self.bias is None else self.bias[start:stop]
+        scale = None if self.scale is None else self.scale[start:stop]
         if self.blocked:
             block = cpu_gemv.BLOCK
-            return ReducedLinear(self.weight[start // block:stop // block], None, bias, self.fmt, self.in_features)
-        return ReducedLinear(self.weight[start:stop], None if self.scale is None else self.scale[start:stop],
-                             bias, self.fmt)
+            return ReducedLinear(self.weight[start // block:stop // block], scale, bias, self.fmt, self.in_features)
+        return ReducedLinear(self.weight[start:stop], scale, bias, self.fmt)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.blocked:
-            return cpu_gemv.from_bf16_blocks(self.weight, self.in_features).to(dtype)
+        weight = cpu_gemv.from_blocks(self.weight, self.in_features) if self.blocked else self.weight
         if self.fmt == "int8":
-            return self.weight.to(dtype) * self.scale.to(dtype)[:, None]
-        return self.weight.to(dtype)
+            return weight.to(dtype) * self.scale.to(dtype)[:, None]
+        return weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -174,7 +182,7 @@ class ReducedLinear(nn.Module):
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked:  # the native kernel rounds x to bf16 itself
-            y = cpu_gemv.linear_bf16_blocks(x.float(), self.weight, self.in_features)
+            y = cpu_gemv.linear_blocks(x.float(), self.weight, self.in_features, self.scale)
             return y if y is not None else F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16))
         x = x.to(self.kernel_dtype)
         if self.fmt == "int8":

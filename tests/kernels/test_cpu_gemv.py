@@ -157,12 +157,12 @@ def test_bf16_blocks_match_the_float64_product_of_the_rounded_operands(rows, out
     w, x, bias = (torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g),
                   torch.randn(out_features, generator=g))
     blocks = cpu_gemv.to_bf16_blocks(w)
-    assert torch.equal(cpu_gemv.from_bf16_blocks(blocks, in_features), w.bfloat16())  # the layout round-trips
+    assert torch.equal(cpu_gemv.from_blocks(blocks, in_features), w.bfloat16())  # the layout round-trips
     ref = x.bfloat16().double() @ w.bfloat16().double().T
     tol = 1e-5 * in_features**0.5
-    assert (cpu_gemv.linear_bf16_blocks(x, blocks, in_features, bias).double() - ref - bias.double()).abs().max() < tol
+    assert (cpu_gemv.linear_blocks(x, blocks, in_features, bias=bias).double() - ref - bias.double()).abs().max() < tol
     if blocks.shape[0] > 2:  # an output slice of whole blocks (one projection of a packed group) reads in place
-        part = cpu_gemv.linear_bf16_blocks(x, blocks[1:3], in_features)
+        part = cpu_gemv.linear_blocks(x, blocks[1:3], in_features)
         assert (part.double() - ref[:, 16:48]).abs().max() < tol
 
 
@@ -183,3 +183,49 @@ def test_bf16_blocks_decline_and_reduced_linear_uses_them():
         assert (few.double() - ref).abs().max() < 1e-4 and many.shape == (7, 32)
         many_ref = reduced(x.repeat(3, 1))[:3]  # 9 rows: the GEMM path on the same inputs
         assert (many_ref.double() - ref).abs().max() < 1e-2
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("out_features,in_features", [(16, 3), (48, 37), (96, 64), (1536, 512)])
+def test_int8_blocks_match_the_float64_product(rows, out_features, in_features):
+    """int8 blocks compute scale (.) (x_bf16 . q) in f32: against float64 over the same rounded input and
+    the same integers, whole and as an output slice of blocks with its slice of scales."""
+    from fusedkv.model.precision import quantize_int8
+
+    g = torch.Generator().manual_seed(out_features * in_features)
+    w, x, bias = (torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g),
+                  torch.randn(out_features, generator=g))
+    q, scale = quantize_int8(w)
+    blocks = cpu_gemv.to_blocks(q)
+    assert blocks.dtype == torch.int8 and torch.equal(cpu_gemv.from_blocks(blocks, in_features), q)
+    ref = (x.bfloat16().double() @ q.double().T) * scale.double()
+    tol = 1e-5 * in_features**0.5 * scale.max().item() * 127
+    got = cpu_gemv.linear_blocks(x, blocks, in_features, scale, bias)
+    assert (got.double() - ref - bias.double()).abs().max() < tol
+    if blocks.shape[0] > 2:
+        part = cpu_gemv.linear_blocks(x, blocks[1:3], in_features, scale[16:48])
+        assert (part.double() - ref[:, 16:48]).abs().max() < tol
+    assert cpu_gemv.linear_blocks(x, blocks, in_features) is None  # int8 without its scales: declined
+
+
+@needs_bf16
+def test_int8_reduced_linear_uses_the_blocks():
+    """`ReducedLinear` int8 stores blocks where the kernel runs; its few-row product (the kernel), many-row
+    product (the bf16 GEMM over the dequantised weight) and a slice agree with the quantised reference."""
+    from torch import nn
+
+    from fusedkv.model.precision import ReducedLinear, quantize_int8
+
+    linear = nn.Linear(40, 48, bias=True)
+    reduced = ReducedLinear.from_linears([linear], "int8")
+    assert reduced.blocked and reduced.weight.dtype == torch.int8 and reduced.scale.dtype == torch.float32
+    q, scale = quantize_int8(linear.weight)
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        ref = (x.bfloat16().double() @ q.double().T) * scale.double() + linear.bias.double()
+        assert (reduced(x).double() - ref).abs().max() < 1e-4
+        assert (reduced(x.repeat(3, 1))[:3].double() - ref).abs().max() < 2e-2  # 9 rows: the GEMM path
+        part = reduced.slice(16, 32)
+        assert (part(x).double() - ref[:, 16:32]).abs().max() < 1e-4
+        torch.testing.assert_close(reduced.dequantized(torch.float32), q.float() * scale[:, None])

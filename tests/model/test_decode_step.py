@@ -8,9 +8,10 @@ import torch
 
 from fusedkv.cache import StaticKVCache
 from fusedkv.generation import generate
-from fusedkv.kernels import native
+from fusedkv.kernels import cpu_gemv, native
 from fusedkv.model.decode_step import NativeDecodeStep, unsupported
 from fusedkv.model.packing import set_decode_layout
+from fusedkv.model.precision import reduce_precision
 from tests.conftest import PLAN_CONFIGS, tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native CPU kernels are not built")
@@ -148,3 +149,31 @@ def test_full_cache_is_refused_with_a_message():
             step(torch.tensor([[5]]), None, cache.get_seq_length())
     with pytest.raises(ValueError, match="full"):
         cache.advance(1)
+
+
+@pytest.mark.skipif(not cpu_gemv.bf16_blocks_available(), reason="no AVX-512 BF16: no bf16 / int8 block weights")
+@pytest.mark.parametrize("plan", ["vanilla", "fusedkv-lite", "fusedkv", "fusedkv-gqa"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+def test_step_with_reduced_weights_matches_module_decode(plan, fmt):
+    """bf16 / int8 block weights: the step runs the modules' own block kernels, so teacher-forced logits
+    match module-by-module decode of the same reduced model closely, for a left-padded batch."""
+    model = reduce_precision(tiny_model(plan, attention_bias=plan == "vanilla"), fmt)
+    ids, mask = _padded_batch(seed=4)
+    prompt = 6
+    caches = [StaticKVCache(model.config, 3, ids.shape[1]) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids[:, :prompt], attention_mask=mask[:, :prompt], cache=cache, use_cache=True)
+        step = NativeDecodeStep(model, caches[0].keys, caches[0].values, 3)
+        kv_start = (mask[:, :prompt] == 0).sum(-1).to(torch.int64)
+        for i in range(prompt, ids.shape[1]):
+            got = step(ids[:, i : i + 1], kv_start, caches[0].get_seq_length())
+            caches[0].advance(1)
+            ref = model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=caches[1], use_cache=True).logits
+            assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_f16_weights_are_declined():
+    model = reduce_precision(tiny_model("vanilla"), "float16")
+    cache = StaticKVCache(model.config, 1, 16)
+    assert "bf16 / int8 blocks" in unsupported(model, cache.keys, cache.values, 1)
