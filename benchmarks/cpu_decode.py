@@ -12,6 +12,8 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
 Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8 weights; f32 or 16-bit cache), and
 `llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
 when llama-cpp-python is installed and its source distribution is given (`fusedkv.bench.llamacpp`).
+fusedkv rows decode as `fusedkv.generation.generate` does by default (the native step where it covers
+the model); `--step both` adds each row again decoded module by module (`... modules`).
 Every (threads, prompt, batch) cell runs all rows round-robin, the order rotated per repeat, and
 reports medians; ratios are to llama.cpp with the same weight and KV kinds. llama.cpp runs one
 sequence, so batch 4 compares fusedkv rows among themselves. GB/s = (weight bytes + KV bytes read)
@@ -67,7 +69,8 @@ def run_ours(row: dict, ids: torch.Tensor, new_tokens: int) -> dict:
     def cache(config, batch, max_len, dtype, device):
         return StaticKVCache(config, batch, max_len, kv_dtype, device)
 
-    r = generate(row["model"], ids, new_tokens, weight_layout="auto", cache_factory=cache)
+    r = generate(row["model"], ids, new_tokens, weight_layout="auto", cache_factory=cache,
+                 native_step=row.get("native_step", True))
     return dict(ttft=r.ttft_s, tpot=r.tpot_s)
 
 
@@ -108,6 +111,9 @@ def run(args) -> list[dict]:
     weights = [weight_format(w) for w in args.weights.split(",")]
     kvs = ["float32" if k in ("float32", "f32") else "half" for k in args.kv.split(",")]
     ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len)
+    if args.step != "native":  # the module-by-module loop, as rows of their own ("both") or instead
+        modules = {f"{name} modules": dict(row, native_step=False) for name, row in ours.items()}
+        ours = {**(ours if args.step == "both" else {}), **modules}
     llama: dict[str, Path] = {}
     workdir = Path(tempfile.mkdtemp(prefix="fusedkv-llamacpp-"))
     if args.llamacpp_src:
@@ -183,7 +189,7 @@ def peer_of(name: str) -> list[str]:
     """The llama.cpp rows a fusedkv row is compared with: same weight kind (16-bit -> f16, int8 ->
     q8_0) and same KV width."""
     w = name.split(" w=")[1].split()[0]
-    kv = name.split(" kv=")[1]
+    kv = name.split(" kv=")[1].split()[0]
     ty = {"f32": "f32", "bf16": "f16", "f16": "f16", "int8": "q8_0"}[w]
     return [f"llama.cpp w={ty} kv={'f32' if kv == 'f32' else 'f16'}"]
 
@@ -459,6 +465,9 @@ def main() -> None:
                     "converter; default $FUSEDKV_LLAMA_CPP_SRC; without it no llama.cpp rows")
     ap.add_argument("--llama-rows", default="f32/f32,f32/f16,f16/f16,q8_0/f16",
                     help="llama.cpp rows as GGUF-weights/KV (weights f32, f16, bf16, q8_0; KV f32, f16)")
+    ap.add_argument("--step", choices=("native", "modules", "both"), default="native",
+                    help="how fusedkv rows decode: the layers in one native call where it covers the model "
+                    "(generate's default), the modules one by one, or both as separate rows ('... modules')")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
     ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
     ap.add_argument("--quality", metavar="CHECKPOINT", help="print the quality table for a trained checkpoint")
