@@ -19,21 +19,24 @@ import torch
 
 from . import native
 
-# Up to this many input rows the native kernel runs (each extra row re-reads W^T from L1, not memory);
+# Up to this many input rows the native f32 kernel runs (each extra row re-reads W^T from L1, not memory);
 # above it PyTorch's GEMM is the faster (`benchmarks/cpu_decode.py --kernels`).
 MAX_ROWS = 4
+# The block kernels (bf16 / int8) take rows 4 at a time over a block that stays in cache: up to this many
+# they beat re-laying the weight out for oneDNN's GEMM (the same table).
+BLOCK_MAX_ROWS = 16
 
 
-def _rows(x: torch.Tensor, in_features: int, bias: torch.Tensor | None) -> int:
+def _rows(x: torch.Tensor, in_features: int, bias: torch.Tensor | None, max_rows: int = MAX_ROWS) -> int:
     """How many rows a native product over `x` computes, or 0 where it does not run: `x` f32 on CPU with
-    1 to `MAX_ROWS` rows, no autograd, not under torch.compile (which cannot trace a foreign call), `bias`
+    1 to `max_rows` rows, no autograd, not under torch.compile (which cannot trace a foreign call), `bias`
     f32 and contiguous. These checks run on every product of a decode step: cheapest first."""
     if (x.dtype is not torch.float32 or not x.is_cpu or torch.is_grad_enabled() and x.requires_grad
             or bias is not None and (bias.dtype is not torch.float32 or bias.stride(0) != 1)
             or torch.compiler.is_compiling()):
         return 0
     rows = x.numel() // in_features
-    return rows if rows <= MAX_ROWS else 0
+    return rows if rows <= max_rows else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -99,8 +102,8 @@ def linear_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int, scale
     """`F.linear(x.bfloat16(), W)` in f32 for a few rows, W given by `to_blocks` in bf16, or in int8 with
     its f32 per-output `scale` (W = scale (.) q); `blocks` may be a slice `blocks[a:b]` (with the matching
     slice of `scale`). x is rounded to bf16, as PyTorch's bf16 GEMV rounds it. None where it does not
-    apply (no AVX-512 BF16, too many rows, autograd, not f32 on CPU)."""
-    rows = _rows(x, in_features, bias)
+    apply (no AVX-512 BF16, more than `BLOCK_MAX_ROWS` rows, autograd, not f32 on CPU)."""
+    rows = _rows(x, in_features, bias, BLOCK_MAX_ROWS)
     if not rows or blocks.shape[0] == 0 or not blocks[0].is_contiguous() or not bf16_blocks_available():
         return None
     int8 = blocks.dtype == torch.int8

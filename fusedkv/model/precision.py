@@ -130,7 +130,7 @@ class ReducedLinear(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.kernel_dtype = scale.dtype if fmt == "int8" else weight.dtype
-        self.gemv_max_rows = cpu_gemv.MAX_ROWS if self.blocked else GEMV_MAX_ROWS[fmt]
+        self.gemv_max_rows = cpu_gemv.BLOCK_MAX_ROWS if self.blocked else GEMV_MAX_ROWS[fmt]
         # Many rows: bf16 and int8 (on a bf16 processor) run oneDNN's bf16 GEMM; others dequantise.
         bf16_gemm = native_bf16() and (self.blocked or self.kernel_dtype == torch.bfloat16)
         self.gemm_dtype = torch.bfloat16 if bf16_gemm else None

@@ -149,7 +149,7 @@ needs_bf16 = pytest.mark.skipif(not cpu_gemv.bf16_blocks_available(),
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
 @pytest.mark.parametrize("out_features,in_features", [(16, 3), (48, 37), (96, 64), (1536, 512)])
 def test_bf16_blocks_match_the_float64_product_of_the_rounded_operands(rows, out_features, in_features):
     """The block kernel computes x_bf16 . W_bf16 in f32: against float64 over the same rounded values."""
@@ -179,14 +179,14 @@ def test_bf16_blocks_decline_and_reduced_linear_uses_them():
     x = torch.randn(3, 40)
     with torch.no_grad():
         ref = torch.nn.functional.linear(x.bfloat16().double(), linear.weight.bfloat16().double()) + linear.bias
-        few, many = reduced(x), reduced(torch.randn(7, 40))  # the kernel; the GEMM over re-laid-out blocks
-        assert (few.double() - ref).abs().max() < 1e-4 and many.shape == (7, 32)
-        many_ref = reduced(x.repeat(3, 1))[:3]  # 9 rows: the GEMM path on the same inputs
+        few, many = reduced(x), reduced(torch.randn(20, 40))  # the kernel; the GEMM over re-laid-out blocks
+        assert (few.double() - ref).abs().max() < 1e-4 and many.shape == (20, 32)
+        many_ref = reduced(x.repeat(6, 1))[:3]  # 18 rows: the GEMM path on the same inputs
         assert (many_ref.double() - ref).abs().max() < 1e-2
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
 @pytest.mark.parametrize("out_features,in_features", [(16, 3), (48, 37), (96, 64), (1536, 512)])
 def test_int8_blocks_match_the_float64_product(rows, out_features, in_features):
     """int8 blocks compute scale (.) (x_bf16 . q) in f32: against float64 over the same rounded input and
@@ -225,7 +225,7 @@ def test_int8_reduced_linear_uses_the_blocks():
     with torch.no_grad():
         ref = (x.bfloat16().double() @ q.double().T) * scale.double() + linear.bias.double()
         assert (reduced(x).double() - ref).abs().max() < 1e-4
-        assert (reduced(x.repeat(3, 1))[:3].double() - ref).abs().max() < 2e-2  # 9 rows: the GEMM path
+        assert (reduced(x.repeat(6, 1))[:3].double() - ref).abs().max() < 2e-2  # 18 rows: the GEMM path
         part = reduced.slice(16, 32)
         assert (part(x).double() - ref[:, 16:32]).abs().max() < 1e-4
         torch.testing.assert_close(reduced.dequantized(torch.float32), q.float() * scale[:, None])
