@@ -45,9 +45,9 @@ def load_experiment(name_or_path: str) -> dict:
         shipped = sorted(p.stem for p in EXPERIMENTS_DIR.glob("[!_]*.yaml"))
         raise ValueError(f"no experiment {name_or_path!r}; give a YAML file or one of {shipped}")
     spec = yaml.safe_load(path.read_text()) or {}
-    if "extends" in spec:
+    if "extends" in spec:  # the parent's fields (runs, seeds, evaluate, ...) unless given; `base` merged
         parent = load_experiment(str(path.parent / f"{spec.pop('extends')}.yaml"))
-        spec["base"] = _merge(parent.get("base", {}), spec.get("base", {}))
+        spec = {**parent, **spec, "base": _merge(parent.get("base", {}), spec.get("base", {}))}
     if "runs" in spec and not spec["runs"]:
         raise ValueError(f"{path}: 'runs' is empty; list at least one run")
     for i, run in enumerate(spec.get("runs", [])):

@@ -17,6 +17,27 @@ def test_shipped_experiments_load():
         "vanilla", "cla", "yoco", "gqa", "fusedkv-lite", "fusedkv"]
 
 
+def test_an_experiment_extending_another_keeps_what_it_does_not_set(tmp_path):
+    """`extends`: the parent's fields (its evaluation, seeds, runs) carry over unless the child sets them;
+    `base` merges key by key, the child's values winning."""
+    child = tmp_path / "probe.yaml"
+    retrieval = load_experiment("retrieval")
+    child.write_text(f"extends: {retrieval_path()}\nbase: {{max_steps: 7}}\nruns: [{{name: v, plan: vanilla}}]\n")
+    spec = load_experiment(str(child))
+    assert spec["evaluate"] == retrieval["evaluate"] and spec["seeds"] == retrieval["seeds"]
+    assert spec["base"]["max_steps"] == 7 and spec["base"]["data"] == retrieval["base"]["data"]
+    assert [r["name"] for r in spec["runs"]] == ["v"]
+    child.write_text(f"extends: {retrieval_path()}\nseeds: [5]\n")
+    spec = load_experiment(str(child))
+    assert spec["runs"] == retrieval["runs"] and spec["seeds"] == [5]
+
+
+def retrieval_path() -> str:
+    from fusedkv.experiments.runner import EXPERIMENTS_DIR
+
+    return str(EXPERIMENTS_DIR / "retrieval")
+
+
 def test_compatibility_experiments_build_the_variants_they_name():
     """Each pair of paper App. A.6 is the main table's budget with the variant's model; the cache fractions
     (against MHA of the same shape, at the training context) are the ones the results table reports."""
