@@ -30,8 +30,6 @@ from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 MAX_HEAD_DIM = 512  # the C step's per-head buffers
-
-
 W_F32, W_BF16_BLOCKS, W_INT8_BLOCKS = 0, 1, 2  # the weight layouts of `Product` in cpu_decode_step.c
 
 
@@ -181,9 +179,14 @@ class NativeDecodeStep:
         table.k_w[:], table.v_w[:] = [k0, k1], [v0, v1]
 
     def __call__(self, token: torch.Tensor, kv_start: torch.Tensor | None, length: int) -> torch.Tensor:
+        batch = self._step.batch
+        if token.shape != (batch, 1) or kv_start is not None and kv_start.shape != (batch,):
+            raise ValueError(f"the native decode step was built for {batch} rows of one token: token "
+                             f"{tuple(token.shape)}, kv_start {None if kv_start is None else tuple(kv_start.shape)}")
         model = self.model
         x = model.model.embed_tokens(token).contiguous()  # [B, 1, H]: the residual stream, updated in place
-        status = self._lib.decode_step(self._address, x.data_ptr(), None if kv_start is None else kv_start.data_ptr(),
+        starts = None if kv_start is None else kv_start.to(torch.int64).contiguous()  # as the C side reads it
+        status = self._lib.decode_step(self._address, x.data_ptr(), None if starts is None else starts.data_ptr(),
                                        length, torch.get_num_threads())
         if status:
             raise RuntimeError(f"the native decode step refused its arguments (status {status}) at length {length}")

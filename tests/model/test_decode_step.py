@@ -177,3 +177,17 @@ def test_f16_weights_are_declined():
     model = reduce_precision(tiny_model("vanilla"), "float16")
     cache = StaticKVCache(model.config, 1, 16)
     assert "bf16 / int8 blocks" in unsupported(model, cache.keys, cache.values, 1)
+
+
+def test_wrong_shapes_are_refused_with_a_message():
+    model = _packed("vanilla")
+    cache = StaticKVCache(model.config, 2, 8)
+    with torch.inference_mode():
+        model(torch.randint(1, 97, (2, 3)), cache=cache, use_cache=True)
+        step = NativeDecodeStep(model, cache.keys, cache.values, 2)
+        with pytest.raises(ValueError, match="built for 2 rows"):
+            step(torch.tensor([[5]]), None, cache.get_seq_length())
+        with pytest.raises(ValueError, match="built for 2 rows"):
+            step(torch.tensor([[5], [6]]), torch.zeros(3, dtype=torch.int64), cache.get_seq_length())
+        ok = step(torch.tensor([[5], [6]]), torch.zeros(2, dtype=torch.int32), cache.get_seq_length())  # widened
+        assert ok.shape == (2, 1, 97)
