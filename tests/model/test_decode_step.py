@@ -139,14 +139,20 @@ def test_kernels_off_declines(torch_kernels):
     assert "not built" in unsupported(model, cache.keys, cache.values, 1)
 
 
-def test_full_cache_is_refused_with_a_message():
+def _prefilled_step(batch: int, max_len: int, prompt: int):
+    """A vanilla model's native step over a static cache holding a random prompt of `prompt` tokens."""
     model = _packed("vanilla")
-    cache = StaticKVCache(model.config, 1, 4)
+    cache = StaticKVCache(model.config, batch, max_len)
     with torch.inference_mode():
-        model(torch.randint(1, 97, (1, 4)), cache=cache, use_cache=True)
-        step = NativeDecodeStep(model, cache.keys, cache.values, 1)
-        with pytest.raises(RuntimeError, match="refused its arguments"):
-            step(torch.tensor([[5]]), None, cache.get_seq_length())
+        model(torch.randint(1, 97, (batch, prompt)), cache=cache, use_cache=True)
+    return NativeDecodeStep(model, cache.keys, cache.values, batch), cache
+
+
+@torch.inference_mode()
+def test_full_cache_is_refused_with_a_message():
+    step, cache = _prefilled_step(1, 4, 4)
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        step(torch.tensor([[5]]), None, cache.get_seq_length())
     with pytest.raises(ValueError, match="full"):
         cache.advance(1)
 
@@ -179,15 +185,12 @@ def test_f16_weights_are_declined():
     assert "bf16 / int8 blocks" in unsupported(model, cache.keys, cache.values, 1)
 
 
+@torch.inference_mode()
 def test_wrong_shapes_are_refused_with_a_message():
-    model = _packed("vanilla")
-    cache = StaticKVCache(model.config, 2, 8)
-    with torch.inference_mode():
-        model(torch.randint(1, 97, (2, 3)), cache=cache, use_cache=True)
-        step = NativeDecodeStep(model, cache.keys, cache.values, 2)
-        with pytest.raises(ValueError, match="built for 2 rows"):
-            step(torch.tensor([[5]]), None, cache.get_seq_length())
-        with pytest.raises(ValueError, match="built for 2 rows"):
-            step(torch.tensor([[5], [6]]), torch.zeros(3, dtype=torch.int64), cache.get_seq_length())
-        ok = step(torch.tensor([[5], [6]]), torch.zeros(2, dtype=torch.int32), cache.get_seq_length())  # widened
-        assert ok.shape == (2, 1, 97)
+    step, cache = _prefilled_step(2, 8, 3)
+    with pytest.raises(ValueError, match="built for 2 rows"):
+        step(torch.tensor([[5]]), None, cache.get_seq_length())
+    with pytest.raises(ValueError, match="built for 2 rows"):
+        step(torch.tensor([[5], [6]]), torch.zeros(3, dtype=torch.int64), cache.get_seq_length())
+    ok = step(torch.tensor([[5], [6]]), torch.zeros(2, dtype=torch.int32), cache.get_seq_length())  # widened
+    assert ok.shape == (2, 1, 97)
