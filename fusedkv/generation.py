@@ -3,7 +3,8 @@
 `model.generate()` (transformers) works with every plan; this loop exists for speed and measurement:
 a preallocated `StaticKVCache` for the storage layers, prefill that asks only for the last position
 (so reconstruction layers skip the rest of the prompt), and one forward per new token with nothing
-else in the way. It records time-to-first-token and every decode step, which `fusedkv bench` reports,
+else in the way; on CPU, where it covers the model, that forward is one native call through every
+layer (`fusedkv.model.decode_step`), decided once, after prefill. It records time-to-first-token and every decode step, which `fusedkv bench` reports,
 and it is the loop `fusedkv generate` samples with.
 
 Padding: the model takes left-padded batches (positions count real tokens only). A right-padded batch
