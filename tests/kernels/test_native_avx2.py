@@ -1,0 +1,61 @@
+"""The native kernels built as for a processor with AVX2 only (no AVX-512, no AVX-512 BF16), on this machine:
+processors of this kind come with or without AVX-512, and `-march=native` picks for the one it builds on.
+A compiler wrapper turns `-march=native` into `-march=x86-64-v3` (AVX2 + FMA); in a fresh process with its own
+cache, the library must report no bf16 blocks, and the f32 kernels and the native decode step must still
+match the model's own forward."""
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHECK = textwrap.dedent("""
+    import torch
+    from fusedkv.cache import StaticKVCache
+    from fusedkv.generation import generate
+    from fusedkv.kernels import native
+    from fusedkv.model.decode_step import NativeDecodeStep
+    from fusedkv.model.packing import set_decode_layout
+    from tests.conftest import tiny_model
+
+    lib = native.library()
+    assert lib is not None and not lib.bf16_blocks, "expected an AVX2 build without bf16 blocks"
+    for plan in ("vanilla", "fusedkv", "fusedkv-lite"):
+        model = tiny_model(plan)
+        set_decode_layout(model, "packed")
+        ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+        cache = StaticKVCache(model.config, 2, 12)
+        with torch.inference_mode():
+            model(ids[:, :6], cache=cache, use_cache=True)
+            step = NativeDecodeStep(model, cache.keys, cache.values, 2)
+            got = []
+            for i in range(6, 12):
+                got.append(step(ids[:, i : i + 1], None, cache.get_seq_length()))
+                cache.advance(1)
+            full = model(ids).logits[:, 6:]
+        err = (torch.cat(got, 1) - full).abs().max() / full.abs().max()
+        assert err < 2e-5, (plan, float(err))
+        prompt = ids[:, :5]
+        assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64" or shutil.which("cc") is None,
+                    reason="the AVX2 build is checked on x86-64 Linux with a C compiler")
+def test_avx2_build_matches_the_forward(tmp_path):
+    wrapper = tmp_path / "cc"
+    wrapper.write_text('#!/bin/bash\nargs=()\nfor a in "$@"; do [ "$a" = "-march=native" ] && a="-march=x86-64-v3"; '
+                       f'args+=("$a"); done\nexec {shutil.which("cc")} "${{args[@]}}"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "CC": str(wrapper), "FUSEDKV_CACHE": str(tmp_path / "cache"), "FUSEDKV_NATIVE_KERNELS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    built = list((tmp_path / "cache").rglob("*.so"))
+    assert len(built) == 1  # built with the wrapper, into the test's own cache
