@@ -9,8 +9,8 @@
  *
  *   h = RMSNorm(x);  [q | k | v] = h W_qkv^T (+ b)                (storage layer; Q only otherwise)
  *   q = RoPE(RMSNorm_head(q)), k = RoPE(RMSNorm_head(k)), written with v into the cache at `length`
- *   a = attention of q over the layer's 1-2 K / V sources with their fusion weights (paper Eq. 4-6,
- *       Sec. 2.5's factored form), keys from kv_start[b]
+ *   a = attention of q over the layer's 1-2 K / V sources with their fusion weights (the factored form
+ *       of cpu_decode_attention.c), keys from kv_start[b]
  *   x = x + a W_o^T;  h = RMSNorm(x);  x = x + (SiLU(h W_g^T) * h W_u^T) W_d^T
  *
  * The caller (fusedkv/model/decode_step.py) fills one `StepLayer` per layer once, with pointers to the
