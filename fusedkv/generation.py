@@ -4,8 +4,8 @@
 a preallocated `StaticKVCache` for the storage layers, prefill that asks only for the last position
 (so reconstruction layers skip the rest of the prompt), and one forward per new token with nothing
 else in the way; on CPU, where it covers the model, that forward is one native call through every
-layer (`fusedkv.model.decode_step`), decided once, after prefill. It records time-to-first-token and every decode step, which `fusedkv bench` reports,
-and it is the loop `fusedkv generate` samples with.
+layer (`fusedkv.model.decode_step`), decided once, after prefill. It records time-to-first-token and
+every decode step, which `fusedkv bench` reports, and it is the loop `fusedkv generate` samples with.
 
 Padding: the model takes left-padded batches (positions count real tokens only). A right-padded batch
 (what a tokenizer that pads on the right gives) is re-aligned to the left before prefill, so every
@@ -125,8 +125,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     `cache_factory(config, batch, max_len, dtype, device)` builds another cache instead (e.g.
     `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache).
     `native_step`: on CPU, run each decode step's layers as one native call where it covers the model and
-    the cache (`fusedkv.model.decode_step`: f32 packed weights, a static cache, batch <= 4); False runs
-    the model's modules every step, as it always does elsewhere."""
+    the cache (`fusedkv.model.decode_step.unsupported`: f32 weights in the packed layout or bf16 / int8
+    blocks, a static cache without windows, batch <= 4); False runs the model's modules every step."""
     batch, prompt_len = input_ids.shape
     total = prompt_len + max_new_tokens
     if total > model.config.max_position_embeddings:

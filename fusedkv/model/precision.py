@@ -9,9 +9,9 @@ the products are rounded to the weight's kind.
 
 Formats and kernels; which one runs depends on the number of input rows (`GEMV_MAX_ROWS`, measured
 by `benchmarks/cpu_decode.py --kernels`):
-  * Few rows on a processor with AVX-512 BF16, where the native kernels are built: `bfloat16` and `int8`
-    weights are stored in the block layout of `fusedkv.kernels.cpu_gemv.linear_blocks` and multiplied
-    with bf16 dot-product instructions (int8 widened to bf16 exactly, then scaled per output).
+  * Up to 16 rows on a processor with AVX-512 BF16, where the native kernels are built: `bfloat16` and
+    `int8` weights are stored in the block layout of `fusedkv.kernels.cpu_gemv.linear_blocks` and
+    multiplied with bf16 dot-product instructions (int8 widened to bf16 exactly, then scaled per output).
   * Elsewhere, few rows: `bfloat16` / `float16` run ATen's vectorised reduced-precision GEMV (`F.linear`
     on 16-bit operands, f32 accumulation; oneDNN is turned off around the bf16 call: at one row its bf16
     route is the slower of the two); `int8` runs `torch.ops.aten._weight_int8pack_mm`, the kernel behind
