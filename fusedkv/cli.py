@@ -191,8 +191,9 @@ def _run_generate(args) -> None:
     new = result.tokens.shape[1] - ids.shape[1]
     elapsed = result.ttft_s + sum(result.step_s)
     print(f"plan {model.config.kv_sharing}: {new} new tokens x {ids.shape[0]} in {elapsed:.2f}s "
-          f"({new * ids.shape[0] / elapsed:.1f} tok/s, first token after {result.ttft_s * 1e3:.0f} ms); "
-          f"KV cache held {result.cache_bytes:,} bytes", file=sys.stderr)
+          f"({new * ids.shape[0] / elapsed:.1f} tok/s, first token after {result.ttft_s * 1e3:.0f} ms"
+          f"{', native decode step' if result.native_step else ''}); KV cache held {result.cache_bytes:,} bytes",
+          file=sys.stderr)
 
 
 def register_convert(sub):

@@ -33,6 +33,7 @@ class GenerationResult:
     ttft_s: float
     step_s: list[float] = field(default_factory=list)
     cache_bytes: int = 0
+    native_step: bool = False  # decode steps ran as one native call (`fusedkv.model.decode_step`)
 
     @property
     def tpot_s(self) -> float:
@@ -188,4 +189,5 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
         _sync(device)
         steps.append(time.perf_counter() - t0)
         tokens.append(token)
-    return GenerationResult(torch.cat([input_ids, *tokens], dim=1), ttft, steps, kv_cache_nbytes(cache))
+    return GenerationResult(torch.cat([input_ids, *tokens], dim=1), ttft, steps, kv_cache_nbytes(cache),
+                            step is not None)

@@ -95,8 +95,9 @@ def test_generate_uses_the_step(monkeypatch):
     calls = []
     original = NativeDecodeStep.__call__
     monkeypatch.setattr(NativeDecodeStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
-    generate(_packed("fusedkv"), torch.randint(1, 97, (1, 5)), 6)
-    assert len(calls) == 5
+    result = generate(_packed("fusedkv"), torch.randint(1, 97, (1, 5)), 6)
+    assert len(calls) == 5 and result.native_step
+    assert not generate(_packed("fusedkv"), torch.randint(1, 97, (1, 5)), 6, native_step=False).native_step
 
 
 @pytest.mark.parametrize("case, overrides, batch, layout", [
