@@ -6,6 +6,7 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
     python benchmarks/cpu_decode.py                    # bench model, threads 1,2, prompts 512,2048, batch 1 (+4)
     python benchmarks/cpu_decode.py --llamacpp-src ~/.cache/fusedkv/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/cpu_decode.py --kernels          # one-step weight products per format and row count
+    python benchmarks/cpu_decode.py --attention --prompt-lens 2048,16384   # the native attention per cache kind
     python benchmarks/cpu_decode.py --quality RUN/final   # logits vs f32 and perplexity per precision
     python benchmarks/cpu_decode.py --overhead --kv float32  # one step's CPU time: products, rest, floor
 
@@ -405,6 +406,40 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
     return "\n".join(lines)
 
 
+# ---- attention ---------------------------------------------------------------------------------------
+def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
+    """The native one-token attention (`fusedkv.kernels.cpu_attention`) over one layer's cache of the bench
+    shape (8 kv heads of 64, batch 1) in f32, bf16 and f16, at each context length: ms per call (median)
+    and GB/s of K/V read. From 8k tokens on the cache (16-67 MB) no longer fits the caches, as in a
+    decode step, which reads every layer's cache in turn."""
+    from fusedkv.kernels import cpu_attention
+
+    torch.set_num_threads(threads)
+    h, d = BenchShape().num_attention_heads, BenchShape().head_dim
+    q = torch.randn(1, h, 1, d)
+    lines = [f"{threads} thread(s), native one-token attention, {h} heads of {d}, batch 1, medians of {repeats}",
+             "| context | cache | ms per call | GB/s |", "|---|---|---|---|"]
+    for context in contexts:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            k, v = (torch.randn(1, h, context, d).to(dtype) for _ in range(2))
+
+            def call(k=k, v=v):
+                return cpu_attention.decode_attention(q, [k], [None], [v], [None], None, d**-0.5)
+
+            if call() is None:
+                return "the native kernels are not built here (FUSEDKV_NATIVE_KERNELS, a C compiler)"
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            ms = statistics.median(times) * 1e3
+            nbytes = 2 * k.numel() * k.element_size()
+            lines.append(f"| {context} | {SHORT[str(dtype).removeprefix('torch.')]} | {ms:.3f} | "
+                         f"{nbytes / ms / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
 # ---- quality -----------------------------------------------------------------------------------------
 def quality_table(checkpoint: str, windows: int) -> str:
     """Per precision (weights x KV): on held-out windows of the built-in corpus, (1) full-forward
@@ -469,6 +504,8 @@ def main() -> None:
                     help="how fusedkv rows decode: the layers in one native call where it covers the model "
                     "(generate's default), the modules one by one, or both as separate rows ('... modules')")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
+    ap.add_argument("--attention", action="store_true", help="print the native attention table instead "
+                    "(--threads, --prompt-lens as the context lengths, --repeats)")
     ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
     ap.add_argument("--quality", metavar="CHECKPOINT", help="print the quality table for a trained checkpoint")
     ap.add_argument("--windows", type=int, default=16, help="--quality: held-out windows")
@@ -480,6 +517,10 @@ def main() -> None:
     if args.overhead:
         print(overhead_table(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
                              [int(p) for p in args.prompt_lens.split(",")], args.steps, args.kv.split(",")[0]))
+        return
+    if args.attention:
+        for t in [int(x) for x in args.threads.split(",")]:
+            print(attention_table(t, [int(c) for c in args.prompt_lens.split(",")], args.repeats))
         return
     if args.kernels:
         for t in [int(x) for x in args.threads.split(",")]:

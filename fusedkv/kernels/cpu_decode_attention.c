@@ -9,7 +9,8 @@
  * ever written: key weights go onto the query, value weights onto the output.
  *
  * Sources are read in place with their own strides (a static cache's filled prefix is a strided view)
- * and in the cache's element type: f32, bf16 or f16, widened to f32 as read, f32 arithmetic throughout.
+ * and in the cache's element type: f32, bf16 or f16, widened to f32 as read (f16 a row at a time),
+ * f32 arithmetic throughout.
  * One task per (b, kv head) streams that head's keys once for all the query heads that share it
  * (GQA), then its values once; tasks are split across threads. exp is a vectorisable polynomial
  * (Cephes expf, relative error ~1e-7) so the softmax loop vectorises with the rest.
@@ -20,20 +21,43 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 #define MAX_GROUP 64
 
-static inline float load(const void* base, long i, int kind) {
-    if (kind == KV_F32) return ((const float*)base)[i];
-    if (kind == KV_BF16) {
-        uint32_t u = (uint32_t)((const uint16_t*)base)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return (float)((const _Float16*)base)[i];
+/* How a row of D cache elements is read, per kind. f32 is read in place. bf16 is the top half of an f32, so
+ * each element is widened as it is read (a shift: cheaper than a pass over a buffer, measured). An f16 row
+ * is first widened into `buf` by F16C in a loop of its own (element by element it does not vectorise,
+ * measured 2x slower). ROWT: the row pointer's type; PREP: the row as read; EL: element d as f32. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
+
+static inline const float* widen_f16(const void* row, int D, float* buf) {
+    const uint16_t* s = (const uint16_t*)row;
+    int d = 0;
+#if defined(__F16C__)
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + d))));
+#endif
+    for (; d < D; d++) buf[d] = (float)((const _Float16*)row)[d];
+    return buf;
+}
+
+#define ROWT_KV_F32 const float*
+#define ROWT_KV_BF16 const uint16_t*
+#define ROWT_KV_F16 const float*
+#define PREP_KV_F32(row, buf) ((const float*)(row))
+#define PREP_KV_BF16(row, buf) ((const uint16_t*)(row))
+#define PREP_KV_F16(row, buf) widen_f16((row), D, (buf))
+#define EL_KV_F32(r, d) ((r)[d])
+#define EL_KV_BF16(r, d) bf16_to_f32((r)[d])
+#define EL_KV_F16(r, d) ((r)[d])
 
 /* Scores of 4 keys at a time: four independent dot products keep the FMA units busy while each one's
  * horizontal sum completes (one key at a time is bound by that sum's latency). */
@@ -46,22 +70,24 @@ static inline float load(const void* base, long i, int kind) {
             float* s = scores + (long)j * T_len;                                                        \
             int t = start;                                                                              \
             for (; t + 4 <= T_len; t += 4) {                                                            \
-                const T* r0 = base + t * st; const T* r1 = r0 + st; const T* r2 = r1 + st;              \
-                const T* r3 = r2 + st;                                                                  \
+                ROWT_##KIND r0 = PREP_##KIND(base + t * st, wbuf);                                      \
+                ROWT_##KIND r1 = PREP_##KIND(base + (t + 1) * st, wbuf + D);                            \
+                ROWT_##KIND r2 = PREP_##KIND(base + (t + 2) * st, wbuf + 2 * D);                        \
+                ROWT_##KIND r3 = PREP_##KIND(base + (t + 3) * st, wbuf + 3 * D);                        \
                 float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                           \
                 _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                            \
                 for (int d = 0; d < D; d++) {                                                           \
-                    a0 += qk[d] * load(r0, d, KIND); a1 += qk[d] * load(r1, d, KIND);                   \
-                    a2 += qk[d] * load(r2, d, KIND); a3 += qk[d] * load(r3, d, KIND);                   \
+                    a0 += qk[d] * EL_##KIND(r0, d); a1 += qk[d] * EL_##KIND(r1, d);                     \
+                    a2 += qk[d] * EL_##KIND(r2, d); a3 += qk[d] * EL_##KIND(r3, d);                     \
                 }                                                                                       \
                 if (k == 0) { s[t] = a0; s[t + 1] = a1; s[t + 2] = a2; s[t + 3] = a3; }                 \
                 else { s[t] += a0; s[t + 1] += a1; s[t + 2] += a2; s[t + 3] += a3; }                    \
             }                                                                                           \
             for (; t < T_len; t++) {                                                                    \
-                const T* r0 = base + t * st;                                                            \
+                ROWT_##KIND r0 = PREP_##KIND(base + t * st, wbuf);                                      \
                 float a0 = 0.f;                                                                         \
                 _Pragma("omp simd reduction(+:a0)")                                                     \
-                for (int d = 0; d < D; d++) a0 += qk[d] * load(r0, d, KIND);                            \
+                for (int d = 0; d < D; d++) a0 += qk[d] * EL_##KIND(r0, d);                             \
                 s[t] = k == 0 ? a0 : s[t] + a0;                                                         \
             }                                                                                           \
         }
@@ -76,19 +102,21 @@ static inline float load(const void* base, long i, int kind) {
             float* o = acc + ((long)j * n_v + v) * D;                                                   \
             int t = start;                                                                              \
             for (; t + 4 <= T_len; t += 4) {                                                            \
-                const T* r0 = base + t * st; const T* r1 = r0 + st; const T* r2 = r1 + st;              \
-                const T* r3 = r2 + st;                                                                  \
+                ROWT_##KIND r0 = PREP_##KIND(base + t * st, wbuf);                                      \
+                ROWT_##KIND r1 = PREP_##KIND(base + (t + 1) * st, wbuf + D);                            \
+                ROWT_##KIND r2 = PREP_##KIND(base + (t + 2) * st, wbuf + 2 * D);                        \
+                ROWT_##KIND r3 = PREP_##KIND(base + (t + 3) * st, wbuf + 3 * D);                        \
                 const float p0 = p[t], p1 = p[t + 1], p2 = p[t + 2], p3 = p[t + 3];                     \
                 _Pragma("omp simd")                                                                     \
                 for (int d = 0; d < D; d++)                                                             \
-                    o[d] += p0 * load(r0, d, KIND) + p1 * load(r1, d, KIND) + p2 * load(r2, d, KIND)    \
-                          + p3 * load(r3, d, KIND);                                                     \
+                    o[d] += p0 * EL_##KIND(r0, d) + p1 * EL_##KIND(r1, d) + p2 * EL_##KIND(r2, d)       \
+                          + p3 * EL_##KIND(r3, d);                                                      \
             }                                                                                           \
             for (; t < T_len; t++) {                                                                    \
-                const T* r0 = base + t * st;                                                            \
+                ROWT_##KIND r0 = PREP_##KIND(base + t * st, wbuf);                                      \
                 const float p0 = p[t];                                                                  \
                 _Pragma("omp simd")                                                                     \
-                for (int d = 0; d < D; d++) o[d] += p0 * load(r0, d, KIND);                             \
+                for (int d = 0; d < D; d++) o[d] += p0 * EL_##KIND(r0, d);                              \
             }                                                                                           \
         }                                                                                               \
     }
@@ -115,10 +143,11 @@ int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len,
     for (int task = 0; task < B * H_kv; task++) {
         const int b = task / H_kv, g = task % H_kv;
         const int start = kv_start ? (int)kv_start[b] : 0;
-        float* scores = malloc(sizeof(float) * ((size_t)group * T_len + (size_t)group * (n_k + n_v) * D));
+        float* scores = malloc(sizeof(float) * ((size_t)group * T_len + (size_t)(group * (n_k + n_v) + 4) * D));
         if (!scores) { failed = 1; continue; }
         float* qs = scores + (size_t)group * T_len;  /* [group, n_k, D]: query with key weights and scale */
         float* acc = qs + (size_t)group * n_k * D;    /* [group, n_v, D] */
+        float* wbuf = acc + (size_t)group * n_v * D;  /* [4, D]: f16 cache rows widened to f32 */
         for (int j = 0; j < group; j++)
             for (int k = 0; k < n_k; k++)
                 for (int d = 0; d < D; d++) {
