@@ -69,8 +69,7 @@ class StaticKVCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
         start, t = self._length, k.shape[2]
-        if start + t > self.max_len:
-            raise ValueError(f"StaticKVCache is full: {start} + {t} tokens exceed max_len={self.max_len}")
+        self._check_room(t)
         if layer_idx in self.windowed:
             return self._update_window(k, v, layer_idx, start, t)
         self.keys[layer_idx][:, :, start : start + t] = k
@@ -97,9 +96,12 @@ class StaticKVCache:
     def advance(self, t: int) -> None:
         """Count `t` new tokens that a writer filling every storage layer's buffers itself has written (the
         native decode step, `fusedkv.model.decode_step`), as `update` counts them."""
+        self._check_room(t)
+        self._length += t
+
+    def _check_room(self, t: int) -> None:
         if self._length + t > self.max_len:
             raise ValueError(f"StaticKVCache is full: {self._length} + {t} tokens exceed max_len={self.max_len}")
-        self._length += t
 
     def reset(self) -> None:
         self._length = 0

@@ -21,7 +21,8 @@ import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
 from .errors import RunError
-from .model.decode_step import NativeDecodeStep, unsupported
+from .model.attention import first_real_key
+from .model.decode_step import NativeDecodeStep, Unsupported
 from .model.packing import LAYOUTS, set_decode_layout
 
 WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
@@ -96,9 +97,12 @@ def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[t
 def _native_step(model, cache, batch: int) -> NativeDecodeStep | None:
     """The native decode step for this model and cache, or None where it does not cover them (the loop then
     runs the modules): only a `StaticKVCache` without window layers has the fixed buffers it writes."""
-    if type(cache) is not StaticKVCache or cache.windowed or unsupported(model, cache.keys, cache.values, batch):
+    if type(cache) is not StaticKVCache or cache.windowed:
         return None
-    return NativeDecodeStep(model, cache.keys, cache.values, batch)
+    try:
+        return NativeDecodeStep(model, cache.keys, cache.values, batch)
+    except Unsupported:  # decided by `unsupported`, once, inside the constructor
+        return None
 
 
 def _sync(device: torch.device) -> None:
@@ -169,7 +173,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     step = _native_step(model, cache, batch) if native_step else None
     kv_start = None
     if step is not None and mask is not None:  # left-aligned: each row's first real key, fixed from now on
-        kv_start = (mask[:, :prompt_len] == 0).sum(-1).to(torch.int64).contiguous()
+        kv_start = first_real_key(mask[:, :prompt_len]).contiguous()
     tokens = [token]
     steps: list[float] = []
     done = torch.zeros(batch, dtype=torch.bool, device=device)

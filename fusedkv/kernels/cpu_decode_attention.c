@@ -20,12 +20,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_math.h"
+#include "cpu_kernels.h"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 #define MAX_GROUP 64
 
 /* How a row of D cache elements is read, per kind. f32 is read in place. bf16 is the top half of an f32, so

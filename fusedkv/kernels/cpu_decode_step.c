@@ -23,23 +23,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_math.h"
+#include "cpu_kernels.h"
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 enum { MAX_ROWS = 4 };
-
-void gemv_f32(const float* x, int rows, int in, const float* wt, long ldw, const float* bias, float* y, int out,
-              int threads);
-int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride, const float* scale,
-                     const float* bias, float* y, int out, int threads);
-int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long block_stride, const float* scale,
-                     const float* bias, float* y, int out, int threads);
-int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len, float scale, int kind,
-                     int n_k, const void* k0, const void* k1, long ksb, long ksh, long kst,
-                     const float* ka0, const float* ka1, long ka_hs,
-                     int n_v, const void* v0, const void* v1, long vsb, long vsh, long vst,
-                     const float* vb0, const float* vb1, long vb_hs,
-                     const int64_t* kv_start, float* out, int threads);
 
 enum { W_F32 = 0, W_BF16_BLOCKS = 1, W_INT8_BLOCKS = 2 };
 
@@ -71,8 +57,7 @@ typedef struct {
     int n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, batch, kind;
     long cache_len;                    /* S: positions the cache buffers hold */
     float eps, scale;
-    const float* cos; const float* sin;  /* [positions, D]: RoPE tables, sin with rotate-half's sign */
-    long rope_len;
+    const float* cos; const float* sin;  /* [S, D]: RoPE tables per cache position, sin signed as rotate-half */
     StepLayer* layers;
     /* scratch, preallocated by the caller: [B, H], [B, proj outputs max], [B, H_q D] twice, [B, 2 I], [B, I],
      * and [B, widest input + 1] uint16 for inputs rounded to bf16 */
@@ -120,7 +105,8 @@ static int product(const Product* p, const float* x, int rows, float* y, uint16_
         for (int i = p->in; i < p->in_padded; i++) row[i] = 0;
     }
     if (p->fmt == W_BF16_BLOCKS)
-        return gemv_bf16_blocks(xb, rows, p->in_padded, (const uint16_t*)p->w, p->ld, NULL, p->bias, y, p->out, threads);
+        return gemv_bf16_blocks(xb, rows, p->in_padded, (const uint16_t*)p->w, p->ld, NULL, p->bias, y, p->out,
+                                threads);
     return gemv_int8_blocks(xb, rows, p->in_padded, (const int8_t*)p->w, p->ld, p->scale, p->bias, y, p->out, threads);
 }
 
@@ -140,7 +126,7 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
     const long S = s->cache_len, sb = (long)Hkv * S * D, sh = S * D;
     for (int b = 0; b < B; b++) {
         const long pos = length - (kv_start ? kv_start[b] : 0);
-        if (pos < 0 || pos >= s->rope_len) return 1;
+        if (pos < 0) return 1;  /* pos <= length < S: inside the RoPE tables */
     }
     for (int l = 0; l < s->n_layers; l++) {
         const StepLayer* L = &s->layers[l];

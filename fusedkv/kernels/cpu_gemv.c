@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 static inline float from_f32(float w) { return w; }
 
 #define DEFINE_GEMV(NAME, T, CONVERT)                                                                      \

@@ -42,6 +42,11 @@ ATTENTION_PATHS = ("auto", "materialized", "factored", "triton", "native")
 FACTORED_MAX_QUERY = 16
 
 
+def first_real_key(padding_mask: torch.Tensor) -> torch.Tensor:
+    """[B] int64 index of each row's first real key in a left-padded [B, S] mask (1 = real)."""
+    return padding_mask.long().argmax(-1)
+
+
 class KVState:
     """K/V of the storage layers for the current forward (past + new tokens), keyed by layer index,
     plus the carried K/V of the iterative-fusion variant. Lives for one forward only; the persistent
@@ -65,9 +70,9 @@ class KVState:
         self.carry: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def kv_start(self) -> torch.Tensor | None:
-        """[B] index of each row's first real key (left padding), as the Triton decode kernel takes it.
-        Derived only when that kernel runs, so other decode paths pay nothing for it."""
-        return None if self.padding_mask is None else self.padding_mask.long().argmax(-1)
+        """[B] index of each row's first real key (left padding), as the one-token kernels take it.
+        Derived only when such a kernel runs, so other decode paths pay nothing for it."""
+        return None if self.padding_mask is None else first_real_key(self.padding_mask)
 
 
 class Attention(nn.Module, DecodePackable):

@@ -47,7 +47,7 @@ class _Layer(ctypes.Structure):  # `StepLayer`
 class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
     _fields_ = [("n_layers", I), ("hidden", I), ("n_heads", I), ("n_kv_heads", I), ("head_dim", I), ("inter", I),
                 ("batch", I), ("kind", I), ("cache_len", L), ("eps", F), ("scale", F), ("cos", P), ("sin", P),
-                ("rope_len", L), ("layers", ctypes.POINTER(_Layer)),
+                ("layers", ctypes.POINTER(_Layer)),
                 ("h", P), ("proj", P), ("q", P), ("attn", P), ("gu", P), ("act", P), ("xb", P)]
 
 
@@ -70,16 +70,18 @@ def _product(module) -> _Product | None:
                     None, None if bias is None else bias.data_ptr())
 
 
-def _products(layer) -> dict[str, object] | None:
-    """The four products of a decoder layer as the modules hold them (the packed group where there is one),
-    or None when the layer is not in a layout the step reads."""
+def _products(layer) -> dict[str, _Product] | None:
+    """The native descriptions of a decoder layer's four products as the modules hold them (the packed group
+    where there is one; a `ReducedGroup` holds one `ReducedLinear`), or None when one is in no layout the
+    step reads."""
     attn, mlp = layer.self_attn, layer.mlp
     if attn.layer.stores and not attn.is_packed() or not mlp.is_packed():
         return None
     proj = attn.packed_qkv if attn.layer.stores else attn.q_proj
-    modules = {"proj": getattr(proj, "linear", proj), "o": attn.o_proj,  # a ReducedGroup holds one ReducedLinear
+    modules = {"proj": getattr(proj, "linear", proj), "o": attn.o_proj,
                "gate_up": getattr(mlp.packed_gate_up, "linear", mlp.packed_gate_up), "down": mlp.down_proj}
-    return modules if all(_product(m) is not None for m in modules.values()) else None
+    products = {name: _product(m) for name, m in modules.items()}
+    return None if None in products.values() else products
 
 
 def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int) -> str | None:
@@ -115,16 +117,20 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
     return None
 
 
+class Unsupported(ValueError):
+    """The native step does not cover this model, cache or batch (the message says why)."""
+
+
 class NativeDecodeStep:
     """`step(token, kv_start, length)` -> logits [B, 1, V] of one new token per row, with its K/V written into
     `keys` / `values` (the static cache's storage-layer buffers, [B, H_kv, S, D]) at column `length`; the
     caller counts the token in its cache. `kv_start` [B]: each row's first real key (left padding), or None.
-    Built once per generation; raises ValueError when `unsupported` says why it cannot run."""
+    Built once per generation; raises `Unsupported` (a ValueError) with what `unsupported` names."""
 
     def __init__(self, model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int):
         reason = unsupported(model, keys, values, batch)
         if reason is not None:
-            raise ValueError(f"the native decode step does not cover this model: {reason}")
+            raise Unsupported(f"the native decode step does not cover this model: {reason}")
         self.model = model
         config = model.config
         d, h_q, h_kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
@@ -145,7 +151,7 @@ class NativeDecodeStep:
         self._keep += scratch
         self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
                            cpu_attention.KINDS[next(iter(keys.values())).dtype], cache_len, config.rms_norm_eps,
-                           d**-0.5, cos.data_ptr(), sin.data_ptr(), cache_len, layers,
+                           d**-0.5, cos.data_ptr(), sin.data_ptr(), layers,
                            *(t.data_ptr() for t in scratch))
         self._address = ctypes.addressof(self._step)
         self._lib = native.library()
@@ -160,8 +166,8 @@ class NativeDecodeStep:
         table.stores = kv.stores
         table.attn_norm = self._hold(layer.input_layernorm.weight).data_ptr()
         table.mlp_norm = self._hold(layer.post_attention_layernorm.weight).data_ptr()
-        for name, module in _products(layer).items():
-            setattr(table, name, _product(module))
+        for name, product in _products(layer).items():
+            setattr(table, name, product)
         table.q_norm = self._hold(attn.q_norm.weight).data_ptr()
         if kv.stores:
             table.k_norm = self._hold(attn.k_norm.weight).data_ptr()

@@ -1,0 +1,47 @@
+/* What the native CPU decode kernels share: their entry points (declared once, so a call from another
+ * file is checked against the definition), the cache element kinds, and small vectorisable math. */
+#ifndef FUSEDKV_CPU_KERNELS_H
+#define FUSEDKV_CPU_KERNELS_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };  /* cache element kinds (fusedkv.kernels.cpu_attention.KINDS) */
+
+/* cpu_gemv.c */
+void gemv_f32(const float* x, int rows, int in, const float* wt, long ldw, const float* bias, float* y, int out,
+              int threads);
+int has_bf16_blocks(void);
+int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride, const float* scale,
+                     const float* bias, float* y, int out, int threads);
+int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long block_stride, const float* scale,
+                     const float* bias, float* y, int out, int threads);
+
+/* cpu_decode_attention.c */
+int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len, float scale, int kind,
+                     int n_k, const void* k0, const void* k1, long ksb, long ksh, long kst,
+                     const float* ka0, const float* ka1, long ka_hs,
+                     int n_v, const void* v0, const void* v1, long vsb, long vsh, long vst,
+                     const float* vb0, const float* vb1, long vb_hs,
+                     const int64_t* kv_start, float* out, int threads);
+
+/* Cephes expf for |x| <= 87 (clamped below: scores minus their max, and -x in SiLU, never need more);
+ * relative error ~1e-7. A polynomial, so the loops that call it vectorise. */
+static inline float exp_poly(float x) {
+    x = x < -87.f ? -87.f : (x > 87.f ? 87.f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+#endif
