@@ -15,7 +15,9 @@ is exact reproducibility under interruption and under any data-parallel layout:
 Each row is a window of ``seq_len + 1`` tokens; ``input_ids`` are its first ``seq_len`` tokens and
 ``labels`` the last ``seq_len`` (the next-token targets), both int64 as ``nn.CrossEntropyLoss``
 and embedding lookups expect. Windows may cross document boundaries; the EOS token between
-documents tells the model where one ends (standard GPT-style packing, no padding).
+documents tells the model where one ends (standard GPT-style packing, no padding). A shard with a loss
+mask (``TokenShard.targets``, written for synthetic documents trained on their answers) yields
+``IGNORE_INDEX`` as the label of every token that is context only.
 
 Evaluation (:func:`iter_eval_batches`): consecutive non-overlapping windows from the start of the
 shard -- deterministic, every target token scored at most once, so the mean loss is a proper
@@ -30,21 +32,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..model.loss import IGNORE_INDEX
 from .shards import TokenShard
 
 STATE_VERSION = 1
 
 
-def _as_tokens(shard) -> np.ndarray:
-    """Accept a TokenShard, a path to a .bin, or any 1-D integer array (handy in tests)."""
+def _open(shard) -> tuple[np.ndarray, np.ndarray | None]:
+    """(tokens, loss mask or None) of a TokenShard, a path to a .bin, or any 1-D integer array (handy in
+    tests; no mask)."""
     if isinstance(shard, (str, Path)):
         shard = TokenShard(shard)
     if isinstance(shard, TokenShard):
-        return shard.tokens
+        return shard.tokens, shard.targets
     arr = np.asarray(shard)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"expected a 1-D integer token array, got shape {arr.shape} dtype {arr.dtype}")
-    return arr
+    return arr, None
 
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
@@ -58,11 +62,15 @@ def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
         )
 
 
-def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
+            targets: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # One fancy-indexing read of [B, seq_len+1] from the memmap; only those pages are touched.
     idx = starts[:, None].astype(np.int64) + np.arange(seq_len + 1, dtype=np.int64)
     windows = torch.from_numpy(np.array(tokens[idx], dtype=np.int64))  # plain ndarray, not memmap
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    labels = windows[:, 1:].contiguous()
+    if targets is not None:
+        labels[torch.from_numpy(np.array(targets[idx[:, 1:]]) == 0)] = IGNORE_INDEX
+    return windows[:, :-1].contiguous(), labels
 
 
 class TokenBatches:
@@ -79,7 +87,7 @@ class TokenBatches:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        self.tokens = _as_tokens(shard)
+        self.tokens, self.targets = _open(shard)
         _check_length(self.tokens, seq_len, f"token shard {getattr(shard, 'path', '')}".strip())
         self.seq_len, self.batch_size, self.seed = int(seq_len), int(batch_size), int(seed)
         self.rank, self.world_size = int(rank), int(world_size)
@@ -97,7 +105,7 @@ class TokenBatches:
         """This rank's ``(input_ids, labels)`` at ``step``, without changing the iterator position."""
         starts = self.global_starts(step)
         mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        return _gather(self.tokens, mine, self.seq_len)
+        return _gather(self.tokens, mine, self.seq_len, self.targets)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
@@ -133,7 +141,7 @@ class TokenBatches:
 
 def num_eval_windows(shard, seq_len: int) -> int:
     """How many non-overlapping (input, label) windows of ``seq_len`` fit in the shard."""
-    return (len(_as_tokens(shard)) - 1) // seq_len
+    return (len(_open(shard)[0]) - 1) // seq_len
 
 
 def iter_eval_batches(shard, seq_len: int, batch_size: int, max_batches: int | None = None,
@@ -150,7 +158,7 @@ def iter_eval_batches(shard, seq_len: int, batch_size: int, max_batches: int | N
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_batches is not None and max_batches < 0:
         raise ValueError(f"max_batches must be >= 0, got {max_batches}")
-    tokens = _as_tokens(shard)
+    tokens, targets = _open(shard)
     _check_length(tokens, seq_len, f"evaluation shard {getattr(shard, 'path', '')}".strip())
     n_windows = (len(tokens) - 1) // seq_len
     n_batches = -(-n_windows // batch_size)
@@ -159,4 +167,4 @@ def iter_eval_batches(shard, seq_len: int, batch_size: int, max_batches: int | N
     for j in range(rank, n_batches, world_size):
         first = j * batch_size
         starts = np.arange(first, min(first + batch_size, n_windows), dtype=np.int64) * seq_len
-        yield _gather(tokens, starts, seq_len)
+        yield _gather(tokens, starts, seq_len, targets)

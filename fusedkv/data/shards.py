@@ -7,6 +7,9 @@ On-disk layout written by :func:`prepare_dataset` into ``out_dir``::
     train.meta.json    dtype, num_tokens, vocab_size, eos_id, tokenizer hash, document count
     val.bin            held-out tokens (whole documents), same format
     val.meta.json
+    {train,val}.targets.bin  only for sources with TargetedText documents: one uint8 per token, 1 where
+                       the token is a training target, 0 where it is context only (the loader turns
+                       those labels into IGNORE_INDEX)
     meta.json          the request that produced the above + a summary; written last
 
 Every document is followed by the EOS token, so a window sampled from the flat array sees document
@@ -34,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..utils import write_json_atomic
-from .sources import BuiltinSource, Source, resolve_source
+from .sources import BuiltinSource, Source, TargetedText, resolve_source
 from .tokenizer import eos_token_id, load_tokenizer, save_tokenizer, tokenizer_sha256, train_bpe_tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,32 +69,48 @@ def meta_path_for(bin_path: str | Path) -> Path:
     return p.with_name(p.stem + ".meta.json")
 
 
+def targets_path_for(bin_path: str | Path) -> Path:
+    """``train.bin`` -> ``train.targets.bin`` (the loss mask; see the module doc)."""
+    p = Path(bin_path)
+    return p.with_name(p.stem + ".targets.bin")
+
+
 def _atomic_write_json(path: Path, obj: dict) -> None:
     write_json_atomic(path, obj, indent=2, sort_keys=True)
 
 
 class ShardWriter:
-    """Append token arrays to ``path`` (via a temp file); :meth:`close` publishes bin + metadata."""
+    """Append token arrays to ``path`` (via a temp file); :meth:`close` publishes bin + metadata.
+    ``targets=True`` also writes the loss mask (``write(tokens, targets=...)``, all ones when omitted)."""
 
-    def __init__(self, path: str | Path, vocab_size: int, eos_id: int, **extra_meta):
+    def __init__(self, path: str | Path, vocab_size: int, eos_id: int, targets: bool = False, **extra_meta):
         self.path = Path(path)
         self.dtype = dtype_for_vocab(vocab_size)
         self.vocab_size, self.eos_id, self.extra_meta = int(vocab_size), int(eos_id), extra_meta
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.file = open(self.tmp, "wb")
+        self.targets_tmp = self.tmp.with_name(self.tmp.name + ".targets") if targets else None
+        self.targets_file = open(self.targets_tmp, "wb") if targets else None
         self.num_tokens = 0
         self.num_documents = 0
 
-    def write(self, tokens, documents: int = 0) -> None:
+    def write(self, tokens, documents: int = 0, targets=None) -> None:
         arr = np.asarray(tokens)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size}) while writing {self.path}")
         self.file.write(arr.astype(self.dtype, copy=False).tobytes())
+        if self.targets_file is not None:
+            mask = np.ones(arr.size, np.uint8) if targets is None else np.asarray(targets, dtype=np.uint8)
+            if mask.shape != (arr.size,):
+                raise ValueError(f"targets of shape {mask.shape} for {arr.size} tokens while writing {self.path}")
+            self.targets_file.write(mask.tobytes())
         self.num_tokens += int(arr.size)
         self.num_documents += documents
 
     def close(self) -> dict:
         self.file.close()
+        if self.targets_file is not None:
+            self.targets_file.close()
         meta = {
             "format": FORMAT_VERSION,
             "dtype": self.dtype.name,
@@ -99,17 +118,24 @@ class ShardWriter:
             "num_documents": self.num_documents,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
+            "targets": self.targets_file is not None,
             **self.extra_meta,
         }
-        # Remove a stale sidecar first: a new .bin next to an old meta must never look valid.
+        # Remove stale sidecars first: a new .bin next to an old meta must never look valid.
         meta_path_for(self.path).unlink(missing_ok=True)
+        targets_path_for(self.path).unlink(missing_ok=True)
         os.replace(self.tmp, self.path)
+        if self.targets_tmp is not None:
+            os.replace(self.targets_tmp, targets_path_for(self.path))
         _atomic_write_json(meta_path_for(self.path), meta)
         return meta
 
     def abort(self) -> None:
         self.file.close()
         self.tmp.unlink(missing_ok=True)
+        if self.targets_file is not None:
+            self.targets_file.close()
+            self.targets_tmp.unlink(missing_ok=True)
 
 
 class TokenShard:
@@ -142,6 +168,14 @@ class TokenShard:
         # np.memmap cannot map an empty file; an empty array behaves the same for every caller.
         self.tokens = (np.memmap(self.path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.empty(0, dtype=self.dtype))
+        self.targets = None  # the loss mask (uint8 per token), for shards that have one
+        if self.meta.get("targets"):
+            tpath = targets_path_for(self.path)
+            if not tpath.is_file() or tpath.stat().st_size != self.num_tokens:
+                raise ValueError(f"token shard {self.path} records a loss mask but {tpath.name} is missing or not "
+                                 f"{self.num_tokens} bytes long. Delete {self.path.parent} and re-run prepare_dataset.")
+            self.targets = (np.memmap(tpath, dtype=np.uint8, mode="r") if self.num_tokens
+                            else np.empty(0, dtype=np.uint8))
 
     vocab_size = property(lambda self: int(self.meta["vocab_size"]))
     eos_id = property(lambda self: int(self.meta["eos_id"]))
@@ -209,15 +243,25 @@ def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     _WORKER.update(tok=Tokenizer.from_file(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype))
 
 
-def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+def _encode_chunk(texts: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """(token ids + EOS, loss mask or None) per text; the mask marks the tokens overlapping a
+    TargetedText's spans, the EOS after it too (the end of a document is always a target)."""
     tok, eos, dtype = _WORKER["tok"], _WORKER["eos"], _WORKER["dtype"]
     # add_special_tokens=False: no tokenizer-specific BOS/post-processing; we add exactly one EOS.
     out = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
+    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False)):
         arr = np.empty(len(enc.ids) + 1, dtype=dtype)
         arr[:-1] = enc.ids
         arr[-1] = eos
-        out.append(arr)
+        mask = None
+        if isinstance(text, TargetedText):
+            mask = np.ones(len(arr), np.uint8)
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            hit = np.zeros(len(offsets), bool)
+            for a, b in text.target_spans:
+                hit |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
+            mask[:-1] = hit
+        out.append((arr, mask))
     return out
 
 
@@ -370,8 +414,9 @@ def prepare_dataset(
     eos = eos_token_id(tok_obj)
     common = {"tokenizer": "tokenizer", "tokenizer_sha256": tok_hash}
 
-    writers = {False: ShardWriter(out_dir / "train.bin", vocab, eos, split="train", **common),
-               True: ShardWriter(out_dir / "val.bin", vocab, eos, split="val", **common)}
+    targets = src.has_targets  # decided once: both shards carry a loss mask, or neither does
+    writers = {False: ShardWriter(out_dir / "train.bin", vocab, eos, targets, split="train", **common),
+               True: ShardWriter(out_dir / "val.bin", vocab, eos, targets, split="val", **common)}
     seen_val: list[str] = []
 
     def named_docs():
@@ -383,8 +428,8 @@ def prepare_dataset(
     try:
         init = (str(tok_dir / "tokenizer.json"), eos, dtype_for_vocab(vocab).name)
         for flags, arrays in _encode_all(_chunks(named_docs(), is_val), num_proc, init):
-            for flag, arr in zip(flags, arrays, strict=True):
-                writers[flag].write(arr, documents=1)
+            for flag, (arr, mask) in zip(flags, arrays, strict=True):
+                writers[flag].write(arr, documents=1, targets=mask)
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -435,5 +480,10 @@ def _move_tail(train: ShardWriter, val: ShardWriter, fraction: float) -> None:
     cut = train.num_tokens - n_val
     tail = np.fromfile(train.tmp, dtype=train.dtype, offset=cut * train.dtype.itemsize)
     train.file.truncate(cut * train.dtype.itemsize)
+    tail_targets = None
+    if train.targets_file is not None:
+        train.targets_file.flush()
+        tail_targets = np.fromfile(train.targets_tmp, dtype=np.uint8, offset=cut)
+        train.targets_file.truncate(cut)
     train.num_tokens = cut
-    val.write(tail, documents=0)
+    val.write(tail, documents=0, targets=tail_targets)

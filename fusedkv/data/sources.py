@@ -89,6 +89,22 @@ def read_text_file(path: str | Path) -> str:
     return text
 
 
+class TargetedText(str):
+    """A document's text that also says which characters the loss counts on: `target_spans`, [start, end)
+    character spans. Tokens overlapping a span are training targets, every other token is context only (a
+    synthetic retrieval document trained on its answers, as Zoology trains MQAR). A plain str counts in full."""
+
+    target_spans: tuple[tuple[int, int], ...]
+
+    def __new__(cls, text: str, target_spans):
+        self = super().__new__(cls, text)
+        self.target_spans = tuple((int(a), int(b)) for a, b in target_spans)
+        return self
+
+    def __reduce__(self):  # pickled whole to the tokenising worker processes
+        return (TargetedText, (str(self), self.target_spans))
+
+
 class Source:
     """Base class: a re-iterable collection of named text documents.
 
@@ -98,6 +114,8 @@ class Source:
     """
 
     spec: str = ""
+    # True when some documents are TargetedText: prepare_dataset then writes a loss mask next to the tokens.
+    has_targets: bool = False
 
     def _iter_raw(self) -> Iterator[tuple[str, str]]:
         raise NotImplementedError
@@ -108,7 +126,7 @@ class Source:
             if text is None or not str(text).strip():
                 continue
             count += 1
-            yield name, str(text)
+            yield name, text if isinstance(text, str) else str(text)
         if count == 0:
             raise ValueError(
                 f"data source {self.spec!r} contains no non-empty documents. "

@@ -13,14 +13,22 @@ asks them to retrieve. This module writes retrieval *as text documents*, so the 
   depth in natural text from the built-in corpus, asked for at the end.
 * **RULER-style** tasks: the project's generators (`fusedkv.eval.ruler_tasks`), reused as they are, with
   the prompt followed by the gold answer.
+* **Repeat**: a random list of MQAR's key and value words, then the same list again. Every word of the
+  second copy is predictable only by finding the current word earlier and copying the one after it (an
+  induction head, Olsson et al., 2022), the mechanism MQAR needs, supervised at every position instead of
+  once per pair. Not in the default mixture; `tasks=mqar+repeat` selects it.
 
 Every sample records the character spans of the answers, so an evaluation can score exactly the answer
 tokens (`fusedkv.eval.retrieval`). Everything is deterministic in (seed, index) and offline.
 
-The mixture is a data-source spec: ``mix:builtin:FRACTION[:words=N]`` (e.g. ``--data mix:builtin:0.25``)
-is the built-in corpus plus synthetic documents making up FRACTION of the characters, each about N words
-of filler (default 80: sized to a 128-token training context). Validation stays on the corpus's held-out
-works (the synthetic documents all go to training), so validation losses compare with corpus-only runs.
+The mixture is a data-source spec: ``mix:builtin:FRACTION[:words=N][:tasks=A+B]`` (e.g. ``--data
+mix:builtin:0.25``) is the built-in corpus plus synthetic documents making up FRACTION of the characters,
+each about N words of filler (default 80: sized to a 128-token training context). ``tasks`` picks the
+synthetic tasks, in equal shares (default: MQAR 50%, passkey 30%, RULER-style 20%). ``loss=answers``
+trains the synthetic documents on their answer tokens only (Zoology's MQAR objective; `TargetedText`, a
+loss mask in the shards); the default ``loss=all`` trains on every token, like the corpus. Validation
+stays on the corpus's held-out works (the synthetic documents all go to training), so validation losses
+compare with corpus-only runs.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ from dataclasses import dataclass, field
 
 from ..eval._ruler_words import NOUNS
 from .shards import BUILTIN_VAL_DOCS
-from .sources import BuiltinSource
+from .sources import BuiltinSource, TargetedText
 
-TASKS = ("mqar", "passkey", "ruler")
+TASKS = ("mqar", "passkey", "ruler", "repeat")
+DEFAULT_TASKS = ("mqar", "passkey", "ruler")
+DEFAULT_WEIGHTS = (0.5, 0.3, 0.2)
 # RULER-style tasks cheap enough to generate by the thousand and short enough for a small context.
 RULER_TRAIN_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt")
 PASSKEY_QUESTION = "What is the pass key? The pass key is"
@@ -100,6 +110,21 @@ def passkey_sample(rng: random.Random, haystack: Sequence[str], depth: float | N
     return TextSample("passkey", text + key + ".\n", answers, num_pairs=1, depth=depth)
 
 
+def repeat_sample(rng: random.Random, length: int) -> TextSample:
+    """`length` words drawn from MQAR's keys and two-digit values, then the same words again; the answers are
+    the words of the second copy after its first (each follows a word whose successor is in context)."""
+    if length < 2:
+        raise ValueError(f"length={length}: a repeated list needs at least 2 words")
+    words = [rng.choice(NOUNS) if rng.random() < 0.5 else _values(rng, 1, 2)[0] for _ in range(length)]
+    text = "Repeat: " + " ".join(words) + ".\nAgain: " + words[0]
+    answers = []
+    for w in words[1:]:
+        text += " "
+        answers.append((len(text), len(text) + len(w)))
+        text += w
+    return TextSample("repeat", text + ".\n", answers, num_pairs=length)
+
+
 def ruler_sample(task: str, length_words: int, seed: int, index: int, haystack_text: str | None = None) -> TextSample:
     """A RULER-style prompt (`fusedkv.eval.ruler_tasks`, unchanged) of about `length_words` words followed by
     its gold answers, as one training document. Length is counted in whitespace words (no tokenizer exists
@@ -146,16 +171,21 @@ def filler(rng: random.Random, words: Sequence[str], n: int) -> list[str]:
     return [words[(start + i) % len(words)] for i in range(n)]
 
 
-def training_sample(rng: random.Random, words: Sequence[str], length_words: int, seed: int, index: int) -> TextSample:
+def training_sample(rng: random.Random, words: Sequence[str], length_words: int, seed: int, index: int,
+                    tasks: Sequence[str] = DEFAULT_TASKS) -> TextSample:
     """One training document of a random task and size, at most about `length_words` words long: MQAR with
-    2-16 pairs and a random gap (half of them), passkeys at random depths, RULER-style tasks."""
-    kind = rng.choices(TASKS, weights=(0.5, 0.3, 0.2))[0]
+    2-16 pairs and a random gap (half of them), passkeys at random depths, RULER-style tasks, repeated lists
+    of up to half that many words. `tasks` other than the default are drawn in equal shares."""
+    weights = DEFAULT_WEIGHTS if tuple(tasks) == DEFAULT_TASKS else None
+    kind = rng.choices(tasks, weights=weights)[0]
     if kind == "mqar":
         pairs = rng.randint(2, max(2, min(16, length_words // 5)))
         gap = rng.randint(0, max(0, length_words - 4 * pairs)) if rng.random() < 0.5 else 0
         return mqar_sample(rng, pairs, filler(rng, words, gap))
     if kind == "passkey":
         return passkey_sample(rng, filler(rng, words, rng.randint(length_words // 4, length_words)))
+    if kind == "repeat":
+        return repeat_sample(rng, rng.randint(4, max(4, length_words // 2)))
     task = rng.choice(RULER_TRAIN_TASKS)
     # RULER's instructions alone are ~90 words: these documents run past a short training context.
     return ruler_sample(task, max(2 * length_words, 160), seed, index, haystack_text=" ".join(filler(rng, words, 2000)))
@@ -173,28 +203,44 @@ class MixtureSource(BuiltinSource):
     evenly through the corpus's documents (not appended at the end), so a tokenizer trained on a prefix
     of the text sees them too."""
 
-    def __init__(self, fraction: float, words: int = 80, seed: int = 0):
+    def __init__(self, fraction: float, words: int = 80, seed: int = 0, tasks: Sequence[str] = DEFAULT_TASKS,
+                 loss: str = "all"):
         if not 0.0 < fraction < 1.0:
             raise ValueError(f"mixture fraction {fraction}: must be in (0, 1), e.g. mix:builtin:0.25")
         if words < 16:
             raise ValueError(f"mixture words={words}: synthetic documents need at least 16 words")
-        self.fraction, self.words, self.seed = float(fraction), int(words), int(seed)
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown or not tasks or len(set(tasks)) != len(tasks):
+            raise ValueError(f"mixture tasks {'+'.join(tasks) or '(none)'}: name each of {', '.join(TASKS)} at most "
+                             f"once, joined by '+', e.g. tasks=mqar+repeat")
+        if loss not in ("all", "answers"):
+            raise ValueError(f"mixture loss={loss}: choose loss=all (every token) or loss=answers (the answers of "
+                             f"the synthetic documents only)")
+        self.fraction, self.words, self.seed, self.tasks = float(fraction), int(words), int(seed), tuple(tasks)
+        self.has_targets = loss == "answers"
         self.spec = f"{MIX_PREFIX}builtin:{self.fraction:g}:words={self.words}:seed={self.seed}"
+        if self.tasks != DEFAULT_TASKS:  # the default spec (and so cached datasets' fingerprints) unchanged
+            self.spec += f":tasks={'+'.join(self.tasks)}"
+        if self.has_targets:
+            self.spec += ":loss=answers"
 
     @classmethod
     def from_spec(cls, spec: str) -> MixtureSource:
-        """`mix:builtin:0.25[:words=80][:seed=0]` -> a MixtureSource; ValueError with the form otherwise."""
-        form = "expected 'mix:builtin:FRACTION[:words=N][:seed=S]', e.g. 'mix:builtin:0.25'"
+        """`mix:builtin:0.25[:words=80][:seed=0][:tasks=mqar+repeat][:loss=answers]` -> a MixtureSource;
+        ValueError with the form otherwise."""
+        form = ("expected 'mix:builtin:FRACTION[:words=N][:seed=S][:tasks=A+B][:loss=all|answers]', "
+                "e.g. 'mix:builtin:0.25'")
         parts = spec[len(MIX_PREFIX):].split(":")
         if len(parts) < 2 or parts[0] != "builtin":
             raise ValueError(f"data mixture {spec!r}: {form} (only the built-in corpus can be mixed)")
         try:
             fraction = float(parts[1])
             opts = dict(p.split("=", 1) for p in parts[2:])
-            unknown = set(opts) - {"words", "seed"}
+            unknown = set(opts) - {"words", "seed", "tasks", "loss"}
             if unknown:
                 raise ValueError(f"unknown option(s) {sorted(unknown)}")
-            return cls(fraction, int(opts.get("words", 80)), int(opts.get("seed", 0)))
+            tasks = tuple(opts["tasks"].split("+")) if "tasks" in opts else DEFAULT_TASKS
+            return cls(fraction, int(opts.get("words", 80)), int(opts.get("seed", 0)), tasks, opts.get("loss", "all"))
         except ValueError as e:
             raise ValueError(f"data mixture {spec!r}: {e}; {form}") from None
 
@@ -207,8 +253,9 @@ class MixtureSource(BuiltinSource):
         synthetic: list[tuple[str, str]] = []
         made = 0
         while made < target:
-            s = training_sample(rng, words, self.words, self.seed, len(synthetic))
-            synthetic.append((f"synthetic/{s.task}/{len(synthetic)}", s.text))
+            s = training_sample(rng, words, self.words, self.seed, len(synthetic), self.tasks)
+            text = TargetedText(s.text, s.answers) if self.has_targets else s.text
+            synthetic.append((f"synthetic/{s.task}/{len(synthetic)}", text))
             made += len(s.text)
         # Interleave: after each corpus document, its share of the synthetic documents.
         per_doc = len(synthetic) / max(1, len(docs))

@@ -36,7 +36,14 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from ..train.config import parse_overrides
-    from .runner import load_experiment, plot_curves, retrieval_report, run_experiment, summary_table
+    from .runner import (
+        load_experiment,
+        paired_table,
+        plot_curves,
+        retrieval_report,
+        run_experiment,
+        summary_table,
+    )
 
     _check_experiment_file(args.experiment)
     spec = load_experiment(args.experiment)
@@ -46,6 +53,9 @@ def run(args) -> None:
     out = Path(args.out or f"runs/compare-{name}")
     results = run_experiment(spec, out, seeds, args.preset, overrides, args.task_limit)
     table = summary_table(results)
+    paired = paired_table(results, spec.get("paired"))
+    if paired:
+        table += "\n\nPaired differences, seed by seed (t on seeds - 1 degrees of freedom):\n\n" + paired
     plot_curves(results, out / "curves.png", spec.get("description", name))
     (out / "results.md").write_text(f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
     print(table)

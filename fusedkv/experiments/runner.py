@@ -15,6 +15,11 @@ distillation from NAME's final model (`fusedkv.train.distill`). A chained run's 
 shifted by the tokens its ancestors trained on, so curves compare at equal total tokens. A top-level
 `evaluate: {retrieval: {lengths, pairs, samples}}` scores every run on the synthetic retrieval tasks
 (`fusedkv.eval.retrieval`) at the lengths that fit its context.
+
+With two or more seeds the summary adds paired differences of validation loss (seed by seed, so the
+seed's shared data order and initialisation cancel): every run against the first by default, or the
+pairs listed under `paired: [[RUN, REFERENCE], ...]`, each with its t statistic on n - 1 degrees of
+freedom.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ def load_experiment(name_or_path: str) -> dict:
     for i, run in enumerate(spec.get("runs", [])):
         if "name" not in run or "plan" not in run:
             raise ValueError(f"{path}: run {i + 1} needs a 'name' and a 'plan'")
+    names = [run["name"] for run in spec.get("runs", [])]
+    for pair in spec.get("paired", []):  # checked now, not after hours of training
+        if not (isinstance(pair, list) and len(pair) == 2 and all(n in names for n in pair)):
+            raise ValueError(f"{path}: paired entry {pair!r} must be [RUN, REFERENCE], two of the run names {names}")
     return spec
 
 
@@ -288,6 +297,35 @@ def summary_table(results: list[dict]) -> str:
             row += "".join(f" {v:.1f} |" for v in per_task) + f" {statistics.mean(per_task):.1f} |"
         lines.append(row)
     return "\n".join(lines)
+
+
+# Two-sided 5% critical values of Student's t by degrees of freedom (for the "p < 0.05" column).
+_T_CRIT_05 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def paired_table(results: list[dict], pairs: list | None = None) -> str:
+    """Paired differences of validation loss, `run - reference` seed by seed: mean ± std, the per-seed
+    values, t = mean / (std / sqrt(n)) and whether |t| clears the two-sided 5% level. `pairs` defaults to
+    every run against the first; "" when fewer than two seeds are shared."""
+    names = list(dict.fromkeys(r["name"] for r in results))
+    loss = {(r["name"], r["seed"]): r["val_loss"] for r in results}
+    pairs = pairs if pairs is not None else [[n, names[0]] for n in names[1:]]
+    lines = []
+    for run, ref in pairs:  # names checked by load_experiment
+        seeds = sorted(s for (n, s) in loss if n == run and (ref, s) in loss)
+        if len(seeds) < 2:
+            continue
+        d = [loss[run, s] - loss[ref, s] for s in seeds]
+        mean, sd = statistics.mean(d), statistics.stdev(d)
+        t = mean / (sd / math.sqrt(len(d))) if sd > 0 else math.copysign(math.inf, mean)
+        crit = _T_CRIT_05.get(len(d) - 1, 2.0)
+        lines.append(f"| {run} − {ref} | {len(d)} | {mean:+.4f} ± {sd:.4f} | "
+                     f"{', '.join(f'{x:+.4f}' for x in d)} | {t:+.1f} | {'yes' if abs(t) > crit else 'no'} |")
+    if not lines:
+        return ""
+    head = ("| difference (valid loss) | seeds | mean ± std | per seed | t | p < 0.05 |\n"
+            "|---|---|---|---|---|---|")
+    return head + "\n" + "\n".join(lines)
 
 
 def plot_curves(results: list[dict], path, title: str) -> None:

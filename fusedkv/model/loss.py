@@ -21,11 +21,13 @@ IGNORE_INDEX = -100
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of `logits` [..., V] against `targets` [...] (same leading shape), in fp32.
 
-    reduction: "mean" over the counted positions, "sum", or "none" (per position; 0 where ignored)."""
-    nll = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-        reduction=reduction,
-    )
+    reduction: "mean" over the counted positions (0, not NaN, when none counts: a window of context-only
+    tokens under a loss mask), "sum", or "none" (per position; 0 where ignored)."""
+    flat = targets.reshape(-1)
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=IGNORE_INDEX,
+                          reduction="sum" if reduction == "mean" else reduction)
+    if reduction == "mean":
+        return nll / (flat != IGNORE_INDEX).sum().clamp(min=1)
     return nll.view(targets.shape) if reduction == "none" else nll
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoints import check_checkpoint_dir
+from ..model.loss import lm_loss
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
@@ -44,7 +45,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     log_p_t = F.log_softmax(t / temperature, -1)
     # KL(teacher || student) per token, averaged over tokens ("batchmean" over the flattened tokens).
     kl = F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean") * temperature**2
-    lm = F.cross_entropy(s, labels.flatten())
+    lm = lm_loss(s, labels.flatten())
     loss = alpha * kl + (1.0 - alpha) * lm
     hidden = torch.zeros((), device=s.device)
     if hidden_weight > 0:

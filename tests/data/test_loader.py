@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from fusedkv.data import ShardWriter, TokenBatches, TokenShard, iter_eval_batches, num_eval_windows
+from fusedkv.data.shards import targets_path_for
+from fusedkv.model.loss import IGNORE_INDEX
 
 N = 10_000
 
@@ -107,3 +109,23 @@ def test_eval_batches_cover_shard_sequentially(shard):
     for r in range(2):
         assert len(split[r]) == len(batches[r::2])
         assert all(torch.equal(a[0], b[0]) for a, b in zip(split[r], batches[r::2]))
+
+
+def test_loss_mask_turns_context_tokens_into_ignored_labels(tmp_path):
+    path = tmp_path / "train.bin"
+    w = ShardWriter(path, vocab_size=65_000, eos_id=0, targets=True)
+    w.write(np.arange(100), documents=1)  # a document counted in full (no mask given)
+    w.write(np.arange(100, 200), documents=1, targets=np.arange(100) % 3 == 0)  # every third token a target
+    w.close()
+    shard = TokenShard(path)
+    keep = np.concatenate([np.ones(100, bool), np.arange(100) % 3 == 0])
+    for x, y in [TokenBatches(shard, seq_len=16, batch_size=8, seed=1).batch_at(0),
+                 *iter_eval_batches(shard, seq_len=16, batch_size=4)]:
+        expect = torch.where(torch.from_numpy(keep[(x + 1).numpy()]), x + 1, IGNORE_INDEX)
+        assert torch.equal(y, expect)  # labels are the next tokens, or IGNORE_INDEX where context only
+    # A mask that does not match the tokens is refused when the shard is opened.
+    targets_path_for(path).write_bytes(b"\x01" * 10)
+    with pytest.raises(ValueError, match="loss mask"):
+        TokenShard(path)
+    with pytest.raises(ValueError, match="targets of shape"):
+        ShardWriter(tmp_path / "other.bin", 100, 0, targets=True).write(np.arange(5), targets=np.ones(4))

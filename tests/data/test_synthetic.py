@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from fusedkv.data import BuiltinSource, prepare_dataset, resolve_source
@@ -12,6 +13,7 @@ from fusedkv.data.synthetic import (
     MixtureSource,
     mqar_sample,
     passkey_sample,
+    repeat_sample,
     ruler_sample,
     training_sample,
 )
@@ -78,12 +80,39 @@ def test_training_samples_cover_every_task_with_consistent_answers():
         assert all(s.text[a - 1] in " :,\n" for a, _ in s.answers)  # an answer starts a new word
 
 
+def test_repeat_answers_are_the_second_copy_word_by_word():
+    s = repeat_sample(random.Random(5), 9)
+    first, second = s.text.split("\n")[:2]
+    words = first.removeprefix("Repeat: ").rstrip(".").split()
+    assert len(words) == 9 and second == "Again: " + " ".join(words) + "."
+    assert s.answer_strings() == words[1:]  # the first word of the copy is not predictable, the rest are
+    assert all(s.text[a - 1] == " " for a, _ in s.answers)
+    with pytest.raises(ValueError, match="at least 2"):
+        repeat_sample(random.Random(0), 1)
+
+
+def test_training_samples_draw_only_the_chosen_tasks():
+    rng = random.Random(1)
+    kinds = [training_sample(rng, WORDS, 80, 0, i, tasks=("mqar", "repeat")).task for i in range(200)]
+    assert set(kinds) == {"mqar", "repeat"} and 70 < kinds.count("repeat") < 130  # equal shares
+    # The default draw is unchanged by the option's existence (cached mixtures keep their documents).
+    a = [training_sample(random.Random(2), WORDS, 80, 0, i).text for i in range(20)]
+    b = [training_sample(random.Random(2), WORDS, 80, 0, i, tasks=("mqar", "passkey", "ruler")).text
+         for i in range(20)]
+    assert a == b
+
+
 def test_mixture_spec_parsing():
     src = resolve_source("mix:builtin:0.25:words=64:seed=3")
     assert isinstance(src, MixtureSource)
     assert (src.fraction, src.words, src.seed) == (0.25, 64, 3)
+    assert src.spec == "mix:builtin:0.25:words=64:seed=3"  # the default tasks leave the fingerprint as it was
+    dense = resolve_source("mix:builtin:0.75:tasks=mqar+repeat")
+    assert dense.tasks == ("mqar", "repeat") and dense.spec.endswith(":tasks=mqar+repeat")
     for bad, msg in [("mix:builtin:1.5", "in \\(0, 1\\)"), ("mix:other:0.2", "built-in corpus"),
-                     ("mix:builtin:x", "mix:builtin:FRACTION"), ("mix:builtin:0.2:size=3", "unknown option")]:
+                     ("mix:builtin:x", "mix:builtin:FRACTION"), ("mix:builtin:0.2:size=3", "unknown option"),
+                     ("mix:builtin:0.2:tasks=mqar+haystack", "tasks=mqar\\+repeat"),
+                     ("mix:builtin:0.2:tasks=mqar+mqar", "at most once")]:
         with pytest.raises(ValueError, match=msg):
             resolve_source(bad)
 
@@ -92,8 +121,8 @@ class _SmallMixture(MixtureSource):
     """The mixture over a few real corpus documents instead of the whole corpus (seconds, not minutes);
     one of them carries a held-out work's name."""
 
-    def __init__(self, docs, fraction):
-        super().__init__(fraction, words=40)
+    def __init__(self, docs, fraction, **kw):
+        super().__init__(fraction, words=40, **kw)
         self.docs = docs
 
     def _base_docs(self):
@@ -122,3 +151,27 @@ def test_mixture_share_split_and_shards(tmp_path, small_text):
     ds = prepare_dataset(src, tmp_path / "mix", vocab_size=400, num_proc=1, val_docs=["kjv/Ruth"])
     assert ds.meta["val"]["num_documents"] == 1  # only the held-out work, no synthetic document
     assert ds.meta["train"]["num_documents"] == len(named) - 1
+
+
+def test_answers_only_loss_marks_exactly_the_answer_tokens(tmp_path, small_text):
+    docs = [("shakespeare/a", small_text[:20_000]), ("kjv/Ruth", small_text[20_000:30_000])]
+    src = _SmallMixture(docs, fraction=0.5, tasks=("mqar", "repeat"), loss="answers")
+    assert src.spec.endswith(":tasks=mqar+repeat:loss=answers") and src.has_targets
+    named = list(src.iter_named())
+    ds = prepare_dataset(src, tmp_path / "mix", vocab_size=600, num_proc=2, val_docs=["kjv/Ruth"])
+    tok = ds.load_tokenizer()
+    tokens, targets = np.asarray(ds.train.tokens), np.asarray(ds.train.targets)
+    ends = np.flatnonzero(tokens == ds.eos_id)  # one EOS after each training document, in order
+    train_docs = [t for n, t in named if n != "kjv/Ruth"]
+    assert len(ends) == len(train_docs)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    for text, a, b in zip(train_docs, starts, ends):
+        mask = targets[a:b].astype(bool)
+        if not hasattr(text, "target_spans"):
+            assert mask.all()  # corpus text counts in full
+            continue
+        # The target tokens decode to the answers, one after another, and nothing else; the EOS counts.
+        answers = "".join(text[x:y] for x, y in text.target_spans)
+        assert tok.decode(tokens[a:b][mask].tolist()).replace(" ", "") == answers.replace(" ", "")
+        assert targets[b] == 1
+    assert ds.val.targets is not None and np.asarray(ds.val.targets).all()  # the held-out work counts in full

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fusedkv.cli import main
-from fusedkv.experiments import load_experiment, run_experiment, summary_table
+from fusedkv.experiments import load_experiment, paired_table, run_experiment, summary_table
 from tests.experiments.nano_experiments import nano_experiment
 
 
@@ -30,6 +30,29 @@ def test_an_experiment_extending_another_keeps_what_it_does_not_set(tmp_path):
     child.write_text(f"extends: {retrieval_path()}\nseeds: [5]\n")
     spec = load_experiment(str(child))
     assert spec["runs"] == retrieval["runs"] and spec["seeds"] == [5]
+
+
+def test_paired_differences_seed_by_seed():
+    loss = {("base", 0): 4.0, ("base", 1): 4.2, ("base", 2): 4.1, ("a", 0): 3.9, ("a", 1): 4.15, ("a", 2): 3.97,
+            ("b", 0): 4.3, ("b", 1): 4.1}
+    results = [{"name": n, "seed": s, "val_loss": v} for (n, s), v in loss.items()]
+    rows = paired_table(results).splitlines()[2:]  # default: every run against the first
+    d = [-0.10, -0.05, -0.13]
+    mean, sd = sum(d) / 3, (sum((x - sum(d) / 3) ** 2 for x in d) / 2) ** 0.5
+    t = mean / (sd / 3 ** 0.5)
+    assert rows[0] == (f"| a − base | 3 | {mean:+.4f} ± {sd:.4f} | -0.1000, -0.0500, -0.1300 | {t:+.1f} | "
+                       f"{'yes' if abs(t) > 4.303 else 'no'} |")
+    assert rows[1].startswith("| b − base | 2 | +0.1000 ± 0.2828 | +0.3000, -0.1000 | +0.5 | no |")  # only shared seeds
+    assert paired_table(results, [["b", "a"]]).count("\n") == 2
+    assert paired_table([r for r in results if r["seed"] == 0]) == ""  # one seed: nothing to pair
+
+
+def test_paired_names_are_checked_when_the_file_is_read(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"extends: {retrieval_path()}\npaired: [[vanilla, yocoo]]\n")
+    with pytest.raises(ValueError, match="paired entry"):
+        load_experiment(str(bad))
+    assert ["lite-uptrain-distill", "lite-uptrain-lm"] in load_experiment("uptrain")["paired"]
 
 
 def retrieval_path() -> str:

@@ -40,6 +40,12 @@ def test_lm_loss_matches_a_float64_reference():
     per = lm_loss(logits, targets, "none")
     assert per.shape == targets.shape and per[0, 2] == 0 and torch.allclose(per[keep].double(), ref, atol=1e-6)
     assert shift_labels(torch.tensor([[5, 6, 7]])).tolist() == [[6, 7, IGNORE_INDEX]]
+    # A window with no target at all (context only under a loss mask) contributes 0, not NaN, and its
+    # gradient is zero rather than a poisoned step.
+    logits.requires_grad_(True)
+    none = lm_loss(logits, torch.full_like(targets, IGNORE_INDEX))
+    none.backward()
+    assert none.item() == 0.0 and torch.count_nonzero(logits.grad) == 0
 
 
 def test_every_user_computes_the_same_loss():
