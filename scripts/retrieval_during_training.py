@@ -1,0 +1,129 @@
+"""When does retrieval emerge? Score every checkpoint of one or more training runs on MQAR, as they appear.
+
+A training run keeps only its newest checkpoints, so this watches the runs while they train: every new
+`checkpoints/step-N` (and `final/` at the end) is loaded and scored by `fusedkv.eval.retrieval` (MQAR,
+the same samples at every step), one JSON line per (run, step) appended to --out. Then --plot draws
+accuracy against training tokens, one line per run, one panel per number of pairs.
+
+    python scripts/retrieval_during_training.py --tokenizer runs/data/DATASET/tokenizer \
+        --runs vanilla=runs/compare-cache/KEY1/train fusedkv=runs/compare-cache/KEY2/train \
+        --out runs/retrieval-steps.jsonl --watch --plot docs/compare/retrieval_steps.png
+
+--watch polls until every run has written `final/`; without it, what exists now is scored once. Lines
+already in --out are not scored again, so the command can be stopped and re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from fusedkv import FusedKVConfig, FusedKVForCausalLM
+from fusedkv.data import load_tokenizer
+from fusedkv.eval.retrieval import run_retrieval
+
+
+def load_step(path: Path) -> FusedKVForCausalLM:
+    """A training checkpoint (model_config.json + model.safetensors) or a saved model directory."""
+    if (path / "config.json").is_file():
+        return FusedKVForCausalLM.from_pretrained(path).eval()
+    config = FusedKVConfig.from_dict(json.loads((path / "model_config.json").read_text()))
+    model = FusedKVForCausalLM(config)
+    model.load_state_dict(load_file(path / "model.safetensors"))
+    return model.eval()
+
+
+def steps_of(train_dir: Path) -> list[tuple[int, Path]]:
+    found = [(int(p.name.split("-")[1]), p) for p in (train_dir / "checkpoints").glob("step-*")
+             if (p / "model.safetensors").is_file()]
+    final = train_dir / "final"
+    if (final / "config.json").is_file():
+        summary = json.loads((train_dir / "summary.json").read_text()) if (train_dir / "summary.json").is_file() else {}
+        found.append((int(summary.get("steps", summary.get("step", 10**9))), final))
+    return sorted(found)
+
+
+def score(args) -> None:
+    runs = dict(item.split("=", 1) for item in args.runs)
+    out = Path(args.out)
+    done = set()
+    if out.is_file():
+        done = {(r["run"], r["step"]) for r in map(json.loads, out.read_text().splitlines())}
+    tokenizer = load_tokenizer(args.tokenizer)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    pairs = [int(x) for x in args.pairs.split(",")]
+    while True:
+        for name, train_dir in runs.items():
+            for step, path in steps_of(Path(train_dir)):
+                if (name, step) in done:
+                    continue
+                try:
+                    model = load_step(path)
+                except (OSError, ValueError, RuntimeError):  # being written or already replaced: next poll
+                    continue
+                tokens_per_step = json.loads((path / "train_config.json").read_text())["global_batch_tokens"] \
+                    if (path / "train_config.json").is_file() else None
+                with torch.no_grad():
+                    r = run_retrieval(model, tokenizer, lengths, pairs, args.samples)
+                row = {"run": name, "step": step, "tokens": step * tokens_per_step if tokens_per_step else None,
+                       "mqar": r["mqar"], "passkey": r["passkey"]}
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                done.add((name, step))
+                print(name, step, {p: r["mqar"][p] for p in pairs}, flush=True)
+        finished = all((Path(d) / "final" / "config.json").is_file() for d in runs.values())
+        if not args.watch or finished:
+            return
+        time.sleep(args.poll)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = sorted({int(p) for r in rows for p in r["mqar"]})
+    length = min(int(L) for r in rows for L in next(iter(r["mqar"].values())))
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4 * len(pairs), 3.6), sharey=True)
+    for ax, p in zip(axes if len(pairs) > 1 else [axes], pairs):
+        for name in dict.fromkeys(r["run"] for r in rows):
+            pts = sorted((r["step"], r["mqar"][str(p)][str(length)]) for r in rows
+                         if r["run"] == name and r["step"] < 10**9)
+            ax.plot([s for s, _ in pts], [a for _, a in pts], marker="o", ms=3, label=name)
+        ax.set_title(f"MQAR, {p} pairs, {length} tokens", fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    (axes[0] if len(pairs) > 1 else axes).set_ylabel("accuracy (%)")
+    (axes[0] if len(pairs) > 1 else axes).legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", required=True, metavar="NAME=TRAIN_DIR")
+    p.add_argument("--tokenizer", required=True, help="the runs' tokenizer (runs/data/DATASET/tokenizer)")
+    p.add_argument("--out", required=True, help="JSON lines, appended")
+    p.add_argument("--lengths", default="64")
+    p.add_argument("--pairs", default="2,4,8")
+    p.add_argument("--samples", type=int, default=30)
+    p.add_argument("--watch", action="store_true")
+    p.add_argument("--poll", type=float, default=30.0)
+    p.add_argument("--plot", help="PNG of accuracy against step")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    score(args)
+    if args.plot:
+        plot([json.loads(line) for line in Path(args.out).read_text().splitlines()], args.plot)
+
+
+if __name__ == "__main__":
+    main()
