@@ -1,9 +1,10 @@
 """When does retrieval emerge? Score every checkpoint of one or more training runs on MQAR, as they appear.
 
 A training run keeps only its newest checkpoints, so this watches the runs while they train: every new
-`checkpoints/step-N` (and `final/` at the end) is loaded and scored by `fusedkv.eval.retrieval` (MQAR,
-the same samples at every step), one JSON line per (run, step) appended to --out. Then --plot draws
-accuracy against training tokens, one line per run, one panel per number of pairs.
+`checkpoints/step-N` (verified and loaded by `fusedkv.train.checkpoint.load_checkpoint`, so a checkpoint
+still being written is left for the next poll) and `final/` at the end are scored by
+`fusedkv.eval.retrieval` (MQAR, the same samples at every step), one JSON line per (run, step) appended to
+--out. Then --plot draws accuracy against training step, one line per run, one panel per number of pairs.
 
     python scripts/retrieval_during_training.py --tokenizer runs/data/DATASET/tokenizer \
         --runs vanilla=runs/compare-cache/KEY1/train fusedkv=runs/compare-cache/KEY2/train \
@@ -21,30 +22,29 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from fusedkv import FusedKVConfig, FusedKVForCausalLM
 from fusedkv.data import load_tokenizer
 from fusedkv.eval.retrieval import run_retrieval
+from fusedkv.train.checkpoint import load_checkpoint
 
 
 def load_step(path: Path) -> FusedKVForCausalLM:
-    """A training checkpoint (model_config.json + model.safetensors) or a saved model directory."""
+    """A training checkpoint (`checkpoints/step-N`) or a saved model directory (`final/`)."""
     if (path / "config.json").is_file():
         return FusedKVForCausalLM.from_pretrained(path).eval()
-    config = FusedKVConfig.from_dict(json.loads((path / "model_config.json").read_text()))
-    model = FusedKVForCausalLM(config)
-    model.load_state_dict(load_file(path / "model.safetensors"))
+    ckpt = load_checkpoint(path)
+    model = FusedKVForCausalLM(FusedKVConfig.from_dict(ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
     return model.eval()
 
 
 def steps_of(train_dir: Path) -> list[tuple[int, Path]]:
-    found = [(int(p.name.split("-")[1]), p) for p in (train_dir / "checkpoints").glob("step-*")
-             if (p / "model.safetensors").is_file()]
-    final = train_dir / "final"
-    if (final / "config.json").is_file():
-        summary = json.loads((train_dir / "summary.json").read_text()) if (train_dir / "summary.json").is_file() else {}
-        found.append((int(summary.get("steps", summary.get("step", 10**9))), final))
+    """(step, directory) of every checkpoint there now, and of `final/` once the run has finished (its
+    summary.json, written after final/, gives the step)."""
+    found = [(int(p.name.split("-")[1]), p) for p in (train_dir / "checkpoints").glob("step-*")]
+    if (train_dir / "summary.json").is_file() and (train_dir / "final" / "config.json").is_file():
+        found.append((int(json.loads((train_dir / "summary.json").read_text())["steps"]), train_dir / "final"))
     return sorted(found)
 
 
@@ -64,19 +64,16 @@ def score(args) -> None:
                     continue
                 try:
                     model = load_step(path)
-                except (OSError, ValueError, RuntimeError):  # being written or already replaced: next poll
+                except (OSError, ValueError):  # still being written, or replaced by a newer one: next poll
                     continue
-                tokens_per_step = json.loads((path / "train_config.json").read_text())["global_batch_tokens"] \
-                    if (path / "train_config.json").is_file() else None
                 with torch.no_grad():
                     r = run_retrieval(model, tokenizer, lengths, pairs, args.samples)
-                row = {"run": name, "step": step, "tokens": step * tokens_per_step if tokens_per_step else None,
-                       "mqar": r["mqar"], "passkey": r["passkey"]}
+                row = {"run": name, "step": step, "mqar": r["mqar"], "passkey": r["passkey"]}
                 with out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 done.add((name, step))
                 print(name, step, {p: r["mqar"][p] for p in pairs}, flush=True)
-        finished = all((Path(d) / "final" / "config.json").is_file() for d in runs.values())
+        finished = all((Path(d) / "summary.json").is_file() for d in runs.values())
         if not args.watch or finished:
             return
         time.sleep(args.poll)
@@ -93,8 +90,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(pairs), figsize=(4 * len(pairs), 3.6), sharey=True)
     for ax, p in zip(axes if len(pairs) > 1 else [axes], pairs):
         for name in dict.fromkeys(r["run"] for r in rows):
-            pts = sorted((r["step"], r["mqar"][str(p)][str(length)]) for r in rows
-                         if r["run"] == name and r["step"] < 10**9)
+            pts = sorted((r["step"], r["mqar"][str(p)][str(length)]) for r in rows if r["run"] == name)
             ax.plot([s for s, _ in pts], [a for _, a in pts], marker="o", ms=3, label=name)
         ax.set_title(f"MQAR, {p} pairs, {length} tokens", fontsize=10)
         ax.set_xlabel("training step")

@@ -21,8 +21,8 @@ asks them to retrieve. This module writes retrieval *as text documents*, so the 
 Every sample records the character spans of the answers, so an evaluation can score exactly the answer
 tokens (`fusedkv.eval.retrieval`). Everything is deterministic in (seed, index) and offline.
 
-The mixture is a data-source spec: ``mix:builtin:FRACTION[:words=N][:tasks=A+B]`` (e.g. ``--data
-mix:builtin:0.25``) is the built-in corpus plus synthetic documents making up FRACTION of the characters,
+The mixture is a data-source spec: ``mix:builtin:FRACTION[:words=N][:tasks=A+B][:loss=all|answers]``
+(e.g. ``--data mix:builtin:0.25``) is the built-in corpus plus synthetic documents making up FRACTION of the characters,
 each about N words of filler (default 80: sized to a 128-token training context). ``tasks`` picks the
 synthetic tasks, in equal shares (default: MQAR 50%, passkey 30%, RULER-style 20%). ``loss=answers``
 trains the synthetic documents on their answer tokens only (Zoology's MQAR objective; `TargetedText`, a

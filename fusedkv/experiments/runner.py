@@ -299,8 +299,11 @@ def summary_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# Two-sided 5% critical values of Student's t by degrees of freedom (for the "p < 0.05" column).
-_T_CRIT_05 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# Two-sided 5% critical values of Student's t for 1-30 degrees of freedom (the "p < 0.05" column); past
+# 30 the value at 30 is used, which is conservative.
+_T_CRIT_05 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+              2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+              2.045, 2.042)
 
 
 def paired_table(results: list[dict], pairs: list | None = None) -> str:
@@ -318,7 +321,7 @@ def paired_table(results: list[dict], pairs: list | None = None) -> str:
         d = [loss[run, s] - loss[ref, s] for s in seeds]
         mean, sd = statistics.mean(d), statistics.stdev(d)
         t = mean / (sd / math.sqrt(len(d))) if sd > 0 else math.copysign(math.inf, mean)
-        crit = _T_CRIT_05.get(len(d) - 1, 2.0)
+        crit = _T_CRIT_05[min(len(d) - 1, len(_T_CRIT_05)) - 1]
         lines.append(f"| {run} − {ref} | {len(d)} | {mean:+.4f} ± {sd:.4f} | "
                      f"{', '.join(f'{x:+.4f}' for x in d)} | {t:+.1f} | {'yes' if abs(t) > crit else 'no'} |")
     if not lines:
