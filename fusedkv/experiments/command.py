@@ -60,7 +60,8 @@ def run(args) -> None:
     (out / "results.md").write_text(f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
     print(table)
     print(f"\nwrote {out / 'results.md'} and {out / 'curves.png'}")
-    report = retrieval_report(results, out, spec.get("description", name))  # experiments with `evaluate: retrieval`
+    # experiments with `evaluate: retrieval`
+    report = retrieval_report(results, out, spec.get("description", name), spec.get("paired"))
     if report:
         print(Path(report).read_text())
         print(f"wrote {report} and {out / 'retrieval.png'}")

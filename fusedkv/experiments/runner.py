@@ -52,6 +52,10 @@ def load_experiment(name_or_path: str) -> dict:
     spec = yaml.safe_load(path.read_text()) or {}
     if "extends" in spec:  # the parent's fields (runs, seeds, evaluate, ...) unless given; `base` merged
         parent = load_experiment(str(path.parent / f"{spec.pop('extends')}.yaml"))
+        if "runs" in spec and "paired" not in spec and "paired" in parent:
+            # Other runs: the parent's pairs among them, or (none left) the default, every run vs the first.
+            names = {run.get("name") for run in spec["runs"] or [] if isinstance(run, dict)}
+            parent["paired"] = [pair for pair in parent.pop("paired") if set(pair) <= names] or None
         spec = {**parent, **spec, "base": _merge(parent.get("base", {}), spec.get("base", {}))}
     if "runs" in spec and not spec["runs"]:
         raise ValueError(f"{path}: 'runs' is empty; list at least one run")
@@ -59,7 +63,7 @@ def load_experiment(name_or_path: str) -> dict:
         if "name" not in run or "plan" not in run:
             raise ValueError(f"{path}: run {i + 1} needs a 'name' and a 'plan'")
     names = [run["name"] for run in spec.get("runs", [])]
-    for pair in spec.get("paired", []):  # checked now, not after hours of training
+    for pair in spec.get("paired") or []:  # checked now, not after hours of training
         if not (isinstance(pair, list) and len(pair) == 2 and all(n in names for n in pair)):
             raise ValueError(f"{path}: paired entry {pair!r} must be [RUN, REFERENCE], two of the run names {names}")
     return spec
@@ -206,8 +210,10 @@ def _retrieval(checkpoint: str, settings: dict) -> dict:
     return run_retrieval(model, tok, lengths, settings.get("pairs", DEFAULT_PAIRS), settings.get("samples", 20))
 
 
-def retrieval_report(results: list[dict], out_dir, title: str) -> str | None:
-    """retrieval.md (one table per run, mean over seeds) and retrieval.png; None when no run has scores."""
+def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | None = None) -> str | None:
+    """retrieval.md and retrieval.png; None when no run has scores. The report opens with each run's MQAR
+    score (accuracy averaged over the pair counts) per length, mean ± std over seeds, and the paired
+    differences of that score (`pairs`, as for `paired_table`); then one table per run, mean over seeds."""
     from ..eval.retrieval import format_retrieval, plot_retrieval
 
     per_run: dict[str, dict] = {}
@@ -225,11 +231,61 @@ def retrieval_report(results: list[dict], out_dir, title: str) -> str | None:
         return None
     out_dir = Path(out_dir)
     seeds = len({r["seed"] for r in results})
-    text = f"# {title}: retrieval accuracy (%), mean over {seeds} seed(s)\n\n"
-    text += "\n\n".join(f"## {name}\n\n{format_retrieval(r)}" for name, r in per_run.items())
+    text = f"# {title}: retrieval accuracy (%), {seeds} seed(s)\n\n"
+    text += "## MQAR score: accuracy averaged over the pair counts, mean ± std over seeds\n\n"
+    text += _mqar_score_table(results)
+    paired = _mqar_paired_table(results, pairs)
+    if paired:
+        text += ("\n\nPaired differences of the MQAR score, seed by seed, at the longest length both runs "
+                 "were scored at (t on seeds - 1 degrees of freedom):\n\n" + paired)
+    text += "\n\n" + "\n\n".join(f"## {name} (mean over seeds)\n\n{format_retrieval(r)}"
+                                   for name, r in per_run.items())
     (out_dir / "retrieval.md").write_text(text + "\n\n![retrieval](retrieval.png)\n")
     plot_retrieval(per_run, out_dir / "retrieval.png", title)
     return str(out_dir / "retrieval.md")
+
+
+def mqar_score(retrieval: dict, length: int) -> float | None:
+    """MQAR accuracy at one length averaged over the pair counts scored there (a count whose prompt did not
+    fit is absent); None when none was."""
+    vals = [row.get(_k(row, length)) for row in retrieval["mqar"].values()]
+    vals = [v for v in vals if v is not None]
+    return statistics.mean(vals) if vals else None
+
+
+def _scores(results: list[dict]) -> dict[tuple[str, int], dict[int, float]]:
+    """(run name, seed) -> {length: MQAR score} for every scored result."""
+    return {(r["name"], r["seed"]): {int(L): v for L in r["retrieval"]["lengths"]
+                                     if (v := mqar_score(r["retrieval"], L)) is not None}
+            for r in results if r.get("retrieval")}
+
+
+def _mqar_score_table(results: list[dict]) -> str:
+    scores = _scores(results)
+    lengths = sorted({L for row in scores.values() for L in row})
+    lines = ["| run | seeds | " + " | ".join(str(L) for L in lengths) + " |", "|---|---|" + "---:|" * len(lengths)]
+    for name in dict.fromkeys(n for n, _ in scores):
+        rows = [row for (n, _), row in scores.items() if n == name]
+        cells = [_mean_std([row[L] for row in rows if L in row], digits=1) or "-" for L in lengths]
+        lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mqar_paired_table(results: list[dict], pairs: list | None) -> str:
+    scores = _scores(results)
+    names = list(dict.fromkeys(n for n, _ in scores))
+    lines = []
+    for run, ref in pairs if pairs is not None else [[n, names[0]] for n in names[1:]]:
+        seeds = sorted(s for (n, s) in scores if n == run and (ref, s) in scores)
+        common = [set(scores[run, s]) & set(scores[ref, s]) for s in seeds]
+        if len(seeds) < 2 or not all(common):
+            continue
+        length = max(set.intersection(*common))
+        d = [scores[run, s][length] - scores[ref, s][length] for s in seeds]
+        lines.append(_paired_row(f"{run} − {ref} @ {length}", d, digits=1))
+    if not lines:
+        return ""
+    return _PAIRED_HEAD.format(what="MQAR score, points") + "\n" + "\n".join(lines)
 
 
 def _k(d: dict, key):
@@ -275,10 +331,11 @@ def _task_scores(model, ckpt, limit: int) -> dict:
     return {task: round(results[task]["acc"], 4) for task in LOCAL_TASKS}
 
 
-def _mean_std(xs: list[float]) -> str:
-    if len(xs) == 1:
-        return f"{xs[0]:.4f}"
-    return f"{statistics.mean(xs):.4f} ± {statistics.stdev(xs):.4f}"
+def _mean_std(xs: list[float], digits: int = 4) -> str:
+    """"mean ± std" of `xs` ("" when empty, the value alone when there is one)."""
+    if len(xs) <= 1:
+        return f"{xs[0]:.{digits}f}" if xs else ""
+    return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
 
 def summary_table(results: list[dict]) -> str:
@@ -316,19 +373,23 @@ def paired_table(results: list[dict], pairs: list | None = None) -> str:
     lines = []
     for run, ref in pairs:  # names checked by load_experiment
         seeds = sorted(s for (n, s) in loss if n == run and (ref, s) in loss)
-        if len(seeds) < 2:
-            continue
-        d = [loss[run, s] - loss[ref, s] for s in seeds]
-        mean, sd = statistics.mean(d), statistics.stdev(d)
-        t = mean / (sd / math.sqrt(len(d))) if sd > 0 else math.copysign(math.inf, mean)
-        crit = _T_CRIT_05[min(len(d) - 1, len(_T_CRIT_05)) - 1]
-        lines.append(f"| {run} − {ref} | {len(d)} | {mean:+.4f} ± {sd:.4f} | "
-                     f"{', '.join(f'{x:+.4f}' for x in d)} | {t:+.1f} | {'yes' if abs(t) > crit else 'no'} |")
+        if len(seeds) >= 2:
+            lines.append(_paired_row(f"{run} − {ref}", [loss[run, s] - loss[ref, s] for s in seeds], digits=4))
     if not lines:
         return ""
-    head = ("| difference (valid loss) | seeds | mean ± std | per seed | t | p < 0.05 |\n"
-            "|---|---|---|---|---|---|")
-    return head + "\n" + "\n".join(lines)
+    return _PAIRED_HEAD.format(what="valid loss") + "\n" + "\n".join(lines)
+
+
+_PAIRED_HEAD = "| difference ({what}) | seeds | mean ± std | per seed | t | p < 0.05 |\n|---|---|---|---|---|---|"
+
+
+def _paired_row(label: str, d: list[float], digits: int) -> str:
+    """One row of a paired table: the differences `d` (two or more seeds), their t and its verdict."""
+    mean, sd = statistics.mean(d), statistics.stdev(d)
+    t = mean / (sd / math.sqrt(len(d))) if sd > 0 else math.copysign(math.inf, mean)
+    crit = _T_CRIT_05[min(len(d) - 1, len(_T_CRIT_05)) - 1]
+    return (f"| {label} | {len(d)} | {mean:+.{digits}f} ± {sd:.{digits}f} | "
+            f"{', '.join(f'{x:+.{digits}f}' for x in d)} | {t:+.1f} | {'yes' if abs(t) > crit else 'no'} |")
 
 
 def plot_curves(results: list[dict], path, title: str) -> None:

@@ -1,11 +1,13 @@
 """`fusedkv compare` on a nano budget: trains, evaluates, writes the table and curves, and resumes."""
 
 import json
+import statistics
 
 import pytest
 
 from fusedkv.cli import main
 from fusedkv.experiments import load_experiment, paired_table, run_experiment, summary_table
+from fusedkv.experiments.runner import retrieval_report
 from tests.experiments.nano_experiments import nano_experiment
 
 
@@ -53,6 +55,37 @@ def test_paired_names_are_checked_when_the_file_is_read(tmp_path):
     with pytest.raises(ValueError, match="paired entry"):
         load_experiment(str(bad))
     assert ["lite-uptrain-distill", "lite-uptrain-lm"] in load_experiment("uptrain")["paired"]
+
+
+def test_a_subset_of_runs_keeps_the_parents_pairs_among_them(tmp_path):
+    child = tmp_path / "subset.yaml"
+    runs = "[{name: vanilla, plan: vanilla}, {name: yoco, plan: yoco}]"
+    child.write_text(f"extends: {retrieval_path()}\nruns: {runs}\n")
+    assert load_experiment(str(child))["paired"] == [["yoco", "vanilla"]]
+    child.write_text(f"extends: {retrieval_path()}\nruns: [{{name: v, plan: vanilla}}, {{name: y, plan: yoco}}]\n")
+    assert load_experiment(str(child))["paired"] is None  # none left: every run against the first
+
+
+def test_retrieval_report_scores_and_pairs_seed_by_seed(tmp_path):
+    """The MQAR score is the accuracy averaged over the pair counts that were scored at a length; the paired
+    difference is taken at the longest length both runs share."""
+    def scored(a2, a4, long=None):
+        mqar = {2: {64: a2, 128: long}, 4: {64: a4, 128: None}}
+        return {"lengths": [64, 128], "pairs": [2, 4], "mqar": mqar, "passkey": {64: 0.0, 128: 0.0}}
+
+    acc = {("vanilla", 0): (90, 70), ("vanilla", 1): (80, 60), ("vanilla", 2): (100, 90),
+           ("lite", 0): (95, 85), ("lite", 1): (70, 70), ("lite", 2): (100, 100)}
+    results = [{"name": n, "seed": s, "val_loss": 1.0, "retrieval": scored(*a)} for (n, s), a in acc.items()]
+    results.append({"name": "lite", "seed": 3, "val_loss": 1.0, "retrieval": scored(50, 50, long=40.0)})
+    text = (tmp_path / "retrieval.md").read_text() if retrieval_report(results, tmp_path, "t") else ""
+    lite = [(95 + 85) / 2, (70 + 70) / 2, 100, 50]  # seed 3: 50 at 64 and a lone 40 at 128
+    mean, sd = statistics.mean(lite), statistics.stdev(lite)
+    assert f"| lite | 4 | {mean:.1f} ± {sd:.1f} | 40.0 |" in text
+    d = [90 - 80, 70 - 70, 100 - 95]  # seeds 0-2 only, at 64, the longest length both were scored at
+    t = statistics.mean(d) / (statistics.stdev(d) / 3 ** 0.5)
+    assert (f"| lite − vanilla @ 64 | 3 | {statistics.mean(d):+.1f} ± {statistics.stdev(d):.1f} | +10.0, +0.0, "
+            f"+5.0 | {t:+.1f} | no |") in text
+    assert "## lite (mean over seeds)" in text and (tmp_path / "retrieval.png").stat().st_size > 1000
 
 
 def retrieval_path() -> str:
