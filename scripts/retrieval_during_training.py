@@ -11,7 +11,11 @@ still being written is left for the next poll) and `final/` at the end are score
         --out runs/retrieval-steps.jsonl --watch --plot docs/compare/retrieval_steps.png
 
 --watch polls until every run has written `final/`; without it, what exists now is scored once. Lines
-already in --out are not scored again, so the command can be stopped and re-run.
+already in --out are not scored again, so the command can be stopped and re-run. --summarise reads such
+files (one per seed) and prints the step at which each run's retrieval emerged in each:
+
+    python scripts/retrieval_during_training.py --summarise runs/retrieval-steps/s{0,1,2}.jsonl \
+        --plot docs/compare/retrieval_steps.png
 """
 
 from __future__ import annotations
@@ -79,24 +83,64 @@ def score(args) -> None:
         time.sleep(args.poll)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def emergence(rows: list[dict], threshold: float = 50.0) -> dict[str, str]:
+    """Per run, when retrieval emerged: the first scored step at which MQAR accuracy, averaged over the
+    pair counts at the shortest length, reaches `threshold` (%); "≤ S" when S, the first step scored,
+    already does (it emerged before it was watched), "> S" when no step up to S, the last, does."""
+    out = {}
+    for name in dict.fromkeys(r["run"] for r in rows):
+        pts = sorted((r["step"], _mean_at_shortest(r)) for r in rows if r["run"] == name)
+        hit = next((step for step, acc in pts if acc >= threshold), None)
+        out[name] = f"> {pts[-1][0]}" if hit is None else f"≤ {hit}" if hit == pts[0][0] else str(hit)
+    return out
+
+
+def _mean_at_shortest(row: dict) -> float:
+    length = min(int(L) for per_length in row["mqar"].values() for L in per_length)
+    vals = [per_length[str(length)] for per_length in row["mqar"].values() if str(length) in per_length]
+    return sum(vals) / len(vals)
+
+
+def summarise(files: list[str], threshold: float) -> str:
+    """Markdown: one row per run, one column per JSON-lines file (a seed each), the step it emerged at."""
+    per_file = [emergence(_read(f), threshold) for f in files]
+    names = list(dict.fromkeys(n for e in per_file for n in e))
+    lines = ["| run | " + " | ".join(Path(f).stem for f in files) + " |", "|---|" + "---|" * len(files)]
+    lines += [f"| {n} | " + " | ".join(e.get(n, "-") for e in per_file) + " |" for n in names]
+    return "\n".join(lines)
+
+
+def _read(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot(files: list[str], path: str) -> None:
+    """Accuracy against training step, one panel per number of pairs, one colour per run and one line per
+    file (seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    per_file = [_read(f) for f in files]
+    rows = [r for rs in per_file for r in rs]
     pairs = sorted({int(p) for r in rows for p in r["mqar"]})
     length = min(int(L) for r in rows for L in next(iter(r["mqar"].values())))
-    fig, axes = plt.subplots(1, len(pairs), figsize=(4 * len(pairs), 3.6), sharey=True)
-    for ax, p in zip(axes if len(pairs) > 1 else [axes], pairs):
-        for name in dict.fromkeys(r["run"] for r in rows):
-            pts = sorted((r["step"], r["mqar"][str(p)][str(length)]) for r in rows if r["run"] == name)
-            ax.plot([s for s, _ in pts], [a for _, a in pts], marker="o", ms=3, label=name)
+    colours = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["run"] for r in rows))}
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4 * len(pairs), 3.6), sharey=True, squeeze=False)
+    for ax, p in zip(axes[0], pairs):
+        for i, rs in enumerate(per_file):
+            for name in dict.fromkeys(r["run"] for r in rs):
+                pts = sorted((r["step"], r["mqar"][str(p)][str(length)]) for r in rs if r["run"] == name)
+                ax.plot([s for s, _ in pts], [a for _, a in pts], marker="o", ms=3, color=colours[name],
+                        alpha=1.0 if len(files) == 1 else 0.6, label=name if i == 0 else None)
         ax.set_title(f"MQAR, {p} pairs, {length} tokens", fontsize=10)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-    (axes[0] if len(pairs) > 1 else axes).set_ylabel("accuracy (%)")
-    (axes[0] if len(pairs) > 1 else axes).legend(fontsize=8)
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][0].legend(fontsize=8)
+    if len(files) > 1:
+        fig.suptitle(f"one line per seed ({', '.join(Path(f).stem for f in files)})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -104,21 +148,32 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", nargs="+", required=True, metavar="NAME=TRAIN_DIR")
-    p.add_argument("--tokenizer", required=True, help="the runs' tokenizer (runs/data/DATASET/tokenizer)")
-    p.add_argument("--out", required=True, help="JSON lines, appended")
+    p.add_argument("--runs", nargs="+", metavar="NAME=TRAIN_DIR", help="score these runs' checkpoints")
+    p.add_argument("--tokenizer", help="the runs' tokenizer (runs/data/DATASET/tokenizer)")
+    p.add_argument("--out", help="JSON lines, appended")
     p.add_argument("--lengths", default="64")
     p.add_argument("--pairs", default="2,4,8")
     p.add_argument("--samples", type=int, default=30)
     p.add_argument("--watch", action="store_true")
     p.add_argument("--poll", type=float, default=30.0)
-    p.add_argument("--plot", help="PNG of accuracy against step")
+    p.add_argument("--plot", help="PNG of accuracy against step (of --out, or of the --summarise files)")
+    p.add_argument("--summarise", nargs="+", metavar="JSONL",
+                   help="score nothing: print the step at which each run's retrieval emerged in each file")
+    p.add_argument("--threshold", type=float, default=50.0,
+                   help="emerged: mean accuracy over the pair counts at the shortest length reaches this (%%)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    if args.summarise:
+        print(summarise(args.summarise, args.threshold))
+        if args.plot:
+            plot(args.summarise, args.plot)
+        return
+    if not (args.runs and args.tokenizer and args.out):
+        p.error("scoring needs --runs, --tokenizer and --out (or give --summarise FILES)")
     torch.set_num_threads(args.threads)
     score(args)
     if args.plot:
-        plot([json.loads(line) for line in Path(args.out).read_text().splitlines()], args.plot)
+        plot([args.out], args.plot)
 
 
 if __name__ == "__main__":

@@ -42,3 +42,22 @@ def test_every_checkpoint_and_the_final_model_are_scored_once(tmp_path, nano_dat
     step4 = script.load_step(run / "checkpoints" / "step-00000004")
     final = script.load_step(run / "final")
     assert all((a == b).all() for a, b in zip(step4.state_dict().values(), final.state_dict().values()))
+
+
+def test_emergence_is_the_first_step_whose_mean_over_pairs_reaches_the_threshold(tmp_path):
+    def row(run, step, a2, a4, long=0.0):  # the 128-token cells must not count: the shortest length does
+        return {"run": run, "step": step, "mqar": {"2": {"64": a2, "128": long}, "4": {"64": a4, "128": long}}}
+
+    rows = [row("slow", 250, 10, 0), row("slow", 500, 60, 30, long=100), row("slow", 750, 60, 40),
+            row("fast", 250, 50, 50), row("never", 250, 0, 0), row("never", 500, 99, 0)]
+    s0, s1 = tmp_path / "s0.jsonl", tmp_path / "s1.jsonl"
+    s0.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s1.write_text(json.dumps(row("slow", 250, 100, 100)) + "\n")
+    script = _script()
+    assert script.emergence(rows) == {"slow": "750", "fast": "≤ 250", "never": "> 500"}
+    assert script.emergence(rows, threshold=45) == {"slow": "500", "fast": "≤ 250", "never": "500"}
+    table = script.summarise([str(s0), str(s1)], 50.0).splitlines()
+    assert table[0] == "| run | s0 | s1 |" and table[2] == "| slow | 750 | ≤ 250 |"
+    assert table[4] == "| never | > 500 | - |"  # a run a file does not have
+    script.plot([str(s0), str(s1)], str(tmp_path / "steps.png"))
+    assert (tmp_path / "steps.png").stat().st_size > 1000
