@@ -29,6 +29,8 @@ def register(sub) -> None:
                    help="replace the file's small base with a training preset (e.g. 332m on a GPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a training field for every run, e.g. --set max_steps=50 (repeatable)")
+    p.add_argument("--finished-only", action="store_true",
+                   help="train nothing: write the tables from the runs already finished and list the others")
     p.add_argument("--task-limit", type=argtypes.non_negative_int, default=40,
                    help="items per local lm-eval task (0: skip tasks; default 40)")
     p.set_defaults(func=run)
@@ -51,7 +53,10 @@ def run(args) -> None:
     seeds = args.seeds
     name = spec.get("name", Path(args.experiment).stem)
     out = Path(args.out or f"runs/compare-{name}")
-    results = run_experiment(spec, out, seeds, args.preset, overrides, args.task_limit)
+    results = run_experiment(spec, out, seeds, args.preset, overrides, args.task_limit,
+                             finished_only=args.finished_only)
+    if not results:
+        raise UsageError(f"no run of {name!r} has finished yet; run it without --finished-only")
     table = summary_table(results)
     paired = paired_table(results, spec.get("paired"))
     if paired:

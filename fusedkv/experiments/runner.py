@@ -82,8 +82,9 @@ def _slug(name: str) -> str:
 
 def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: str | None = None,
                    overrides: dict | None = None, task_limit: int | None = 40, progress: bool = True,
-                   cache_dir=None) -> list[dict]:
-    """Train and evaluate every (run, seed); returns one result dict per pair.
+                   cache_dir=None, finished_only: bool = False) -> list[dict]:
+    """Train and evaluate every (run, seed); returns one result dict per pair. `finished_only`: train
+    nothing, return the pairs already finished (a chained run counts only when its ancestors do).
 
     Finished runs are kept twice: under `out_dir/RUN/seedN/result.json` (this experiment's record) and
     in a cache keyed by the complete training configuration (`cache_dir`, default
@@ -102,13 +103,23 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
     results = []
     finished: dict[tuple[str, int], tuple[str, dict]] = {}  # (run name, seed) -> (cache key, result)
     total = len(spec["runs"]) * len(seeds)
+    listed = set()
+    for run in spec["runs"]:
+        for what in ("from", "distill"):
+            if what in run and run[what] not in listed:
+                raise ValueError(f"run {run['name']!r}: {what}: {run[what]!r} must name a run listed before it")
+        listed.add(run["name"])
     for run in spec["runs"]:
         for seed in seeds:
             run_dir = out_dir / _slug(run["name"]) / f"seed{seed}"
             done = run_dir / "result.json"
             own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
             fields = {**_merge(_merge(base, own), overrides), "seed": seed}
-            parents = {k: _parent(run, k, seed, finished) for k in ("from", "distill") if k in run}
+            if finished_only and any((run[k], seed) not in finished for k in ("from", "distill") if k in run):
+                if progress:  # an ancestor has not finished, so neither has this run
+                    print(f"not finished: {run['name']} seed {seed}", flush=True)
+                continue
+            parents = {k: finished[run[k], seed] for k in ("from", "distill") if k in run}
             # A chained run is another run whenever an ancestor is: its key includes theirs.
             identity = {**fields, **{k: key for k, (key, _) in parents.items()}, **({"evaluate": evaluate}
                                                                                  if evaluate else {})}
@@ -116,6 +127,10 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             cached = cache_dir / key / "result.json"
             if done.exists() or cached.exists():
                 result = {**json.loads((done if done.exists() else cached).read_text()), "name": run["name"]}
+            elif finished_only:
+                if progress:
+                    print(f"not finished: {run['name']} seed {seed}", flush=True)
+                continue
             else:
                 if progress:
                     print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
@@ -159,13 +174,6 @@ def _resumable(train_dir: Path) -> bool:
 
 # Run keys that say where a run starts, not how it trains (they are not TrainConfig fields).
 _CHAIN_KEYS = ("name", "from", "distill")
-
-
-def _parent(run: dict, what: str, seed: int, finished: dict) -> tuple[str, dict]:
-    name = run[what]
-    if (name, seed) not in finished:
-        raise ValueError(f"run {run['name']!r}: {what}: {name!r} must name a run listed before it")
-    return finished[(name, seed)]
 
 
 def _chain(fields: dict, parents: dict, work: Path) -> dict:

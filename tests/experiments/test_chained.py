@@ -21,7 +21,7 @@ def test_evidence_experiments_load():
     assert load_experiment("long")["base"]["max_steps"] >= 10 * load_experiment("main")["base"]["max_steps"]
 
 
-def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch):
+def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
     spec_file = nano_experiment(
@@ -51,6 +51,17 @@ def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch)
     # Finished runs are reused: a second call trains nothing and returns the same numbers.
     again = run_experiment(load_experiment(str(spec_file)), out, seeds=[0], progress=False, task_limit=0)
     assert [r["val_loss"] for r in again] == [res[n]["val_loss"] for n in ("teacher", "lite-lm", "lite-kd")]
+    # --finished-only: the finished runs' tables, nothing trained; an unfinished run and its chain are listed.
+    more = spec_file.read_text() + ("  - {name: other, plan: fusedkv}\n"
+                                    "  - {name: other-long, from: other, plan: fusedkv, seq_len: 128}\n")
+    spec_file.write_text(more)
+    report = tmp_path / "report"
+    assert main(["compare", str(spec_file), "--out", str(report), "--seeds", "0,1", "--finished-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "not finished: other seed 0" in printed and "not finished: other-long seed 1" in printed
+    assert "| lite-kd | fusedkv-lite | 0.5 | 1 |" in (report / "results.md").read_text()
+    assert not list(report.glob("other*")) and len(list((tmp_path / "cache").glob("*/train"))) == 3
+    assert main(["compare", str(spec_file), "--out", str(report), "--seeds", "7", "--finished-only"]) == 2
 
 
 def test_a_chain_must_name_an_earlier_run(tmp_path):
