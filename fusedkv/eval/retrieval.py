@@ -184,12 +184,15 @@ def plot_retrieval(results: dict[str, dict], path, title: str = "retrieval accur
     panels = [(f"MQAR, {p} pairs", lambda r, p=p: r["mqar"][p]) for p in first["pairs"]]
     panels.append(("passkey", lambda r: r["passkey"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), sharey=True, squeeze=False)
+    # one colour per model in every panel: tab10 repeats from the eleventh model on
+    palette = plt.get_cmap("tab10" if len(results) <= 10 else "tab20")
+    colours = {name: palette(i % palette.N) for i, name in enumerate(results)}
     for ax, (label, get) in zip(axes[0], panels):
         for name, r in results.items():
             row = {int(k): v for k, v in get(r).items() if v is not None}
             if row:
                 xs = sorted(row)
-                ax.plot(xs, [row[x] for x in xs], marker="o", label=name)
+                ax.plot(xs, [row[x] for x in xs], marker="o", label=name, color=colours[name])
         ax.set_xscale("log", base=2)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("context length (tokens)")
