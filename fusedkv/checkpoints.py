@@ -103,8 +103,8 @@ def verify_manifest(directory: str | Path, what: str | None = None) -> dict | No
     return manifest
 
 
-def check_checkpoint_dir(path, config=None) -> None:
-    """Validate a local checkpoint directory (hub names pass through untouched)."""
+def check_checkpoint_dir(path, config=None, model_types: tuple[str, ...] = ("fusedkv",)) -> None:
+    """Validate a local checkpoint directory (hub names pass through untouched) holding one of `model_types`."""
     p = Path(str(path))
     if not p.exists():
         if os.sep in str(path) or str(path).startswith("."):
@@ -120,9 +120,10 @@ def check_checkpoint_dir(path, config=None) -> None:
             model_type = json.loads(cfg_file.read_text()).get("model_type")
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
-        if model_type != "fusedkv":
+        if model_type not in model_types:
             hint = f"; import it with `fusedkv convert {p} OUT_DIR --kv-sharing PLAN`" if model_type == "qwen3" else ""
-            raise ValueError(f"{p} holds a {model_type!r} model, not a 'fusedkv' model{hint}")
+            wanted = " or ".join(repr(t) for t in model_types)
+            raise ValueError(f"{p} holds a {model_type!r} model, not a {wanted} model{hint}")
     weights = sorted(p.glob("*.safetensors"))
     if not weights and not (p / "pytorch_model.bin").exists():
         raise ValueError(f"{p} has no weights (*.safetensors); the save did not finish or the files were removed")

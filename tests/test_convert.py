@@ -27,8 +27,12 @@ def test_vanilla_conversion_matches_transformers_qwen3(qwen3_dir, tmp_path):
     ours = FusedKVForCausalLM.from_pretrained(tmp_path).eval()
     ids = torch.randint(0, 101, (2, 40))
     with torch.no_grad():
-        diff = (ours(ids, use_cache=False).logits - reference(ids).logits).abs().max()
-        assert diff < 1e-4
+        got, want = ours(ids, use_cache=False, output_hidden_states=True), reference(ids, output_hidden_states=True)
+        assert (got.logits - want.logits).abs().max() < 1e-4
+        # transformers' convention: the embeddings, each layer's output, the last one after the final norm
+        assert len(got.hidden_states) == len(want.hidden_states) == 5
+        for a, b in zip(got.hidden_states, want.hidden_states, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         # greedy generation agrees token for token
         a = ours.generate(ids[:1, :10], max_new_tokens=10, do_sample=False)
         b = reference.generate(ids[:1, :10], max_new_tokens=10, do_sample=False)

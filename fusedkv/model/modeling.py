@@ -164,6 +164,8 @@ class FusedKVModel(FusedKVPreTrainedModel):
             if output_hidden_states:
                 hidden_states += (x,)
         x = self.norm(x)
+        if output_hidden_states:  # transformers' convention: the last entry is the normed output
+            hidden_states = hidden_states[:-1] + (x,)
         if router is not None:
             return MoeModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None,
                                           hidden_states=hidden_states, router_logits=tuple(router.logits))

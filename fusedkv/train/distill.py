@@ -10,12 +10,15 @@ the student matches the teacher's next-token distribution. Here:
 
 with p^T = softmax(logits / T) (Hinton et al., 2015; the T^2 keeps the gradient scale independent of
 T), KL averaged over tokens, and the optional hidden-state term over the outputs of every decoder layer
-(the architectures match layer for layer, only the upper layers' K/V source differs). The teacher is
+as transformers returns them (the last one after the final norm; the architectures match layer for
+layer, only the upper layers' K/V source differs). The teacher is
 frozen, in eval mode, and runs under no_grad on the same micro-batch.
 
 `fusedkv train --init-from CONVERTED --distill-from ORIGINAL [--distill-alpha 0.5]
 [--distill-temperature 1.0] [--distill-hidden-weight 0]` uses it (the trainer calls `Distiller` in place
-of its plain language-modelling loss).
+of its plain language-modelling loss). ORIGINAL is a fusedkv checkpoint or the Hugging Face Qwen3
+checkpoint itself, which then runs as transformers' own Qwen3ForCausalLM: the teacher is the original,
+not a re-implementation of it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import torch.nn.functional as F
 
 from ..checkpoints import check_checkpoint_dir
 from ..model.loss import lm_loss
+
+# What --distill-from takes: a fusedkv model, or a Qwen3 checkpoint run by transformers itself.
+TEACHER_MODEL_TYPES = ("fusedkv", "qwen3")
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
@@ -67,10 +73,10 @@ class Distiller:
 
     def __init__(self, teacher_dir: str, student_config, device, alpha: float = 0.5, temperature: float = 1.0,
                  hidden_weight: float = 0.0):
-        from ..model import FusedKVForCausalLM
+        from transformers import AutoModelForCausalLM  # resolves fusedkv too: `import fusedkv` registers it
 
-        check_checkpoint_dir(teacher_dir)
-        self.teacher = FusedKVForCausalLM.from_pretrained(teacher_dir).float().to(device).eval()
+        check_checkpoint_dir(teacher_dir, model_types=TEACHER_MODEL_TYPES)
+        self.teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(device).eval()
         self.teacher.requires_grad_(False)
         tc = self.teacher.config
         if tc.vocab_size != student_config.vocab_size:

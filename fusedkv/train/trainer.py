@@ -55,6 +55,7 @@ from . import data as data_setup
 from . import dcp as dcp_io
 from . import distributed as D
 from .config import TrainConfig, normalise
+from .distill import TEACHER_MODEL_TYPES, Distiller
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
 from .optim import build_optimizer, build_scheduler
 from .rundir import RunDirBusy, RunDirLock, clear_previous_run, find_resume_checkpoint
@@ -314,7 +315,7 @@ class _Run:
         """Steps 1-4 of the module docstring; returns (step, tokens seen, history) to start from."""
         cfg, env = self.cfg, self.env
         if cfg.distill_from is not None:  # a missing teacher fails before any data is prepared
-            check_checkpoint_dir(cfg.distill_from)
+            check_checkpoint_dir(cfg.distill_from, model_types=TEACHER_MODEL_TYPES)
         resume_path = self._checkpoint_to_resume()
         ckpt = None
         if resume_path is not None:  # a sharded checkpoint's tensors are read once the model is built
@@ -352,8 +353,6 @@ class _Run:
 
         model, wrapped, opt, sched = self._build(mc, ckpt)
         if cfg.distill_from is not None:
-            from .distill import Distiller
-
             self.distiller = Distiller(cfg.distill_from, mc, env.device, cfg.distill_alpha, cfg.distill_temperature,
                                        cfg.distill_hidden_weight)
             self.say(f"distilling from {cfg.distill_from} (alpha {cfg.distill_alpha:g}, temperature "

@@ -130,3 +130,35 @@ def test_distiller_with_hidden_states_on_real_models(tmp_path):
     got.backward()  # gradients reach the student only
     assert student.model.layers[3].self_attn.q_proj.weight.grad is not None
     assert all(p.grad is None for p in kd.teacher.parameters())
+
+
+def test_a_qwen3_checkpoint_is_its_own_teacher(tmp_path, nano_data):
+    """--distill-from takes the Hugging Face Qwen3 checkpoint itself (run by transformers' Qwen3ForCausalLM):
+    its loss on a converted Lite student equals, KL and hidden-state terms included, that of the teacher
+    converted to vanilla fusedkv; and the CLI uptrains a converted Qwen3 model from it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fusedkv import FusedKVForCausalLM
+    from fusedkv.train.distill import Distiller
+
+    vocab = 512  # nano_data's tokenizer: the student trains on it
+    torch.manual_seed(0)
+    qcfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    Qwen3ForCausalLM(qcfg).save_pretrained(tmp_path / "qwen3")
+    _cli("convert", tmp_path / "qwen3", tmp_path / "vanilla", "--kv-sharing", "vanilla")
+    _cli("convert", tmp_path / "qwen3", tmp_path / "lite", "--kv-sharing", "fusedkv-lite")
+    student = FusedKVForCausalLM.from_pretrained(tmp_path / "lite")
+    x, y = torch.randint(0, vocab, (2, 12)), torch.randint(0, vocab, (2, 12))
+    losses = {}
+    for name in ("qwen3", "vanilla"):
+        d = Distiller(str(tmp_path / name), student.config, "cpu", alpha=0.4, temperature=2.0, hidden_weight=0.5)
+        losses[name] = (float(d(student, x, y).detach()), d.last_parts)
+    assert type(Distiller(str(tmp_path / "qwen3"), student.config, "cpu").teacher).__name__ == "Qwen3ForCausalLM"
+    (a, pa), (b, pb) = losses["qwen3"], losses["vanilla"]
+    assert a == pytest.approx(b, rel=1e-5) and pa["kl"] > 1e-4 and pa["hidden"] > 0
+    assert pa == pytest.approx(pb, rel=1e-4)
+    out = _cli("train", "--init-from", tmp_path / "lite", "--distill-from", tmp_path / "qwen3", "--out",
+               tmp_path / "student", "--max-steps", 2, "--preset", "nano", "--set", f"data={nano_data}",
+               "--set", "threads=1", "--set", "ckpt_every=0")
+    assert f"distilling from {tmp_path / 'qwen3'}" in out.stdout
