@@ -103,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--distill-from",
         metavar="MODEL_DIR",
-        help="uptraining: distil from this full-cache model (loss = alpha KL + (1 - alpha) LM; fusedkv.train.distill)",
+        help="uptraining: distil from this full-cache model, a fusedkv or a Qwen3 / Qwen3-MoE checkpoint (loss = "
+        "alpha KL + (1 - alpha) LM; fusedkv.train.distill)",
     )
     g.add_argument("--distill-alpha", type=float, metavar="A", help="weight of the KL term (default 0.5)")
     g.add_argument("--distill-temperature", type=float, metavar="T", help="softmax temperature (default 1.0)")

@@ -16,8 +16,8 @@ frozen, in eval mode, and runs under no_grad on the same micro-batch.
 
 `fusedkv train --init-from CONVERTED --distill-from ORIGINAL [--distill-alpha 0.5]
 [--distill-temperature 1.0] [--distill-hidden-weight 0]` uses it (the trainer calls `Distiller` in place
-of its plain language-modelling loss). ORIGINAL is a fusedkv checkpoint or the Hugging Face Qwen3
-checkpoint itself, which then runs as transformers' own Qwen3ForCausalLM: the teacher is the original,
+of its plain language-modelling loss). ORIGINAL is a fusedkv checkpoint or the Hugging Face Qwen3 (or
+Qwen3-MoE) checkpoint itself, which then runs as transformers' own model: the teacher is the original,
 not a re-implementation of it.
 """
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from ..checkpoints import check_checkpoint_dir
 from ..model.loss import lm_loss
 
-# What --distill-from takes: a fusedkv model, or a Qwen3 checkpoint run by transformers itself.
-TEACHER_MODEL_TYPES = ("fusedkv", "qwen3")
+# What --distill-from takes: a fusedkv model, or a Qwen3 or Qwen3-MoE checkpoint run by transformers itself.
+TEACHER_MODEL_TYPES = ("fusedkv", "qwen3", "qwen3_moe")
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
