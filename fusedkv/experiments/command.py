@@ -16,9 +16,9 @@ def register(sub) -> None:
         "results.md (mean ± std over seeds) and curves.png. Shipped experiments: main (Table 2), sources "
         "(Table 17), reversed (Fig. 8), init (Table 5), dense (Fig. 2); the compatibility pairs of App. A.6: "
         "gqa, swa (window hybrids +W/+WF), moe, mla, quant (checkpoints for KIVI/Wanda); and the evidence runs: "
-        "retrieval (Table 16 at toy scale), long (Table 2 at 10x tokens), uptrain (convert + distil). Finished "
-        "runs are reused and a run killed part-way continues from its last checkpoint, so an interrupted "
-        "comparison resumes.")
+        "retrieval (Table 16 at toy scale), passkey (its needle tasks), long (Table 2 at 10x tokens), uptrain "
+        "(convert + distil). Finished runs are reused and a run killed part-way continues from its last "
+        "checkpoint, so an interrupted comparison resumes.")
     p.add_argument("experiment", nargs="?", default="main", type=argtypes.non_empty,
                    help="shipped experiment name (main, gqa, swa, moe, mla, quant, long, ...) or YAML path")
     p.add_argument("--out", default=None, type=argtypes.non_empty,

@@ -19,6 +19,12 @@ def test_evidence_experiments_load():
     assert {r["plan"] for r in retrieval["runs"]} == {"vanilla", "vanilla+gqa", "cla", "yoco", "fusedkv-lite",
                                                        "fusedkv"}
     assert load_experiment("long")["base"]["max_steps"] >= 10 * load_experiment("main")["base"]["max_steps"]
+    # passkey: retrieval's stage-1 runs as they are (the same cache keys), continued on passkey documents
+    passkey = load_experiment("passkey")
+    assert passkey["base"] == retrieval["base"] and passkey["evaluate"] == retrieval["evaluate"]
+    stage1 = [r for r in passkey["runs"] if "from" not in r]
+    assert stage1 and all(r in retrieval["runs"] for r in stage1)
+    assert all(":tasks=mqar+repeat+passkey:" in r["data"] for r in passkey["runs"] if "from" in r)
 
 
 def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch, capsys):
