@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoints import check_checkpoint_dir
+from ..config import FusedKVConfig
 from ..model.loss import lm_loss
 
 # What --distill-from takes: a fusedkv model, or a Qwen3 or Qwen3-MoE checkpoint run by transformers itself.
-TEACHER_MODEL_TYPES = ("fusedkv", "qwen3", "qwen3_moe")
+TEACHER_MODEL_TYPES = (FusedKVConfig.model_type, "qwen3", "qwen3_moe")
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
