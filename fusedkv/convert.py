@@ -47,8 +47,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
+# The Hugging Face model types this module imports (and `--distill-from` takes as teachers).
+QWEN3_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
 def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides) -> FusedKVConfig:
-    if qwen3.get("model_type") not in ("qwen3", "qwen3_moe"):
+    if qwen3.get("model_type") not in QWEN3_MODEL_TYPES:
         got = qwen3.get("model_type")
         raise ValueError(f"expected a Qwen3 checkpoint (model_type 'qwen3' or 'qwen3_moe'), got model_type {got!r}")
     if qwen3.get("use_sliding_window"):

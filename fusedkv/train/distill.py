@@ -28,10 +28,11 @@ import torch.nn.functional as F
 
 from ..checkpoints import check_checkpoint_dir
 from ..config import FusedKVConfig
+from ..convert import QWEN3_MODEL_TYPES
 from ..model.loss import lm_loss
 
 # What --distill-from takes: a fusedkv model, or a Qwen3 or Qwen3-MoE checkpoint run by transformers itself.
-TEACHER_MODEL_TYPES = (FusedKVConfig.model_type, "qwen3", "qwen3_moe")
+TEACHER_MODEL_TYPES = (FusedKVConfig.model_type, *QWEN3_MODEL_TYPES)
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,

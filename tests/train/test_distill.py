@@ -132,33 +132,51 @@ def test_distiller_with_hidden_states_on_real_models(tmp_path):
     assert all(p.grad is None for p in kd.teacher.parameters())
 
 
-def test_a_qwen3_checkpoint_is_its_own_teacher(tmp_path, nano_data):
-    """--distill-from takes the Hugging Face Qwen3 checkpoint itself (run by transformers' Qwen3ForCausalLM):
-    its loss on a converted Lite student equals, KL and hidden-state terms included, that of the teacher
-    converted to vanilla fusedkv; and the CLI uptrains a converted Qwen3 model from it."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _hf_teacher(kind: str, vocab: int):
+    """A tiny random transformers Qwen3 or Qwen3-MoE model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    shape = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**shape, intermediate_size=128))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+                                              num_experts_per_tok=2, mlp_only_layers=[1]))
+
+
+@pytest.mark.parametrize("kind,model_class", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_a_hugging_face_checkpoint_is_its_own_teacher(kind, model_class, tmp_path):
+    """--distill-from takes the Qwen3 (or Qwen3-MoE) checkpoint itself, run by transformers' own model: its
+    loss on a converted Lite student equals, KL and hidden-state terms included, that of the teacher
+    converted to vanilla fusedkv."""
     from fusedkv import FusedKVForCausalLM
+    from fusedkv.convert import convert_qwen3
     from fusedkv.train.distill import Distiller
 
-    vocab = 512  # nano_data's tokenizer: the student trains on it
-    torch.manual_seed(0)
-    qcfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    Qwen3ForCausalLM(qcfg).save_pretrained(tmp_path / "qwen3")
-    _cli("convert", tmp_path / "qwen3", tmp_path / "vanilla", "--kv-sharing", "vanilla")
-    _cli("convert", tmp_path / "qwen3", tmp_path / "lite", "--kv-sharing", "fusedkv-lite")
+    _hf_teacher(kind, 101).save_pretrained(tmp_path / kind)
+    convert_qwen3(tmp_path / kind, tmp_path / "vanilla", kv_sharing="vanilla")
+    convert_qwen3(tmp_path / kind, tmp_path / "lite", kv_sharing="fusedkv-lite")
     student = FusedKVForCausalLM.from_pretrained(tmp_path / "lite")
-    x, y = torch.randint(0, vocab, (2, 12)), torch.randint(0, vocab, (2, 12))
-    losses = {}
-    for name in ("qwen3", "vanilla"):
+    x, y = torch.randint(0, 101, (2, 12)), torch.randint(0, 101, (2, 12))
+    losses, teachers = {}, {}
+    for name in (kind, "vanilla"):
         d = Distiller(str(tmp_path / name), student.config, "cpu", alpha=0.4, temperature=2.0, hidden_weight=0.5)
-        losses[name] = (float(d(student, x, y).detach()), d.last_parts)
-    assert type(Distiller(str(tmp_path / "qwen3"), student.config, "cpu").teacher).__name__ == "Qwen3ForCausalLM"
-    (a, pa), (b, pb) = losses["qwen3"], losses["vanilla"]
+        losses[name], teachers[name] = (float(d(student, x, y).detach()), d.last_parts), type(d.teacher).__name__
+    assert teachers == {kind: model_class, "vanilla": "FusedKVForCausalLM"}
+    (a, pa), (b, pb) = losses[kind], losses["vanilla"]
     assert a == pytest.approx(b, rel=1e-5) and pa["kl"] > 1e-4 and pa["hidden"] > 0
     assert pa == pytest.approx(pb, rel=1e-4)
+
+
+def test_uptraining_a_converted_qwen3_from_the_qwen3_checkpoint_through_the_cli(tmp_path, nano_data):
+    """`fusedkv convert QWEN3 --kv-sharing fusedkv-lite`, then `fusedkv train --init-from CONVERTED
+    --distill-from QWEN3`."""
+    _hf_teacher("qwen3", 512).save_pretrained(tmp_path / "qwen3")  # nano_data's vocabulary: the student trains on it
+    _cli("convert", tmp_path / "qwen3", tmp_path / "lite", "--kv-sharing", "fusedkv-lite")
     out = _cli("train", "--init-from", tmp_path / "lite", "--distill-from", tmp_path / "qwen3", "--out",
                tmp_path / "student", "--max-steps", 2, "--preset", "nano", "--set", f"data={nano_data}",
                "--set", "threads=1", "--set", "ckpt_every=0")
     assert f"distilling from {tmp_path / 'qwen3'}" in out.stdout
+    summary = json.loads((tmp_path / "student" / "summary.json").read_text())
+    assert summary["plan"] == "fusedkv-lite" and summary["steps"] == 2
