@@ -1,18 +1,9 @@
-"""Import a Hugging Face Qwen3 or Qwen3-MoE checkpoint as a FusedKV model (or re-plan a vanilla fusedkv one).
+"""The family-independent part of import: read the checkpoint, copy the weights, write the result atomically.
 
-FusedKV's module names are Qwen3's, so conversion is a renaming-free copy: every weight keeps its
-name, reconstruction layers drop their K/V projections and K-norm, and their fusion weights start
-from the configured initialisation (paper App. A.3, Table 5). With `kv_sharing="vanilla"` the result computes
-exactly what transformers' `Qwen3ForCausalLM` computes; with another plan it is a starting point for
-continued training (the paper trains from scratch; a converted model must be trained to recover).
-A vanilla *fusedkv* checkpoint (model_type fusedkv, e.g. `fusedkv train --plan vanilla`'s final model)
-converts the same way to any other plan: the uptraining path (`fusedkv.train.distill`).
-
-Qwen3-MoE: the config's MoE fields carry over (`num_local_experts` is transformers' stored name for
-`num_experts`), and the per-expert weights that `save_pretrained` writes
-(`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`) are stacked into the fused 3-D tensors the
-model keeps (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]); checkpoints
-that already hold the fused tensors load as they are.
+FusedKV's module names are transformers' (Qwen3's), so a family's `prepare_state` maps its tensors onto
+them; reconstruction layers drop their K/V projections and K-norm. A vanilla *fusedkv* checkpoint
+(model_type fusedkv, e.g. `fusedkv train --plan vanilla`'s final model) converts the same way to any
+other plan: the uptraining path (`fusedkv.train.distill`).
 """
 
 from __future__ import annotations
@@ -27,45 +18,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .config import FusedKVConfig
-from .errors import RunError, UsageError
-from .model import FusedKVForCausalLM
-from .plan import VANILLA
+from ..config import FusedKVConfig
+from ..errors import RunError, UsageError
+from ..model import FusedKVForCausalLM
+from ..plan import VANILLA
+from .families import family_for
+from .qwen3 import fuse_experts
 
-# Qwen3 config fields carried over verbatim.
-_QWEN3_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range",
-    "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id",
-)
-# Qwen3-MoE's extra fields (transformers' names; num_experts handled separately).
-_QWEN3_MOE_FIELDS = (
-    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-    "router_aux_loss_coef", "output_router_logits",
-)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "generation_config.json", "chat_template.jinja")
-
-
-# The Hugging Face model types this module imports (and `--distill-from` takes as teachers).
-QWEN3_MODEL_TYPES = ("qwen3", "qwen3_moe")
-
-
-def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides) -> FusedKVConfig:
-    if qwen3.get("model_type") not in QWEN3_MODEL_TYPES:
-        got = qwen3.get("model_type")
-        raise ValueError(f"expected a Qwen3 checkpoint (model_type 'qwen3' or 'qwen3_moe'), got model_type {got!r}")
-    if qwen3.get("use_sliding_window"):
-        raise ValueError("Qwen3 checkpoints with use_sliding_window=true are not supported yet")
-    rope = qwen3.get("rope_parameters") or {"rope_type": "default", "rope_theta": qwen3.get("rope_theta", 10000.0)}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; only the default RoPE is")
-    fields = {k: qwen3[k] for k in _QWEN3_FIELDS if k in qwen3}
-    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope["rope_theta"])}
-    if qwen3["model_type"] == "qwen3_moe":
-        fields.update({k: qwen3[k] for k in _QWEN3_MOE_FIELDS if k in qwen3})
-        fields["num_experts"] = qwen3.get("num_experts", qwen3.get("num_local_experts", 128))
-    return FusedKVConfig(**fields, kv_sharing=kv_sharing, **overrides)
 
 
 def fusedkv_to_plan_config(saved: dict, kv_sharing: str, origin: str = "checkpoint", **overrides) -> FusedKVConfig:
@@ -102,7 +63,7 @@ def load_state_dict(src: Path) -> dict[str, torch.Tensor]:
 def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, origin: str = "state dict"):
     """A FusedKV model of `config` holding the Qwen3 weights `state` (reconstruction layers drop their
     K/V projections; fusion weights keep their configured initialisation)."""
-    state = _fuse_experts(dict(state), config.num_experts)
+    state = fuse_experts(dict(state), config)
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied checkpoints store one copy
     model = FusedKVForCausalLM(config)
@@ -122,21 +83,6 @@ def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, orig
     return model
 
 
-def _fuse_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """Stack per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` into the fused 3-D expert tensors."""
-    prefixes = sorted({k.split(".experts.")[0] for k in state if ".mlp.experts.0.gate_proj.weight" in k})
-    for prefix in prefixes:
-        names = {p: [f"{prefix}.experts.{e}.{p}.weight" for e in range(num_experts)]
-                 for p in ("gate_proj", "up_proj", "down_proj")}
-        missing = [n for ns in names.values() for n in ns if n not in state]
-        if missing:
-            raise ValueError(f"{prefix}: expert weights missing for num_experts={num_experts}: {missing[:3]}")
-        gate, up, down = ([state.pop(n) for n in names[p]] for p in ("gate_proj", "up_proj", "down_proj"))
-        state[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(gate, up)])
-        state[f"{prefix}.experts.down_proj"] = torch.stack(down)
-    return state
-
-
 def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None = None, overwrite: bool = False,
                   **overrides) -> FusedKVForCausalLM:
     """Convert the Qwen3 checkpoint directory `src` into a FusedKV checkpoint at `dst`; returns the model.
@@ -153,7 +99,7 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
     if source_config.get("model_type") == FusedKVConfig.model_type:  # a fusedkv vanilla model: uptraining
         config = fusedkv_to_plan_config(source_config, kv_sharing, origin=str(src), **overrides)
     else:
-        config = qwen3_to_fusedkv_config(source_config, kv_sharing, **overrides)
+        config = family_for(source_config).to_config(source_config, kv_sharing, **overrides)
     model = from_qwen3_state(load_state_dict(src), config, origin=str(src))
     if dtype is not None:
         model = model.to(dtype)

@@ -1,0 +1,33 @@
+"""Import Hugging Face decoder checkpoints as FusedKV models, or re-plan a vanilla fusedkv one.
+
+With `kv_sharing="vanilla"` the imported model computes exactly what transformers' class for the family
+computes; with another plan the reconstruction layers drop their K/V projections and their fusion
+weights start from the configured initialisation (paper App. A.3, Table 5): a starting point for
+continued training (the paper trains from scratch; a converted model must be trained to recover).
+
+  core.py      read the checkpoint, copy the weights, write the result atomically
+  family.py    what a family is (`Family`), and `UnsupportedField`
+  families.py  the list of families, and `family_for(config)`
+  qwen3.py     Qwen3 and Qwen3-MoE
+"""
+
+from .core import (
+    convert_qwen3,
+    from_qwen3_state,
+    fusedkv_to_plan_config,
+    load_state_dict,
+)
+from .families import FAMILIES, MODEL_TYPES, family_for
+from .family import Family, UnsupportedField
+from .qwen3 import FAMILY as _QWEN3
+
+# The Hugging Face model types `--distill-from` takes as teachers run by transformers.
+QWEN3_MODEL_TYPES = _QWEN3.model_types
+
+
+def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides):
+    return _QWEN3.to_config(qwen3, kv_sharing, **overrides)
+
+
+__all__ = ["FAMILIES", "MODEL_TYPES", "Family", "QWEN3_MODEL_TYPES", "UnsupportedField", "convert_qwen3",
+           "family_for", "from_qwen3_state", "fusedkv_to_plan_config", "load_state_dict", "qwen3_to_fusedkv_config"]
