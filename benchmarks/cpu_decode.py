@@ -1,7 +1,7 @@
 """CPU decode next to llama.cpp: TTFT and TPOT of fusedkv's plans at every weight and KV precision, and of
 llama.cpp on the same vanilla weights, interleaved in one process, with each row's effective read
 bandwidth next to the streaming ceiling. Also the kernel table and the quality table behind
-`fusedkv.model.precision`.
+`fusedkv.engine.precision`.
 
     python benchmarks/cpu_decode.py                    # bench model, threads 1,2, prompts 512,2048, batch 1 (+4)
     python benchmarks/cpu_decode.py --llamacpp-src ~/.cache/fusedkv/llama_cpp_python-0.3.36.tar.gz
@@ -35,9 +35,9 @@ import torch
 
 from fusedkv.bench.inference import HF, BenchShape, build_models
 from fusedkv.cache import StaticKVCache
+from fusedkv.engine.precision import half_dtype, reduce_precision, weight_format, weight_nbytes
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
-from fusedkv.model.precision import half_dtype, reduce_precision, weight_format, weight_nbytes
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8"}
 
@@ -224,7 +224,7 @@ def kernel_table(threads: int, rows_list: list[int], repeats: int) -> str:
     import torch.nn.functional as F
     from torch import nn
 
-    from fusedkv.model.precision import ReducedLinear
+    from fusedkv.engine.precision import ReducedLinear
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -312,8 +312,8 @@ def _dispatch_floor(plan: str, fmt: str, steps: int) -> float:
     """CPU ms of one decode step of the same plan and weight format at tiny widths (d=64, 8 heads of 8,
     vocab 64, 16 tokens of context): the same ops and Python as the bench model's step, next to no
     bytes, so what the step costs beyond its arithmetic and memory traffic."""
+    from fusedkv.engine.packing import set_decode_layout
     from fusedkv.generation import sample_next
-    from fusedkv.model.packing import set_decode_layout
 
     tiny = BenchShape(hidden_size=64, intermediate_size=64, num_attention_heads=8, head_dim=8, vocab_size=64)
     model = build_models(tiny, [plan], 64, "cpu", torch.float32, include_hf=False)[plan]
@@ -342,12 +342,12 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
     Python, op dispatch and small-op arithmetic, no bytes); rest - floor = the work that scales with
     the context and widths (attention over the cache, mostly); ops = aten ops per step (profiler);
     native step = the same step as `generate` runs it by default, the layers in one native call
-    (`fusedkv.model.decode_step`; "-" where it does not cover the model), interleaved with the others."""
+    (`fusedkv.engine.native_step`; "-" where it does not cover the model), interleaved with the others."""
     from torch.profiler import ProfilerActivity, profile
 
+    from fusedkv.engine.native_step import NativeDecodeStep, unsupported
+    from fusedkv.engine.packing import set_decode_layout
     from fusedkv.generation import sample_next
-    from fusedkv.model.decode_step import NativeDecodeStep, unsupported
-    from fusedkv.model.packing import set_decode_layout
 
     torch.set_num_threads(1)
     kv_dtype = torch.float32 if kv in ("float32", "f32") else half_dtype()

@@ -95,7 +95,7 @@ class StaticKVCache:
 
     def advance(self, t: int) -> None:
         """Count `t` new tokens that a writer filling every storage layer's buffers itself has written (the
-        native decode step, `fusedkv.model.decode_step`), as `update` counts them."""
+        native decode step, `fusedkv.engine.native_step`), as `update` counts them."""
         self._check_room(t)
         self._length += t
 

@@ -122,7 +122,7 @@ def _add_generate(sub):
     precisions = ["float32", "bfloat16", "float16", "half"]
     p.add_argument("--dtype", default="float32", choices=precisions,
                    help="weights and KV cache (default float32); half = bfloat16 where the processor has bf16 "
-                   "arithmetic, else float16. On CPU activations stay float32 (fusedkv.model.precision)")
+                   "arithmetic, else float16. On CPU activations stay float32 (fusedkv.engine.precision)")
     p.add_argument("--weights", default=None, choices=[*precisions, "int8"],
                    help="weight storage instead of --dtype's; int8 = weight-only, one scale per output channel (CPU)")
     p.add_argument("--kv-dtype", default=None, choices=precisions, help="KV cache dtype instead of --dtype's")
@@ -163,7 +163,7 @@ def _run_generate(args) -> None:
                          f"and the model's context is {model.config.max_position_embeddings}; use at most {room}")
     eos = model.config.eos_token_id if model.config.eos_token_id is not None else tok.eos_token_id
     from .cache import StaticKVCache
-    from .model.precision import apply_precision
+    from .engine.precision import apply_precision
 
     kv_dtype = apply_precision(model, args.dtype, args.weights, args.kv_dtype)  # reduced weights, KV width
 
@@ -177,7 +177,7 @@ def _run_generate(args) -> None:
         cache = kivi_cache_factory(args.kv_bits, args.kv_group, args.kv_residual)
 
     # The package's own loop: the compact static cache, prefill skipping, and the weight layout the
-    # batch decodes fastest with (fusedkv.model.packing).
+    # batch decodes fastest with (fusedkv.engine.packing).
     result = generate(model, ids, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                       top_k=None if args.greedy else args.top_k, top_p=1.0 if args.greedy else args.top_p,
                       eos_token_id=eos, generator=torch.Generator(args.device).manual_seed(args.seed),

@@ -4,7 +4,7 @@
 a preallocated `StaticKVCache` for the storage layers, prefill that asks only for the last position
 (so reconstruction layers skip the rest of the prompt), and one forward per new token with nothing
 else in the way; on CPU, where it covers the model, that forward is one native call through every
-layer (`fusedkv.model.decode_step`), decided once, after prefill. It records time-to-first-token and
+layer (`fusedkv.engine.native_step`), decided once, after prefill. It records time-to-first-token and
 every decode step, which `fusedkv bench` reports, and it is the loop `fusedkv generate` samples with.
 
 Padding: the model takes left-padded batches (positions count real tokens only). A right-padded batch
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
+from .engine.native_step import NativeDecodeStep, Unsupported
+from .engine.packing import LAYOUTS, set_decode_layout
 from .errors import RunError
 from .model.attention import first_real_key
-from .model.decode_step import NativeDecodeStep, Unsupported
-from .model.packing import LAYOUTS, set_decode_layout
 
 WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
 
@@ -34,7 +34,7 @@ class GenerationResult:
     ttft_s: float
     step_s: list[float] = field(default_factory=list)
     cache_bytes: int = 0
-    native_step: bool = False  # decode steps ran as one native call (`fusedkv.model.decode_step`)
+    native_step: bool = False  # decode steps ran as one native call (`fusedkv.engine.native_step`)
 
     @property
     def tpot_s(self) -> float:
@@ -123,14 +123,14 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     docstring); the result keeps `input_ids` as given and appends the new tokens after them.
 
     `weight_layout`: "keep" (default) runs the model as the caller laid it out. "auto" first puts the
-    weights in the layout this batch decodes fastest with (`fusedkv.model.packing.set_decode_layout`:
+    weights in the layout this batch decodes fastest with (`fusedkv.engine.packing.set_decode_layout`:
     packed for one-GEMV steps at small batch, row-major above), and "packed" / "row-major" force one;
     these re-lay out the caller's model in place and leave it so (same values, names and outputs; a
     change of layout copies the weights once, before the clock starts).
     `cache_factory(config, batch, max_len, dtype, device)` builds another cache instead (e.g.
     `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache).
     `native_step`: on CPU, run each decode step's layers as one native call where it covers the model and
-    the cache (`fusedkv.model.decode_step.unsupported`: f32 weights in the packed layout or bf16 / int8
+    the cache (`fusedkv.engine.native_step.unsupported`: f32 weights in the packed layout or bf16 / int8
     blocks, a static cache without windows, batch <= 4); False runs the model's modules every step."""
     batch, prompt_len = input_ids.shape
     total = prompt_len + max_new_tokens

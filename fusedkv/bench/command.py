@@ -104,7 +104,7 @@ def run(args) -> None:
             check_kivi_settings(bits, args.kv_group, args.kv_residual, args.head_dim)
     precisions = tuple(x.strip() for x in args.precisions.split(",") if x.strip())
     if precisions:
-        from ..model.precision import kv_dtype_for, weight_format
+        from ..engine.precision import kv_dtype_for, weight_format
 
         if args.device != "cpu":
             raise ValueError("--precisions: reduced-precision weights are a CPU decode path; use --dtype on a GPU")

@@ -137,7 +137,7 @@ def precision_row(model, label: str, spec: str):
     import copy
 
     from ..cache import StaticKVCache
-    from ..model.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
+    from ..engine.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
 
     weights, _, kv = spec.partition("/")
     fmt, kv_dtype = weight_format(weights), kv_dtype_for(kv or weights)
@@ -153,7 +153,7 @@ def precision_row(model, label: str, spec: str):
 def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: int, batch: int,
                kv_element_size: int | None = None) -> float:
     """(weights + KV read per decode step) of `model` over the same for vanilla. Reduced-precision
-    weights are buffers (`fusedkv.model.precision`), so buffers count; `kv_element_size` is the
+    weights are buffers (`fusedkv.engine.precision`), so buffers count; `kv_element_size` is the
     model's cache width when it differs from its parameters' (a 16-bit cache)."""
     def per_step(m, kv_size=None):
         c = m.config
@@ -179,7 +179,7 @@ def run_inference_bench(shape: BenchShape, plans: list[str], prompt_lens: list[i
     """`kv_bits` adds a row "<plan>+kivi<b>" per plan: the same model decoding through the KIVI b-bit
     cache (`fusedkv.quant`), for its TPOT and bytes against the full-precision cache. `precisions`
     ("WEIGHTS/KV", e.g. "int8/half") adds a row "<plan> w=WEIGHTS kv=KV" per plan: reduced-precision
-    weights and a KV cache of that width (`fusedkv.model.precision`, CPU)."""
+    weights and a KV cache of that width (`fusedkv.engine.precision`, CPU)."""
     if VANILLA not in plans:
         plans = [VANILLA, *plans]
     max_len = max(prompt_lens) + new_tokens + 8

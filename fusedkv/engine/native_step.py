@@ -4,14 +4,14 @@ Run module by module, a decode step of a small model spends milliseconds on disp
 PyTorch ops per layer around the weight products (`benchmarks/cpu_decode.py --overhead`; figures in
 `docs/cpu-decode.md`). `NativeDecodeStep` takes that floor away the way gpt-fast and llama.cpp do, by
 deciding everything once: it reads the model's weights (in the decode layout of
-`fusedkv.model.packing`), the plan's sources and fusion weights, and the static cache's buffers into a
+`fusedkv.engine.packing`), the plan's sources and fusion weights, and the static cache's buffers into a
 table of pointers when it is built, and each step is then the embedding, one C call through every
 layer, the final norm and the LM head. The arithmetic is the modules' own (storage layers write their
 post-RoPE K/V into the cache; reconstruction layers attend over their sources with the fusion weights
 moved onto the query and output, paper Sec. 2.5), checked against the model's forward by the tests.
 
 It covers what the fast CPU path is for: weights f32 in the packed decode layout, or bf16 / int8 in the
-block layout of `fusedkv.model.precision` (processors with AVX-512 BF16); batch <= 4; full attention over
+block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16); batch <= 4; full attention over
 1-2 K / V sources with per-channel weights or plain reuse (every plan of `fusedkv.plan`); dense SwiGLU
 MLPs. `unsupported` names the first thing it does not cover, and the caller then keeps the
 module-by-module step, which runs everything (MoE, MLA, sliding windows, f16 weights).
@@ -24,8 +24,8 @@ import ctypes
 import torch
 
 from ..kernels import cpu_attention, cpu_gemv, native
-from .attention import Attention
-from .layers import SwiGLU, rope_cos_sin
+from ..model.attention import Attention
+from ..model.layers import SwiGLU, rope_cos_sin
 from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -112,8 +112,8 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         if attn.window or attn.iterative or not attn.native_fits or attn.path not in ("auto", "native"):
             return f"layer {attn.layer.index + 1}: a window, the iterative fusion, scalar weights or a forced path"
         if _products(layer) is None:
-            return ("the weights are not f32 in the packed decode layout (fusedkv.model.packing.set_decode_layout) "
-                    "or bf16 / int8 blocks of fusedkv.model.precision")
+            return ("the weights are not f32 in the packed decode layout (fusedkv.engine.packing.set_decode_layout) "
+                    "or bf16 / int8 blocks of fusedkv.engine.precision")
     return None
 
 

@@ -28,7 +28,7 @@ native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts
 bf16 there is emulated and was measured ~24x slower). `weight_format("half")` applies that rule.
 
 Projections that read the same input (Q|K|V of a storage layer, gate|up) share one buffer, so a
-one-row step runs one product per group, like `fusedkv.model.packing` does for f32. The swapped
+one-row step runs one product per group, like `fusedkv.engine.packing` does for f32. The swapped
 model is for inference: its reduced weights are buffers, not parameters.
 """
 
@@ -225,7 +225,7 @@ def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], R
 
 
 def _fix_layout(module: nn.Module) -> None:
-    """A reduced module has one layout, the kernels' (grouped, row-major): `fusedkv.model.packing`'s
+    """A reduced module has one layout, the kernels' (grouped, row-major): `fusedkv.engine.packing`'s
     re-layout requests (`pack_for_decode`, `drop_packing`) become no-ops for this instance."""
     module.pack_for_decode = module.drop_packing = lambda: None
     module.is_packed = lambda: True
@@ -235,8 +235,8 @@ def _fix_layout(module: nn.Module) -> None:
 def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
     """Store every projection and the LM head of `model` in `fmt` (see the module docstring); the rest
     of the model keeps its dtype. In place; returns the model. "float32" leaves it unchanged."""
-    from .attention import Attention
-    from .layers import SwiGLU
+    from ..model.attention import Attention
+    from ..model.layers import SwiGLU
     from .packing import unpack_weights
 
     fmt = weight_format(fmt)

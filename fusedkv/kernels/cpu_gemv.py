@@ -4,8 +4,8 @@ A one-token decode step is a chain of matrix-vector products, so its time is the
 by how fast they are streamed. PyTorch's f32 product at one row (MKL) streams well below the memory's
 rate and does not split one product across cores (`benchmarks/cpu_decode.py --kernels`; figures in
 `docs/cpu-decode.md`). This kernel reads W^T ([in, out] row-major: the column-major weight of
-`fusedkv.model.packing`'s decode layout) in long sequential runs and splits the output columns across
-threads. f32 weights there; f16 keeps PyTorch's kernels (`fusedkv.model.precision`), which were faster
+`fusedkv.engine.packing`'s decode layout) in long sequential runs and splits the output columns across
+threads. f32 weights there; f16 keeps PyTorch's kernels (`fusedkv.engine.precision`), which were faster
 than widening it in that loop. On a processor with AVX-512 BF16, bf16 and int8 weights get
 `linear_blocks`: pairs of bf16 weights times pairs of bf16 inputs in one instruction (f32
 accumulation), over the weight stored in blocks of 16 outputs with their input channels in pairs
@@ -71,7 +71,7 @@ def to_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """[out, in] weight -> [out / 16, ceil(in / 2), 16, 2] in its own dtype: blocks of 16 outputs, each
     holding its input channels in pairs (an odd last channel is paired with a zero); None when out is not
     a multiple of 16 (the caller keeps its own layout). bf16 weights, or int8 ones from
-    `fusedkv.model.precision.quantize_int8`, are what the kernels read."""
+    `fusedkv.engine.precision.quantize_int8`, are what the kernels read."""
     out_features, in_features = weight.shape
     if out_features % BLOCK:
         return None

@@ -7,7 +7,7 @@ sources, the compiler and the processor's flags, written atomically; loaded with
 links `libgomp.so.1` by its soname, which torch's own OpenMP runtime already holds in the process, so
 both share one thread pool. No compiler, a failed build, or `FUSEDKV_NATIVE_KERNELS=0`: `available()`
 is False and every caller keeps PyTorch's kernels (one warning says why). What the kernels do and when
-they run: `fusedkv.kernels.cpu_gemv`, `fusedkv.kernels.cpu_attention` and `fusedkv.model.decode_step`.
+they run: `fusedkv.kernels.cpu_gemv`, `fusedkv.kernels.cpu_attention` and `fusedkv.engine.native_step`.
 """
 
 from __future__ import annotations

@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.packing import DecodePackable, Linear, PackedLinears, project, to_column_major
 from ..kernels import cpu_attention, native, triton_decode_fits, triton_decode_step, triton_runs_on
 from ..kernels.reference import factored_attention, fuse_sources
 from ..plan import SLIDING, LayerKV
 from .fusion import KVFusion
 from .layers import RMSNorm, apply_rope
-from .packing import DecodePackable, Linear, PackedLinears, project, to_column_major
 
 ATTENTION_PATHS = ("auto", "materialized", "factored", "triton", "native")
 # Query blocks up to this length take the factored path under "auto" (measured by
@@ -268,7 +268,7 @@ class Attention(nn.Module, DecodePackable):
                 return kernel
         return "factored" if self.weighted and t <= FACTORED_MAX_QUERY else "materialized"
 
-    # ---- decode layout (`fusedkv.model.packing`): Q|K|V in one buffer, O and lone Q column-major -------
+    # ---- decode layout (`fusedkv.engine.packing`): Q|K|V in one buffer, O and lone Q column-major -------
     def pack_for_decode(self) -> None:
         if self.layer.stores and not self.is_packed():
             self.packed_qkv = PackedLinears([self.q_proj, self.k_proj, self.v_proj])

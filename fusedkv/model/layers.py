@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packing import DecodePackable, Linear, PackedLinears, column_major_down, project, to_column_major
+from ..engine.packing import DecodePackable, Linear, PackedLinears, column_major_down, project, to_column_major
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +60,7 @@ class SwiGLU(nn.Module, DecodePackable):
         gate, up = project(x, [self.gate_proj, self.up_proj], self.packed_gate_up)
         return self.down_proj(F.silu(gate) * up)
 
-    # ---- decode layout (`fusedkv.model.packing`): gate|up in one buffer; down by `column_major_down` --
+    # ---- decode layout (`fusedkv.engine.packing`): gate|up in one buffer; down by `column_major_down` --
     def pack_for_decode(self) -> None:
         if not self.is_packed():
             self.packed_gate_up = PackedLinears([self.gate_proj, self.up_proj])

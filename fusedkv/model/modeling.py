@@ -24,6 +24,7 @@ from transformers.modeling_outputs import (
 )
 
 from ..config import FusedKVConfig
+from ..engine.packing import Linear
 from ..plan import SLIDING
 from .attention import ATTENTION_PATHS, Attention, KVState
 from .fusion import KVFusion
@@ -31,7 +32,6 @@ from .layers import RMSNorm, SwiGLU, rope_cos_sin
 from .loss import lm_loss, shift_labels
 from .mla import MLA
 from .moe import Experts, RouterRecord, SparseMoE, is_sparse_layer, load_balancing_loss
-from .packing import Linear
 
 
 class DecoderLayer(nn.Module):

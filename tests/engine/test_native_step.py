@@ -1,4 +1,4 @@
-"""The native decode step (`fusedkv.model.decode_step`) against the model's own forward: every plan it
+"""The native decode step (`fusedkv.engine.native_step`) against the model's own forward: every plan it
 covers, f32 and 16-bit caches, batch 1 and a left-padded batch; what it declines falls back."""
 
 import copy
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fusedkv.cache import StaticKVCache
+from fusedkv.engine.native_step import NativeDecodeStep, unsupported
+from fusedkv.engine.packing import set_decode_layout
+from fusedkv.engine.precision import reduce_precision
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
-from fusedkv.model.decode_step import NativeDecodeStep, unsupported
-from fusedkv.model.packing import set_decode_layout
-from fusedkv.model.precision import reduce_precision
 from tests.conftest import PLAN_CONFIGS, tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native CPU kernels are not built")

@@ -9,10 +9,9 @@ import torch
 from torch.profiler import profile
 
 from fusedkv import FusedKVForCausalLM
+from fusedkv.engine.packing import column_major_down, is_packed, pack_for_decode, packed_product_wins, unpack_weights
 from fusedkv.generation import generate
 from fusedkv.kernels import native
-from fusedkv.model import is_packed, pack_for_decode, unpack_weights
-from fusedkv.model.packing import column_major_down, packed_product_wins
 from tests.conftest import tiny_model
 from tests.model.test_decode import incremental_logits, padded_batch
 

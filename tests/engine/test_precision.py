@@ -1,4 +1,4 @@
-"""Reduced-precision weights (fusedkv.model.precision): every format against the f32 reference within
+"""Reduced-precision weights (fusedkv.engine.precision): every format against the f32 reference within
 its documented tolerance, and incremental decode against the full forward of the same reduced model."""
 
 import copy
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from fusedkv.cache import StaticKVCache
-from fusedkv.generation import generate
-from fusedkv.model import pack_for_decode, unpack_weights
-from fusedkv.model.precision import (
+from fusedkv.engine.packing import pack_for_decode, unpack_weights
+from fusedkv.engine.precision import (
     ReducedLinear,
     half_dtype,
     int8_activation_dtype,
@@ -18,6 +17,7 @@ from fusedkv.model.precision import (
     weight_format,
     weight_nbytes,
 )
+from fusedkv.generation import generate
 from tests.conftest import tiny_model
 
 # Max |logit - f32 logit| relative to max |f32 logit| (docs/cpu-decode.md): the rounding of

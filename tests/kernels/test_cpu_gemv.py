@@ -125,7 +125,7 @@ def _decode_logits(model, ids):
 def test_native_decode_matches_torch_decode_and_the_full_forward(plan_name, monkeypatch):
     """The same packed model decoded one token at a time with the native kernel and with PyTorch's, and
     scored in one full forward: the same logits up to f32 rounding."""
-    from fusedkv.model import pack_for_decode
+    from fusedkv.engine.packing import pack_for_decode
     from tests.conftest import tiny_model
 
     model = pack_for_decode(tiny_model(plan_name))
@@ -170,7 +170,7 @@ def test_bf16_blocks_match_the_float64_product_of_the_rounded_operands(rows, out
 def test_bf16_blocks_decline_and_reduced_linear_uses_them():
     from torch import nn
 
-    from fusedkv.model.precision import ReducedLinear
+    from fusedkv.engine.precision import ReducedLinear
 
     assert cpu_gemv.to_bf16_blocks(torch.randn(20, 8)) is None  # outputs not whole blocks
     linear = nn.Linear(40, 32, bias=True)
@@ -191,7 +191,7 @@ def test_bf16_blocks_decline_and_reduced_linear_uses_them():
 def test_int8_blocks_match_the_float64_product(rows, out_features, in_features):
     """int8 blocks compute scale (.) (x_bf16 . q) in f32: against float64 over the same rounded input and
     the same integers, whole and as an output slice of blocks with its slice of scales."""
-    from fusedkv.model.precision import quantize_int8
+    from fusedkv.engine.precision import quantize_int8
 
     g = torch.Generator().manual_seed(out_features * in_features)
     w, x, bias = (torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g),
@@ -215,7 +215,7 @@ def test_int8_reduced_linear_uses_the_blocks():
     product (the bf16 GEMM over the dequantised weight) and a slice agree with the quantised reference."""
     from torch import nn
 
-    from fusedkv.model.precision import ReducedLinear, quantize_int8
+    from fusedkv.engine.precision import ReducedLinear, quantize_int8
 
     linear = nn.Linear(40, 48, bias=True)
     reduced = ReducedLinear.from_linears([linear], "int8")

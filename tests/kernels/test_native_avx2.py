@@ -18,8 +18,8 @@ CHECK = textwrap.dedent("""
     from fusedkv.cache import StaticKVCache
     from fusedkv.generation import generate
     from fusedkv.kernels import native
-    from fusedkv.model.decode_step import NativeDecodeStep
-    from fusedkv.model.packing import set_decode_layout
+    from fusedkv.engine.native_step import NativeDecodeStep
+    from fusedkv.engine.packing import set_decode_layout
     from tests.conftest import tiny_model
 
     lib = native.library()
