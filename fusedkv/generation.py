@@ -4,8 +4,10 @@
 a preallocated `StaticKVCache` for the storage layers, prefill that asks only for the last position
 (so reconstruction layers skip the rest of the prompt), and one forward per new token with nothing
 else in the way; on CPU, where it covers the model, that forward is one native call through every
-layer (`fusedkv.engine.native_step`), decided once, after prefill. It records time-to-first-token and
-every decode step, which `fusedkv bench` reports, and it is the loop `fusedkv generate` samples with.
+layer (`fusedkv.engine.native_step`). How the model runs (each layer's attention implementation, the
+native step) is decided once, before prefill, by `fusedkv.engine.select_runtime`, and given back after.
+It records time-to-first-token and every decode step, which `fusedkv bench` reports, and it is the loop
+`fusedkv generate` samples with.
 
 Padding: the model takes left-padded batches (positions count real tokens only). A right-padded batch
 (what a tokenizer that pads on the right gives) is re-aligned to the left before prefill, so every
@@ -20,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
-from .engine.native_step import NativeDecodeStep, Unsupported
 from .engine.packing import LAYOUTS, set_decode_layout
+from .engine.selection import select_runtime
 from .errors import RunError
 from .model.attention import first_real_key
 
@@ -94,17 +96,6 @@ def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[t
     return ids, real.to(attention_mask.dtype)
 
 
-def _native_step(model, cache, batch: int) -> NativeDecodeStep | None:
-    """The native decode step for this model and cache, or None where it does not cover them (the loop then
-    runs the modules): only a `StaticKVCache` without window layers has the fixed buffers it writes."""
-    if type(cache) is not StaticKVCache or cache.windowed:
-        return None
-    try:
-        return NativeDecodeStep(model, cache.keys, cache.values, batch)
-    except Unsupported:  # decided by `unsupported`, once, inside the constructor
-        return None
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -131,7 +122,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache).
     `native_step`: on CPU, run each decode step's layers as one native call where it covers the model and
     the cache (`fusedkv.engine.native_step.unsupported`: f32 weights in the packed layout or bf16 / int8
-    blocks, a static cache without windows, batch <= 4); False runs the model's modules every step."""
+    blocks, a static cache without windows, batch <= 4); False runs the model's modules every step.
+    Each attention layer runs the implementation `fusedkv.engine.select_runtime` picks for this model and
+    cache, for this call only."""
     batch, prompt_len = input_ids.shape
     total = prompt_len + max_new_tokens
     if total > model.config.max_position_embeddings:
@@ -160,38 +153,39 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
         mask[:, :prompt_len] = prompt_mask
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
 
-    _sync(device)
-    start = time.perf_counter()
-    out = model(prompt_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
-                use_cache=True, logits_to_keep=1)
-    cache = out.cache
-    _check_finite(out.logits)  # before sampling, which would fail on them without saying why
-    token = sample_next(out.logits[:, -1], temperature, top_k, generator, top_p)
-    _sync(device)
-    ttft = time.perf_counter() - start
-
-    step = _native_step(model, cache, batch) if native_step else None
-    kv_start = None
-    if step is not None and mask is not None:  # left-aligned: each row's first real key, fixed from now on
-        kv_start = first_real_key(mask[:, :prompt_len]).contiguous()
-    tokens = [token]
-    steps: list[float] = []
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    for pos in range(prompt_len, total - 1):
-        if eos is not None:
-            done |= torch.isin(token[:, 0], eos)
-            if bool(done.all()):
-                break
-        t0 = time.perf_counter()
-        if step is not None:
-            logits = step(token, kv_start, pos)
-            cache.advance(1)
-        else:
-            logits = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache,
-                           use_cache=True).logits
-        token = sample_next(logits[:, -1], temperature, top_k, generator, top_p)
+    with select_runtime(model, cache=cache, batch=batch, native_step=native_step) as runtime:
         _sync(device)
-        steps.append(time.perf_counter() - t0)
-        tokens.append(token)
-    return GenerationResult(torch.cat([input_ids, *tokens], dim=1), ttft, steps, kv_cache_nbytes(cache),
-                            step is not None)
+        start = time.perf_counter()
+        out = model(prompt_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        _check_finite(out.logits)  # before sampling, which would fail on them without saying why
+        token = sample_next(out.logits[:, -1], temperature, top_k, generator, top_p)
+        _sync(device)
+        ttft = time.perf_counter() - start
+
+        step = runtime.native_step
+        kv_start = None
+        if step is not None and mask is not None:  # left-aligned: each row's first real key, fixed from now on
+            kv_start = first_real_key(mask[:, :prompt_len]).contiguous()
+        tokens = [token]
+        steps: list[float] = []
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        for pos in range(prompt_len, total - 1):
+            if eos is not None:
+                done |= torch.isin(token[:, 0], eos)
+                if bool(done.all()):
+                    break
+            t0 = time.perf_counter()
+            if step is not None:
+                logits = step(token, kv_start, pos)
+                cache.advance(1)
+            else:
+                logits = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache,
+                               use_cache=True).logits
+            token = sample_next(logits[:, -1], temperature, top_k, generator, top_p)
+            _sync(device)
+            steps.append(time.perf_counter() - t0)
+            tokens.append(token)
+        return GenerationResult(torch.cat([input_ids, *tokens], dim=1), ttft, steps, kv_cache_nbytes(cache),
+                                step is not None)

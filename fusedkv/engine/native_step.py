@@ -26,6 +26,7 @@ import torch
 from ..kernels import cpu_attention, cpu_gemv, native
 from ..model.attention import Attention
 from ..model.layers import SwiGLU, rope_cos_sin
+from .packing import decode_products
 from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -71,15 +72,13 @@ def _product(module) -> _Product | None:
 
 
 def _products(layer) -> dict[str, _Product] | None:
-    """The native descriptions of a decoder layer's four products as the modules hold them (the packed group
-    where there is one; a `ReducedGroup` holds one `ReducedLinear`), or None when one is in no layout the
-    step reads."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if attn.layer.stores and not attn.is_packed() or not mlp.is_packed():
+    """The native descriptions of a decoder layer's four products as the engine laid them out
+    (`fusedkv.engine.packing.decode_products`: the packed group, or a reduced group's one module), or None
+    when one is in no layout the step reads."""
+    attn, mlp = decode_products(layer.self_attn), decode_products(layer.mlp)
+    if attn is None or mlp is None:
         return None
-    proj = attn.packed_qkv if attn.layer.stores else attn.q_proj
-    modules = {"proj": getattr(proj, "linear", proj), "o": attn.o_proj,
-               "gate_up": getattr(mlp.packed_gate_up, "linear", mlp.packed_gate_up), "down": mlp.down_proj}
+    modules = {"proj": attn["q_proj"], "o": attn["o_proj"], "gate_up": mlp["gate_proj"], "down": mlp["down_proj"]}
     products = {name: _product(m) for name, m in modules.items()}
     return None if None in products.values() else products
 
@@ -109,8 +108,11 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, SwiGLU):
             return "a layer is not Qwen3 attention with a dense MLP"
-        if attn.window or attn.iterative or not attn.native_fits or attn.path not in ("auto", "native"):
-            return f"layer {attn.layer.index + 1}: a window, the iterative fusion, scalar weights or a forced path"
+        kv = attn.layer
+        counts = (1, 1) if kv.stores else (len(kv.k_sources), len(kv.v_sources))
+        if attn.window or "scalar" in (kv.k_fusion, kv.v_fusion) or not cpu_attention.supports(
+                attn.head_dim, attn.num_heads, attn.num_kv_heads, *counts):
+            return f"layer {kv.index + 1}: a window, scalar weights or more than two sources"
         if _products(layer) is None:
             return ("the weights are not f32 in the packed decode layout (fusedkv.engine.packing.set_decode_layout) "
                     "or bf16 / int8 blocks of fusedkv.engine.precision")
@@ -175,8 +177,9 @@ class NativeDecodeStep:
             k_src, v_src, k_w, v_w = [keys[kv.index]], [values[kv.index]], [None], [None]
         else:
             k_src, v_src = [keys[s] for s in kv.k_sources], [values[s] for s in kv.v_sources]
-            k_w = [None if w is None else self._hold(w) for w in attn.fusion.key_weights()]
-            v_w = [None if w is None else self._hold(w) for w in attn.fusion.value_weights()]
+            key_weights, value_weights = attn.fusion.weights()
+            k_w = [None if w is None else self._hold(w) for w in key_weights]
+            v_w = [None if w is None else self._hold(w) for w in value_weights]
         table.n_k, table.n_v = len(k_src), len(v_src)
         table.k_src[:] = [k_src[0].data_ptr(), k_src[-1].data_ptr()]
         table.v_src[:] = [v_src[0].data_ptr(), v_src[-1].data_ptr()]

@@ -18,22 +18,26 @@ The down projection ([hidden, intermediate], tall and thin) streams faster row-m
 A packed group is only used while its parameters still view its buffer: `.to(device)`, `load_state_dict`
 with `assign=True` or FSDP replace parameter storage, and the modules then silently go back to
 separate products (`PackedLinears.active`). `unpack_weights(model)` restores contiguous row-major
-weights.
+weights and plain `nn.Linear`s.
 
 One rule decides the layout, `packed_product_wins(rows)`: at batch x tokens <= `PACKED_MAX_ROWS` the
 single GEMV wins; with more rows MKL's small-M GEMM prefers the separate row-major matrices (the same
-benchmark). `project` applies it per call (a prefill block never uses the packed buffer) and
+benchmark). A packed group applies it per call, by the number of rows (a prefill block never uses the
+packed buffer), and
 `set_decode_layout(model, batch)` applies it to a whole model for a decode batch. Nothing re-lays out
 a model on its own: `fusedkv.generation.generate` does it only when asked (`weight_layout="auto"`).
 
 Where the native CPU kernel is built (`fusedkv.kernels.cpu_gemv`, f32), every product of a
 decode-layout weight up to its `MAX_ROWS` rows runs through it instead of MKL: it streams the
 column-major weight faster and splits it across cores, so the layout then wins up to that many rows,
-and the down projection is stored column-major too. `Linear` is the `nn.Linear` the model is built
-from: the same module, whose forward hands such products to that kernel.
+and the down projection is stored column-major too. Packing makes each single projection a
+`DecodeLinear` (an `nn.Linear` over the same parameters whose forward hands such products to that
+kernel); the model itself is built from plain `nn.Linear`s, so training never consults the kernel.
 
-Each module that has a decode layout (attention, MLP) owns its packing (`DecodePackable`); this
-module only knows the mechanism and walks the model, so it imports no other model module.
+The way into the model is its documented seam: the projection modules by name, and one slot per group
+where an engine object computes the group in one product (`Attention.packed_qkv`, `SwiGLU.packed_gate_up`;
+`projection_groups` lists them). `fusedkv.engine.precision` uses the same seam, and the native step
+(`fusedkv.engine.native_step`) reads the layout through `decode_products`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_gemv, native
+from ..model.attention import Attention
+from ..model.layers import SwiGLU
 
 PACKED_MAX_ROWS = 2
 LAYOUTS = ("packed", "row-major")
@@ -60,15 +66,48 @@ def column_major_down() -> bool:
     return native.available()
 
 
-class Linear(nn.Linear):
-    """`nn.Linear`, except that a few-row product over a column-major (decode-layout) f32 weight on CPU
-    runs the native kernel (`fusedkv.kernels.cpu_gemv.linear`, which declines everything else)."""
+def projection_groups(module: nn.Module) -> list[tuple[tuple[str, ...], str | None]]:
+    """The model's seam: a module's projections grouped by shared input, each group with the slot that
+    holds its one product (None for a single projection). Empty for modules without projections here
+    (MLA and MoE layers keep their layout)."""
+    if isinstance(module, Attention):
+        if module.layer.stores:
+            return [(("q_proj", "k_proj", "v_proj"), "packed_qkv"), (("o_proj",), None)]
+        return [(("q_proj",), None), (("o_proj",), None)]
+    if isinstance(module, SwiGLU):
+        return [(("gate_proj", "up_proj"), "packed_gate_up"), (("down_proj",), None)]
+    return []
+
+
+class DecodeLinear(nn.Linear):
+    """`nn.Linear` over the same parameters, except that a few-row product over a column-major (decode-layout)
+    f32 weight on CPU runs the native kernel (`fusedkv.kernels.cpu_gemv.linear`, which declines the rest:
+    more rows, autograd, another dtype)."""
+
+    @classmethod
+    def adopt(cls, linear: nn.Linear) -> nn.Linear:
+        """A module of class `cls` holding `linear`'s very parameters (names, values and references kept)."""
+        if type(linear) is cls:
+            return linear
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_gemv.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
 
 
+def _plain(linear: nn.Linear) -> nn.Linear:
+    if type(linear) is not DecodeLinear:
+        return linear
+    plain = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(plain)
+    plain.in_features, plain.out_features = linear.in_features, linear.out_features
+    plain.weight, plain.bias = linear.weight, linear.bias
+    return plain
 class PackedLinears:
     """Several `nn.Linear`s with the same input, stored as one column-major [sum(out), in] buffer whose
     row slices are the modules' weights."""
@@ -110,18 +149,14 @@ class PackedLinears:
         return self.linears[0]._parameters["weight"].stride() == self._stride
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each projection of `x`: as one packed GEMV for a few rows (the inherent decode / block split),
+        else one by one. The packed buffer is not a parameter, so autograd must go through the modules;
+        and under torch.compile the storage check cannot be traced (the compiler fuses on its own there)."""
+        if (not packed_product_wins(x.numel() // x.shape[-1]) or torch.is_grad_enabled()
+                or torch.compiler.is_compiling() or not self.active()):
+            return tuple(m(x) for m in self.linears)
         y = cpu_gemv.linear(x, self.weight, self.bias)
         return (F.linear(x, self.weight, self.bias) if y is None else y).split(self.sizes, dim=-1)
-
-
-def project(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | None) -> tuple[torch.Tensor, ...]:
-    """Apply each of `linears` to `x`: as one packed GEMV when that is faster, else one by one.
-    The packed buffer is not a parameter, so autograd must go through the modules; and under
-    torch.compile the storage check cannot be traced (the compiler fuses on its own there)."""
-    if (packed is not None and packed_product_wins(x.numel() // x.shape[-1]) and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and packed.active()):
-        return packed(x)
-    return tuple(m(x) for m in linears)
 
 
 def to_column_major(linear: nn.Linear) -> None:
@@ -130,46 +165,72 @@ def to_column_major(linear: nn.Linear) -> None:
         linear.weight.data = linear.weight.data.t().contiguous().t()
 
 
-class DecodePackable:
-    """A module with a decode weight layout of its own (mixed into `nn.Module`s)."""
-
-    def pack_for_decode(self) -> None:
-        raise NotImplementedError
-
-    def drop_packing(self) -> None:
-        """Forget packed buffers (the caller makes the weights contiguous again)."""
-        raise NotImplementedError
-
-    def is_packed(self) -> bool:
-        return False
-
-
 def pack_for_decode(model: nn.Module) -> nn.Module:
     """Re-lay out `model`'s projections for fast decoding (see the module docstring). Idempotent;
-    values and outputs are unchanged. Returns the model."""
+    values and outputs are unchanged. Projections another engine layout owns (reduced precision) are
+    left as they are. Returns the model."""
     for module in model.modules():
-        if isinstance(module, DecodePackable):
-            module.pack_for_decode()
+        for names, slot in projection_groups(module):
+            linears = [getattr(module, name) for name in names]
+            if not all(isinstance(m, nn.Linear) for m in linears):
+                continue  # not ours to re-lay out (`fusedkv.engine.precision`)
+            if slot is not None:
+                if not _is_active(getattr(module, slot)):
+                    setattr(module, slot, PackedLinears(linears))
+                continue
+            if names != ("down_proj",) or column_major_down():
+                to_column_major(linears[0])
+            setattr(module, names[0], DecodeLinear.adopt(linears[0]))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
         to_column_major(head)
+        model.set_output_embeddings(DecodeLinear.adopt(head))
     return model
 
 
 def unpack_weights(model: nn.Module) -> nn.Module:
-    """Undo `pack_for_decode`: every parameter contiguous row-major again, nothing shared."""
+    """Undo `pack_for_decode`: every parameter contiguous row-major again, nothing shared, plain `nn.Linear`s."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, DecodePackable):
-                module.drop_packing()
+            for names, slot in projection_groups(module):
+                if slot is not None and isinstance(getattr(module, slot), PackedLinears):
+                    setattr(module, slot, None)
+                elif slot is None:
+                    setattr(module, names[0], _plain(getattr(module, names[0])))
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if isinstance(head, DecodeLinear):
+            model.set_output_embeddings(_plain(head))
         for p in model.parameters():
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
     return model
 
 
+def _is_active(group) -> bool:
+    """A group slot holds a usable product: a packed buffer its modules still view, or an engine group that
+    cannot go stale (`fusedkv.engine.precision.ReducedGroup`)."""
+    return group is not None and (not isinstance(group, PackedLinears) or group.active())
+
+
 def is_packed(model: nn.Module) -> bool:
-    return any(isinstance(m, DecodePackable) and m.is_packed() for m in model.modules())
+    """Whether `model` is in a decode layout: some group computes as one product."""
+    return any(_is_active(getattr(m, slot)) for m in model.modules() for _, slot in projection_groups(m) if slot)
+
+
+def decode_products(module: nn.Module) -> dict[str, nn.Module] | None:
+    """What a decode step of an `Attention` or `SwiGLU` module multiplies, as the engine laid it out: the
+    group product (a `PackedLinears`, or a reduced group's one module) or the projection, per group's first
+    name ("q_proj", "o_proj", "gate_proj", "down_proj"); None where a group is not in a decode layout."""
+    products = {}
+    for names, slot in projection_groups(module):
+        if slot is None:
+            products[names[0]] = getattr(module, names[0])
+            continue
+        group = getattr(module, slot)
+        if not _is_active(group):
+            return None
+        products[names[0]] = getattr(group, "linear", group)
+    return products
 
 
 def decode_layout_for(batch: int) -> str:

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..kernels import cpu_gemv
 from ..utils import cpu_flags
+from .packing import projection_groups, unpack_weights
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -202,14 +203,11 @@ class ReducedLinear(nn.Module):
 
 
 class ReducedGroup:
-    """Q|K|V (or gate|up) in one `ReducedLinear`, in the interface of `packing.PackedLinears` that
-    `packing.project` calls: `active()` and `__call__(x) -> one output per projection`."""
+    """Q|K|V (or gate|up) in one `ReducedLinear`, in the group slot of the model's seam (as
+    `packing.PackedLinears`): `__call__(x) -> one output per projection`. It never goes stale."""
 
     def __init__(self, linear: ReducedLinear, sizes: list[int]):
         self.linear, self.sizes = linear, sizes
-
-    def active(self) -> bool:
-        return True  # the modules view this group's storage for good: nothing can re-lay them out
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear(x).split(self.sizes, dim=-1)
@@ -224,21 +222,10 @@ def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], R
     return parts, ReducedGroup(whole, [m.out_features for m in linears])
 
 
-def _fix_layout(module: nn.Module) -> None:
-    """A reduced module has one layout, the kernels' (grouped, row-major): `fusedkv.engine.packing`'s
-    re-layout requests (`pack_for_decode`, `drop_packing`) become no-ops for this instance."""
-    module.pack_for_decode = module.drop_packing = lambda: None
-    module.is_packed = lambda: True
-
-
 @torch.no_grad()
 def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
     """Store every projection and the LM head of `model` in `fmt` (see the module docstring); the rest
     of the model keeps its dtype. In place; returns the model. "float32" leaves it unchanged."""
-    from ..model.attention import Attention
-    from ..model.layers import SwiGLU
-    from .packing import unpack_weights
-
     fmt = weight_format(fmt)
     if fmt == "float32":
         return model
@@ -250,26 +237,23 @@ def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
         raise ValueError("reduced-precision weights are a CPU decode path; on a GPU use --dtype bfloat16 for "
                          "the whole model instead")
     unpack_weights(model)  # plain row-major nn.Linear weights to read from
-    for module in model.modules():
-        if isinstance(module, Attention):
-            if module.layer.stores:
-                (module.q_proj, module.k_proj, module.v_proj), module.packed_qkv = _grouped(
-                    [module.q_proj, module.k_proj, module.v_proj], fmt)
-            else:
-                module.q_proj = ReducedLinear.from_linears([module.q_proj], fmt)
-            module.o_proj = ReducedLinear.from_linears([module.o_proj], fmt)
-            _fix_layout(module)
-        elif isinstance(module, SwiGLU):
-            (module.gate_proj, module.up_proj), module.packed_gate_up = _grouped(
-                [module.gate_proj, module.up_proj], fmt)
-            module.down_proj = ReducedLinear.from_linears([module.down_proj], fmt)
-            _fix_layout(module)
+    for module in list(model.modules()):
+        # The model's seam (`fusedkv.engine.packing.projection_groups`): a group becomes one reduced product
+        # in its slot, with its projections as slices of it; a single projection becomes a `ReducedLinear`.
+        for names, slot in projection_groups(module):
+            linears = [getattr(module, name) for name in names]
+            if slot is None:
+                setattr(module, names[0], ReducedLinear.from_linears(linears, fmt))
+                continue
+            parts, group = _grouped(linears, fmt)
+            for name, part in zip(names, parts):
+                setattr(module, name, part)
+            setattr(module, slot, group)
     head = model.get_output_embeddings()
     if isinstance(head, nn.Linear):
         # An LM head tied to the embeddings stays tied in f32 in the embedding table; the head's copy
         # is the reduced one (decode reads the head every step, the embedding one row).
-        model.lm_head = ReducedLinear.from_linears([head], fmt)
-        model.config.tie_word_embeddings = False
+        model.set_output_embeddings(ReducedLinear.from_linears([head], fmt))
     model.reduced_precision = fmt
     return model
 

@@ -47,6 +47,7 @@ __all__ = [
     "fuse_sources",
     "materialized_attention",
     "factored_attention",
+    "factored",
     "kv_start_to_mask",
 ]
 
@@ -231,11 +232,21 @@ def factored_attention(
     """
     ks, kw = normalize_sources(k_sources, k_weights)
     vs, vw = normalize_sources(v_sources, v_weights)
-    b, h_q, t_q, d, h_kv, s = _check_q(q, ks[0])
+    _check_q(q, ks[0])
     if vs[0].shape != ks[0].shape:
         raise ValueError("K and V sources must have the same shape")
     ks, kw = merge_duplicate_sources(ks, kw)
     vs, vw = merge_duplicate_sources(vs, vw)
+    return factored(q, ks, kw, vs, vw, mask, scale)
+
+
+def factored(q: Tensor, ks: Sequence[Tensor], kw: Sequence[Tensor | None], vs: Sequence[Tensor],
+             vw: Sequence[Tensor | None], mask: Tensor | None, scale: float | None) -> Tensor:
+    """:func:`factored_attention` on arguments already in its form (distinct [B, H_kv, S, D] sources of one
+    shape, [H_kv, D] weights or None), with no checks: for callers whose sources are built in that form
+    (the attention layers' `KVSources`)."""
+    b, h_q, t_q, d = q.shape
+    h_kv, s = ks[0].shape[1], ks[0].shape[2]
     g = h_q // h_kv
     cdt = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d) if scale is None else scale

@@ -1,8 +1,8 @@
 """The FusedKV decoder: layers, fusion weights, attention paths and the transformers model classes."""
 
-from .attention import ATTENTION_PATHS, Attention, KVState
+from .attention import Attention, KVState
 from .fusion import KVFusion
 from .modeling import FusedKVForCausalLM, FusedKVModel, FusedKVPreTrainedModel
 
-__all__ = ["ATTENTION_PATHS", "Attention", "KVState", "KVFusion", "FusedKVForCausalLM", "FusedKVModel",
+__all__ = ["Attention", "KVState", "KVFusion", "FusedKVForCausalLM", "FusedKVModel",
            "FusedKVPreTrainedModel"]

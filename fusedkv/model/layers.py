@@ -11,8 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.packing import DecodePackable, Linear, PackedLinears, column_major_down, project, to_column_major
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -48,27 +46,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-class SwiGLU(nn.Module, DecodePackable):
+class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.packed_gate_up: PackedLinears | None = None  # set by `pack_for_decode`
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, [self.gate_proj, self.up_proj], self.packed_gate_up)
-        return self.down_proj(F.silu(gate) * up)
-
-    # ---- decode layout (`fusedkv.engine.packing`): gate|up in one buffer; down by `column_major_down` --
-    def pack_for_decode(self) -> None:
-        if not self.is_packed():
-            self.packed_gate_up = PackedLinears([self.gate_proj, self.up_proj])
-        if column_major_down():
-            to_column_major(self.down_proj)
-
-    def drop_packing(self) -> None:
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # The engine's seam (`fusedkv.engine.packing` / `precision`): gate|up as one product, or None.
         self.packed_gate_up = None
 
-    def is_packed(self) -> bool:
-        return self.packed_gate_up is not None and self.packed_gate_up.active()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_gate_up is not None:
+            gate, up = self.packed_gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

@@ -23,13 +23,11 @@ layer keeps its own query path, up-projection kv_b_proj and output projection. B
 yields both K and V, "K from one layer, V from another" (fusedkv-lite) has no MLA counterpart; the
 config refuses it.
 
-Two exact attention paths:
-  * expanded ("materialized"): c -> per-head K/V through kv_b_proj, then SDPA. The reference, and the
-    compute-efficient path for long query blocks (training, prefill).
-  * absorbed ("factored"; DeepSeek-V2 Sec. 2.1.2): W_UK moves into the query (q_h W_UK,h attends
-    directly over c) and W_UV into the output (attention-weighted c, then W_UV,h), so decode reads the
-    latent cache as it is and never expands it per head; fusion weights likewise move onto the query
-    and the output, so nothing fused is written either.
+Like `Attention`, a layer describes what it attends over as one `KVSources` (keys: the RoPE keys,
+values: the latents, each with its fusion weights) and calls the implementation it was given (`use`).
+The model's own, `ExpandedAttention`, is the reference: c -> per-head K/V through kv_b_proj, then SDPA,
+also the compute-efficient one for long blocks (training, prefill). The engine adds the absorbed form
+for short blocks (DeepSeek-V2 Sec. 2.1.2; `fusedkv.engine.backends.AbsorbedMLA`).
 """
 
 from __future__ import annotations
@@ -40,19 +38,18 @@ from torch import nn
 
 from ..kernels.reference import fuse_sources
 from ..plan import LayerKV
-from .fusion import KVFusion
+from .fusion import KVFusion, KVSources
 from .layers import RMSNorm, apply_rope
-
-# Query blocks up to this length take the absorbed path under "auto" at inference (as the factored
-# path of ordinary attention).
-ABSORBED_MAX_QUERY = 16
 
 
 class LatentFusion(KVFusion):
     """Fusion weights of an MLA reconstruction layer. `k_weight` fuses the decoupled RoPE keys
     ([sources, 1, d_R/2] when tied over rotation pairs), `v_weight` the latents ([sources, 1, r]); one
     "head" each, since MLA's latent and RoPE key are shared by all heads. Initialisation, weight decay
-    exclusion and the plan's fusion modes are KVFusion's."""
+    exclusion and the plan's fusion modes are KVFusion's. A source layer's record is (latent, RoPE key), so
+    the keys (RoPE) sit in its second slot and the values (latents) in its first."""
+
+    KEY_SLOT, VALUE_SLOT = 1, 0
 
     def __init__(self, layer: LayerKV, kv_lora_rank: int, rope_dim: int, tie_rope_pairs: bool = True):
         nn.Module.__init__(self)
@@ -77,7 +74,6 @@ class MLA(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
         self.scale = self.qk_dim**-0.5
-        self.path = "auto"
         h, bias = config.hidden_size, config.attention_bias
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(h, self.num_heads * self.qk_dim, bias=False)
@@ -92,6 +88,7 @@ class MLA(nn.Module):
             self.fusion = LatentFusion(layer, self.kv_lora_rank, self.rope_dim, config.tie_rope_pairs)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.use(None)
 
     def forward(self, x, cos, sin, mask, kv) -> torch.Tensor:
         b, t, _ = x.shape
@@ -106,43 +103,23 @@ class MLA(nn.Module):
             if kv.cache is not None:
                 latent, k_rope = kv.cache.update(latent, k_rope, self.layer.index)
             kv.layers[self.layer.index] = (latent, k_rope)
-            lat_src, lat_w, rope_src, rope_w = [latent], [None], [k_rope], [None]
+            sources = KVSources.own(k_rope, latent)  # keys: the RoPE key; values: the latent
         else:
-            lat_src = [kv.layers[s][0] for s in self.layer.v_sources]
-            rope_src = [kv.layers[s][1] for s in self.layer.k_sources]
-            lat_w, rope_w = self.fusion.value_weights(), self.fusion.key_weights()
-
-        absorbed = self._absorbed(t, q)
-        if absorbed and kv.causal and mask is None:
-            s = lat_src[0].shape[2]  # the causal flag is SDPA's; spell it out for the absorbed path
-            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)[None, None]
-        if absorbed:
-            out = self._absorbed_attention(q_nope, q_rope, lat_src, lat_w, rope_src, rope_w, mask)
-        else:
-            out = self._expanded_attention(q_nope, q_rope, fuse_sources(lat_src, lat_w),
-                                           fuse_sources(rope_src, rope_w), mask, kv.causal and mask is None)
+            sources = self.fusion.sources(kv.layers)
+        out = self.attend(self, q_nope, q_rope, sources, mask, kv.causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))
 
-    def set_path(self, path: str) -> None:
-        """"auto", or force "materialized" (expanded) or "factored" (absorbed)."""
-        if path not in ("auto", "materialized", "factored"):
-            raise ValueError(f"attention path {path!r}: MLA layers take 'auto', 'materialized' (expanded) or "
-                             "'factored' (absorbed); there is no Triton kernel for MLA")
-        self.path = path
+    def use(self, implementation=None) -> None:
+        """Attend with `implementation` (`fusedkv.engine.select_runtime`); None: the model's own
+        `ExpandedAttention`. Called as `implementation(layer, q_nope, q_rope, sources, mask, causal)`."""
+        self.attend = implementation or ExpandedAttention()
 
-    def _absorbed(self, t: int, q: torch.Tensor) -> bool:
-        """Forced by the path, or under "auto": absorbed for short query blocks at inference (decode,
-        the last position of a skipping prefill), expanded otherwise."""
-        if self.path != "auto":
-            return self.path == "factored"
-        return t <= ABSORBED_MAX_QUERY and not (torch.is_grad_enabled() and q.requires_grad)
-
-    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as W_UK [H, d_nope, r] and W_UV [H, d_v, r] (views, no copy)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def _expanded_attention(self, q_nope, q_rope, latent, k_rope, mask, causal) -> torch.Tensor:
+    def expanded_attention(self, q_nope, q_rope, latent, k_rope, mask, causal) -> torch.Tensor:
         b, _, s, _ = latent.shape
         kv_up = self.kv_b_proj(latent[:, 0]).view(b, s, self.num_heads, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv_up.split([self.nope_dim, self.v_dim], dim=-1)
@@ -150,33 +127,14 @@ class MLA(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
-    def _absorbed_attention(self, q_nope, q_rope, lat_src, lat_w, rope_src, rope_w, mask) -> torch.Tensor:
-        """scores_h = (q_C,h W_UK,h) . c + q_R,h . k_R ;  out_h = W_UV,h (softmax(scores_h) c), summed over
-        fusion sources with their weights on the query (scores) and on the output (values). Heads are
-        rows of one matmul per source over the shared [S, r] latent: nothing is expanded per head."""
-        b, nh, t, _ = q_nope.shape
-        w_uk, w_uv = self._up_weights()
-        # Per-head products as one batched matmul over heads ([H, B*T, .] @ [H, ., .]): broadcasting the
-        # [H, d, r] weights over the batch instead would copy them B times.
-        q_lat = torch.matmul(q_nope.transpose(0, 1).reshape(nh, b * t, self.nope_dim), w_uk)
-        q_lat = q_lat.view(nh, b, t, self.kv_lora_rank).transpose(0, 1).reshape(b, nh * t, self.kv_lora_rank)
-        q_lat = q_lat * self.scale
-        q_rope = (q_rope * self.scale).reshape(b, nh * t, self.rope_dim)
-        scores = None
-        for queries, sources, weights in ((q_lat, lat_src, lat_w), (q_rope, rope_src, rope_w)):
-            for src, w in zip(sources, weights):
-                part = torch.matmul(queries if w is None else queries * w, src[:, 0].transpose(-1, -2))
-                scores = part if scores is None else scores.add_(part)
-        if mask is not None:
-            scores = scores.view(b, nh, t, -1).masked_fill(~mask, float("-inf")).view(b, nh * t, -1)
-        p = torch.softmax(scores, dim=-1)
-        o_lat = None
-        for src, w in zip(lat_src, lat_w):
-            part = torch.matmul(p, src[:, 0])
-            part = part if w is None else part * w
-            o_lat = part if o_lat is None else o_lat + part
-        o_lat = o_lat.view(b, nh, t, self.kv_lora_rank).transpose(0, 1).reshape(nh, b * t, self.kv_lora_rank)
-        return torch.matmul(o_lat, w_uv.transpose(-1, -2)).view(nh, b, t, self.v_dim).transpose(0, 1)
+
+class ExpandedAttention:
+    """MLA's reference implementation: fuse the latents and RoPE keys, expand per head, SDPA."""
+
+    def __call__(self, layer: MLA, q_nope, q_rope, sources: KVSources, mask, causal: bool) -> torch.Tensor:
+        latent = fuse_sources(sources.values, sources.value_weights)
+        k_rope = fuse_sources(sources.keys, sources.key_weights)
+        return layer.expanded_attention(q_nope, q_rope, latent, k_rope, mask, causal and mask is None)
 
 
-__all__ = ["MLA", "LatentFusion"]
+__all__ = ["MLA", "LatentFusion", "ExpandedAttention"]

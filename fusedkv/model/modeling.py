@@ -24,9 +24,8 @@ from transformers.modeling_outputs import (
 )
 
 from ..config import FusedKVConfig
-from ..engine.packing import Linear
 from ..plan import SLIDING
-from .attention import ATTENTION_PATHS, Attention, KVState
+from .attention import Attention, KVState
 from .fusion import KVFusion
 from .layers import RMSNorm, SwiGLU, rope_cos_sin
 from .loss import lm_loss, shift_labels
@@ -94,15 +93,28 @@ class FusedKVModel(FusedKVPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, layer_kv) for layer_kv in self.plan.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.fusion_init == "iterative":
+            self._link_iterative_chains()
         self.gradient_checkpointing = False
         self.post_init()
 
-    def set_attention_path(self, path: str) -> None:
-        """"auto" (default), or force "materialized" (the reference), "factored" or "triton" in every layer."""
-        if path not in ATTENTION_PATHS:
-            raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
+    def _link_iterative_chains(self) -> None:
+        """The iterative variant (paper App. A.3): each reconstruction layer continues the recurrence of the
+        previous one reading the same sources; its fusion unrolls the chain into two-source weights."""
+        previous = {}
         for layer in self.layers:
-            layer.self_attn.set_path(path)
+            attn = layer.self_attn
+            if not attn.layer.stores:
+                attn.fusion.link_iterative(previous.get(attn.layer.k_sources))
+                previous[attn.layer.k_sources] = attn.fusion
+
+    def _apply(self, fn, recurse=True):
+        # Moving or casting the model invalidates the attention implementations the engine chose for its old
+        # device and dtype (`fusedkv.engine.select_runtime`): the layers go back to the model's own.
+        result = super()._apply(fn, recurse)
+        for layer in self._modules.get("layers", ()):
+            layer.self_attn.use(None)
+        return result
 
     def forward(
         self,
@@ -235,15 +247,12 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
     def __init__(self, config: FusedKVConfig):
         super().__init__(config)
         self.model = FusedKVModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @property
     def plan(self):
         return self.model.plan
-
-    def set_attention_path(self, path: str) -> None:
-        self.model.set_attention_path(path)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual, plus a two-line module and `auto_map` so that tools which never `import fusedkv`
