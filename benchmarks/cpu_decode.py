@@ -35,6 +35,7 @@ import torch
 
 from fusedkv.bench.inference import HF, BenchShape, build_models
 from fusedkv.cache import StaticKVCache
+from fusedkv.engine import select_runtime
 from fusedkv.engine.precision import half_dtype, reduce_precision, weight_format, weight_nbytes
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
@@ -319,6 +320,7 @@ def _dispatch_floor(plan: str, fmt: str, steps: int) -> float:
     model = build_models(tiny, [plan], 64, "cpu", torch.float32, include_hf=False)[plan]
     model = model if fmt == "float32" else reduce_precision(model, fmt)
     set_decode_layout(model, 1)
+    select_runtime(model)  # the engine's attention implementations, as generate() runs them
     times = []
     with torch.inference_mode():
         cache = StaticKVCache(model.config, 1, 64, torch.float32)
@@ -361,6 +363,7 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
         for fmt in weights:
             model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
             set_decode_layout(model, 1)
+            select_runtime(model)
             products = _product_calls(model)
             floor = _dispatch_floor(plan, fmt, steps)
             for prompt in prompts:
@@ -461,6 +464,8 @@ def quality_table(checkpoint: str, windows: int) -> str:
     configs = [(w, kv) for w in ("float32", "bfloat16", "float16", "int8")
                for kv in (torch.float32, torch.bfloat16, torch.float16)]
     models = {w: ref if w == "float32" else reduce_precision(_copy(ref), w) for w in dict(configs)}
+    for model in models.values():
+        select_runtime(model)  # decode through the engine's attention implementations, as generate() does
     lines = [f"{checkpoint} (plan {ref.config.kv_sharing}), {len(batches)} held-out windows of {ctx} tokens",
              "| weights | KV | full-forward ppl | decode ppl | decode max abs logit diff vs f32 | top-1 agreement |",
              "|---|---|---|---|---|---|"]

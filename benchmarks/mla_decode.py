@@ -25,6 +25,7 @@ import time
 import torch
 
 from fusedkv import FusedKVConfig
+from fusedkv.engine.backends import AbsorbedMLA
 from fusedkv.model.attention import KVState
 from fusedkv.model.layers import rope_cos_sin
 from fusedkv.model.mla import MLA
@@ -89,7 +90,7 @@ def main() -> None:
                 cos, sin = rope_cos_sin(torch.full((b, 1), s - 1), cfg.head_dim, cfg.rope_theta, torch.float32)
 
                 def step(path, x=x, cos=cos, sin=sin, kv=kv, layer=layer):
-                    layer.set_path(path)
+                    layer.use(None if path == "materialized" else AbsorbedMLA(float("inf")))
                     return layer(x, cos, sin, None, kv)
 
                 with torch.inference_mode():

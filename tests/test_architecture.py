@@ -60,3 +60,56 @@ def test_import_layers_hold():
     r = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "0 broken" in r.stdout
+
+
+# ---- one place selects how attention runs: `fusedkv.engine.selection` ----------------------------------
+SELECTION_MODULE = "fusedkv/engine/selection.py"
+# What choosing an attention implementation looks like: the facts and predicates it is decided from, and
+# building the implementations it installs (`layer.use(None)`, back to the model's own, is no choice).
+SELECTORS = {"triton_decode_fits", "triton_runs_on", "supports", "LayerFacts", "Materialized", "Factored",
+             "NativeOneToken", "TritonOneToken", "AbsorbedMLA"}
+# Known exceptions, each with its reason.
+SELECTION_EXCEPTIONS = {
+    # The native step checks, once when it is built, that it covers the model (raising otherwise).
+    ("fusedkv/engine/native_step.py", "supports"),
+    # vLLM's paged backend still decides its kernel itself; it is to move onto the engine's selection.
+    ("fusedkv/serving/paged.py", "triton_decode_fits"),
+    ("fusedkv/serving/paged.py", "triton_runs_on"),
+}
+
+
+def _selections(path: Path) -> list[tuple[int, str]]:
+    """Calls that choose an attention implementation, function-local ones included: (line, name)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        if name in SELECTORS:
+            found.append((node.lineno, name))
+    return found
+
+
+def test_attention_implementations_are_selected_in_one_place():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == SELECTION_MODULE:
+            continue
+        offenders += [f"{rel}:{line}: {name}" for line, name in _selections(path)
+                      if (rel, name) not in SELECTION_EXCEPTIONS]
+    assert not offenders, ("attention implementations chosen outside fusedkv/engine/selection.py (decide once, "
+                           "in select_runtime):\n" + "\n".join(offenders))
+    assert _selections(ROOT / SELECTION_MODULE)  # the check looks at what the selection really calls
+
+
+def test_the_check_finds_a_second_selection(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def forward(self, q):\n"
+                   "    from fusedkv.kernels import triton_runs_on\n"
+                   "    if triton_runs_on(q.device, q.dtype):\n"
+                   "        self.attn.use(NativeOneToken(self.blocks))\n"
+                   "    self.attn.use(None)\n")
+    assert _selections(bad) == [(3, "triton_runs_on"), (4, "NativeOneToken")]

@@ -28,7 +28,7 @@ from ..kernels import cpu_attention, native, triton_decode_fits, triton_runs_on
 from ..model.attention import Attention
 from ..model.mla import MLA
 from .backends import AbsorbedMLA, Factored, Materialized, NativeOneToken, TritonOneToken
-from .native_step import NativeDecodeStep, unsupported
+from .native_step import NativeDecodeStep, Unsupported
 
 ATTENTION_PATHS = ("auto", "materialized", "factored", "triton", "native")
 
@@ -72,7 +72,7 @@ class Runtime:
 
     def restore(self) -> None:
         for attn, implementation in self.previous:
-            attn.attend = implementation
+            attn.use(implementation)
 
     def __enter__(self) -> Runtime:
         return self
@@ -108,8 +108,10 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
         chosen[attn.layer.index] = type(attn.attend).__name__
     step = None
     if native_step and type(cache) is StaticKVCache and not cache.windowed and path in ("auto", "native"):
-        if unsupported(model, cache.keys, cache.values, batch) is None:
+        try:  # the step checks, once, that it covers the model (`native_step.unsupported`)
             step = NativeDecodeStep(model, cache.keys, cache.values, batch)
+        except Unsupported:
+            step = None
     return Runtime(chosen, step, previous)
 
 

@@ -7,10 +7,11 @@ storage-layer caches.  Nothing here ever writes that fused K/V (paper Sec. 2.5: 
   query, value fusion onto the output.  CPU path and fallback.
 * :func:`materialized_attention`: the explicit reference (builds K, V, calls SDPA).  Tests only.
 * :func:`fused_decode_attention` (Triton, T_q = 1): flash-decoding kernel, 1-2 K and 1-2 V sources.
-* :func:`decode_attention`: dispatcher for one decode step (Triton on CUDA when available, else torch),
-  for callers outside the model.
-* :func:`triton_decode_step`: the kernel launch alone, for the model's attention layers, which decide
-  once per layer (:func:`triton_decode_fits`, :func:`triton_runs_on`) and pass their sources as they are.
+* :func:`decode_attention`: one decode step with the backend the caller names ("torch" or "triton"), for
+  callers outside the model (tests, benchmarks). It chooses nothing: choosing is the engine's, once
+  (`fusedkv.engine.selection`, from :func:`triton_decode_fits` and :func:`triton_runs_on`).
+* :func:`triton_decode_step`: the kernel launch alone, for the engine's attention implementations, which
+  pass their sources as they are.
 
 Triton is optional: it is imported only when a Triton path is actually requested, so this package
 imports on machines without Triton or without a GPU.  :func:`is_triton_available` says whether it can
@@ -31,7 +32,6 @@ from .reference import (
     factored_attention,
     kv_start_to_mask,
     materialized_attention,
-    merge_duplicate_sources,
     normalize_sources,
 )
 
@@ -126,7 +126,7 @@ def decode_attention(
     v_weights: Tensor | Sequence[Tensor | None] | None,
     kv_start: Tensor | None = None,
     scale: float | None = None,
-    backend: str = "auto",
+    backend: str = "torch",
     *,
     kv_end: Tensor | None = None,
     **triton_kwargs,
@@ -136,12 +136,11 @@ def decode_attention(
     ``q`` is ``[B, H_q, D]`` or ``[B, H_q, 1, D]``; the result has the same shape and q's dtype.
     ``kv_start[b]``: first valid key position (left padding); ``kv_end[b]``: one past the last valid.
 
-    backend: ``"auto"`` uses Triton when the tensors are on CUDA, Triton imports and the case fits
-    (:func:`triton_decode_fits`); otherwise :func:`factored_attention`.  ``"triton"`` forces the kernel
-    (error if unavailable; on CPU it needs ``TRITON_INTERPRET=1``); ``"torch"`` forces the factored path.
+    backend: ``"torch"`` (:func:`factored_attention`) or ``"triton"`` (:func:`fused_decode_attention`; error
+    if unavailable; on CPU it needs ``TRITON_INTERPRET=1``). Nothing is chosen here.
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     four_d = q.dim() == 4
     if four_d:
         if q.shape[2] != 1:
@@ -157,15 +156,6 @@ def decode_attention(
     if backend == "triton":
         out = fused_decode_attention(q3, ks, kw, vs, vw, kv_start, scale, kv_end=kv_end, **triton_kwargs)
     else:
-        ks, kw = merge_duplicate_sources(ks, kw)
-        vs, vw = merge_duplicate_sources(vs, vw)
-        dtypes = {t.dtype for t in (q3, *ks, *vs)}
-        if (backend == "auto" and q.is_cuda and len(dtypes) == 1 and triton_runs_on(q.device, q.dtype)
-                and triton_decode_fits(q.shape[-1], len(ks), len(vs))):
-            kw = [None if w is None else w.contiguous() for w in kw]
-            vw = [None if w is None else w.contiguous() for w in vw]
-            out = triton_decode_step(q3, ks, kw, vs, vw, kv_start, scale, kv_end=kv_end, **triton_kwargs)
-        else:
-            mask = kv_start_to_mask(kv_start, ks[0].shape[2], kv_end)
-            out = factored_attention(q3.unsqueeze(2), ks, kw, vs, vw, mask=mask, scale=scale)[:, :, 0, :]
+        mask = kv_start_to_mask(kv_start, ks[0].shape[2], kv_end)
+        out = factored_attention(q3.unsqueeze(2), ks, kw, vs, vw, mask=mask, scale=scale)[:, :, 0, :]
     return out.unsqueeze(2) if four_d else out

@@ -13,7 +13,7 @@
  *       of cpu_decode_attention.c), keys from kv_start[b]
  *   x = x + a W_o^T;  h = RMSNorm(x);  x = x + (SiLU(h W_g^T) * h W_u^T) W_d^T
  *
- * The caller (fusedkv/model/decode_step.py) fills one `StepLayer` per layer once, with pointers to the
+ * The caller (fusedkv/engine/native_step.py) fills one `StepLayer` per layer once, with pointers to the
  * model's weights and to the static cache's buffers, and checks that the model is one this step covers;
  * it does the embedding, final norm and LM head itself. Each weight is a `Product` in one of the layouts
  * the native products read: f32 in the decode layout (W^T stored [in, out]), or bf16 / int8 blocks

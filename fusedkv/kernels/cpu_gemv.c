@@ -1,6 +1,6 @@
 /* One-row-at-a-time weight products for CPU decoding: y[r, :] = x[r, :] W^T (+ bias), for a few rows.
  *
- * The weight is read in the decode layout of fusedkv.model.packing: W^T stored [in, out] row-major
+ * The weight is read in the decode layout of fusedkv.engine.packing: W^T stored [in, out] row-major
  * (a column-major [out, in] weight), row stride `ldw` so that a column slice of a packed Q|K|V buffer
  * is read in place. Each thread owns a contiguous range of output columns and streams, for 8 input
  * channels at a time, 8 rows of W^T over that range: y_range += sum_k x[i + k] * W^T[i + k, range].

@@ -57,6 +57,7 @@ class LatentFusion(KVFusion):
         self.kv_lora_rank, self.tie_rope_pairs = kv_lora_rank, tie_rope_pairs
         self.k_weight = self._make(layer.k_fusion, len(layer.k_sources), rope_dim // 2 if tie_rope_pairs else rope_dim)
         self.v_weight = self._make(layer.v_fusion, len(layer.v_sources), kv_lora_rank)
+        self.chain = None  # no iterative variant for MLA (the config refuses it)
 
     def value_weights(self) -> list[torch.Tensor | None]:
         w = self.v_weight

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fusedkv.cache import StaticKVCache
+from fusedkv.engine import select_runtime
 from fusedkv.kernels.reference import materialized_attention
 from fusedkv.model.attention import KVState
 from fusedkv.model.layers import apply_rope, rope_cos_sin
@@ -30,6 +31,7 @@ def test_one_token_attention_over_a_16bit_cache_equals_f32_attention_over_its_va
     # the result over bf16/f16 sources must equal the result over the same values held in f32 (nothing
     # rounded to 16 bits on the way), and both must match a float64 reference.
     model = tiny_model(plan)
+    select_runtime(model)  # the engine's implementations (a plain model attends in the cache's dtype)
     c = model.config
     layer = next(lay for lay in model.model.layers if not lay.self_attn.layer.stores).self_attn
     x = torch.randn(2, 1, c.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -62,6 +64,7 @@ def test_16bit_cache_decode_step_is_as_close_as_prefill_allows(plan, decode_kern
     # Whole model: decoding with a bf16 cache under f32 weights gives the logits of the f32 model decoding
     # over an f32 cache holding the bf16 cache's rounded prefix, up to the new token's own rounding.
     model = tiny_model(plan)
+    select_runtime(model)
     ids = torch.randint(1, 97, (2, 10), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         half = StaticKVCache(model.config, 2, 16, torch.bfloat16)
@@ -105,6 +108,7 @@ def test_storage_layers_share_their_f32_copy_with_the_layers_reading_them(plan, 
     # the f32 copy to the reconstruction layers reading it; they must get what converting the cache
     # themselves gives.
     model = tiny_model(plan)
+    select_runtime(model)
     layers = [lay.self_attn for lay in model.model.layers]
     sources = {s for a in layers if not a.layer.stores for s in (*a.layer.k_sources, *a.layer.v_sources)}
     assert {a.layer.index for a in layers if a.read_later} == sources

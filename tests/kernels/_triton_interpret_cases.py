@@ -15,6 +15,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/test_triton_kernel.py"
 
+from fusedkv.engine import select_runtime  # noqa: E402
 from fusedkv.kernels import (  # noqa: E402
     decode_attention,
     fused_decode_attention,
@@ -135,12 +136,11 @@ def test_model_decode_through_the_kernel(plan):
     from tests.model.test_decode import incremental_logits, padded_batch
 
     model = tiny_model(plan)
-    attn = model.model.layers[-1].self_attn
-    assert attn.triton_fits and attn._path_for(1, torch.zeros(1, 4, 1, 16)) == "triton"
+    assert select_runtime(model).attention[len(model.model.layers) - 1] == "TritonOneToken"
     ids, mask, width = padded_batch(7)
     with torch.no_grad():
         steps, _ = incremental_logits(model, ids, mask, width)
-        model.set_attention_path("materialized")
+        select_runtime(model, "materialized")
         full = model(ids, attention_mask=mask).logits
     got = torch.cat(steps, dim=1)
     real = mask.bool()
@@ -154,11 +154,11 @@ def test_sliding_window_decode_through_the_kernel(plan, shared):
     from tests.model.test_sliding_window import WINDOW, hybrid_model
 
     model = hybrid_model(plan, shared)
-    assert model.model.layers[0].self_attn._path_for(1, torch.zeros(1, 4, 1, 16)) == "triton"
+    assert select_runtime(model).attention[0] == "TritonOneToken"
     ids, mask, width = padded_batch(3 * WINDOW)
     with torch.no_grad():
         steps, _ = incremental_logits(model, ids, mask, width)
-        model.set_attention_path("materialized")
+        select_runtime(model, "materialized")
         full = model(ids, attention_mask=mask).logits
     got = torch.cat(steps, dim=1)
     assert (got - full)[mask.bool()].abs().max().item() < 1e-4

@@ -1,12 +1,15 @@
 """The native one-token attention kernel (`fusedkv.kernels.cpu_attention`) against the float64
 materialized reference on random inputs: cache dtypes, 1-2 key and value sources, fusion weights per
-head or shared, GQA, left padding, strided cache views and odd lengths; what it declines; and the
-model's decode through it against the full forward, with a 16-bit cache read in place."""
+head or shared, GQA, left padding, strided cache views and odd lengths; what the engine's selection
+gives it (and does not); and the model's decode through it against the full forward, with a 16-bit cache
+read in place."""
 
 import pytest
 import torch
 
 from fusedkv.cache import StaticKVCache
+from fusedkv.engine import select_runtime
+from fusedkv.engine.selection import LayerFacts
 from fusedkv.kernels import cpu_attention, native
 from fusedkv.kernels.reference import kv_start_to_mask, materialized_attention
 from tests.conftest import tiny_model
@@ -49,16 +52,21 @@ def test_matches_the_float64_reference(dtype, n_k, n_v, weights, h_q, h_kv, leng
     assert (no_padding.double() - ref_all).abs().max() < 2e-5 * (1 + ref_all.abs().max())
 
 
-def test_declines_what_it_does_not_take():
-    g = torch.Generator().manual_seed(0)
-    k, v = _sources(1, 1, 2, 9, 16, torch.float32, g)[0], _sources(1, 1, 2, 9, 16, torch.float32, g)[0]
-    q = torch.randn(1, 2, 1, 16)
-    assert cpu_attention.decode_attention(torch.randn(1, 2, 3, 16), [k], [None], [v], [None], None, 0.25) is None
-    assert cpu_attention.decode_attention(q, [k], [None], [v.bfloat16()], [None], None, 0.25) is None  # mixed
-    assert cpu_attention.decode_attention(q, [k, k.contiguous()], [None, None], [v], [None], None, 0.25) is None
-    assert cpu_attention.decode_attention(q, [k], [torch.ones(3)], [v], [None], None, 0.25) is None  # odd weight
-    assert cpu_attention.decode_attention(q.double(), [k], [None], [v], [None], None, 0.25) is None
+def test_the_selection_gives_it_only_what_it_takes():
+    # The kernel no longer declines per call: what it does not take (blocks, scalar weights, 3+ sources, a
+    # model that is not f32 on CPU) never reaches it, because the selection decides once.
     assert not cpu_attention.supports(64, 8, 2, 3, 1) and cpu_attention.supports(64, 8, 2, 2, 2)
+    dense = tiny_model("fusedkv-dense")  # upper layers fuse every lower layer with scalars
+    chosen = select_runtime(dense).attention
+    plan = dense.config.plan
+    for layer in dense.model.layers:
+        attn = layer.self_attn
+        fits = LayerFacts.of(attn, plan).native_fits
+        assert fits == attn.layer.stores and (chosen[attn.layer.index] == "NativeOneToken") == fits
+    for dtype in (torch.float64, torch.bfloat16):  # one-token steps of other dtypes keep PyTorch's paths
+        assert "NativeOneToken" not in select_runtime(tiny_model("fusedkv", dtype=dtype)).attention.values()
+    with pytest.raises(ValueError, match="native attention path"):
+        select_runtime(tiny_model("vanilla", dtype=torch.float64), "native")
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -70,8 +78,7 @@ def test_model_decode_through_the_kernel_matches_the_full_forward(plan_name, kv_
     ids = torch.randint(1, 97, (2, 12), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding in row 1
-    paths = {layer.self_attn._path_for(1, torch.zeros(1, dtype=torch.float32)) for layer in model.model.layers
-             if hasattr(layer.self_attn, "native_fits")}
+    paths = set(select_runtime(model).attention.values())
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
         cache = StaticKVCache(model.config, 2, 12, kv_dtype)
@@ -83,12 +90,13 @@ def test_model_decode_through_the_kernel_matches_the_full_forward(plan_name, kv_
     real = mask.bool()
     tol = 1e-4 if kv_dtype == torch.float32 else 3e-2  # a bf16 cache rounds K/V once, when written
     assert (got - full)[real].abs().max() < tol
-    assert "native" in paths  # at least the storage layers decode through the kernel
+    assert "NativeOneToken" in paths  # at least the storage layers decode through the kernel
 
 
 def test_a_16_bit_cache_is_read_in_place_not_upcast():
     """With the native kernel a storage layer hands its readers the cache itself (bf16), not an f32 copy."""
     model = tiny_model("fusedkv-lite")
+    select_runtime(model)
     seen = {}
 
     def record(module, args, output):
@@ -108,7 +116,8 @@ def test_a_16_bit_cache_is_read_in_place_not_upcast():
 def test_forcing_the_native_path_on_a_layer_it_cannot_take_says_so():
     model = tiny_model("fusedkv-dense")  # upper layers fuse every lower layer with scalars
     storage, dense = model.model.layers[0].self_attn, model.model.layers[-1].self_attn
-    storage.set_path("native")
-    assert not dense.native_fits and dense._path_for(1, torch.zeros(1)) != "native"
+    plan = model.config.plan
+    assert LayerFacts.of(storage, plan).native_fits and not LayerFacts.of(dense, plan).native_fits
+    assert select_runtime(model).attention[dense.layer.index] != "NativeOneToken"
     with pytest.raises(ValueError, match="native CPU decode kernel"):
-        dense.set_path("native")
+        select_runtime(model, "native")

@@ -138,7 +138,7 @@ def test_decode_attention_torch_backend():
     kv_end = torch.tensor([12, 10, 12])
     mask = kv_start_to_mask(kv_start, 12, kv_end)
     ref = materialized_attention(q, ks, kw, vs, vw, mask=mask)
-    out4 = decode_attention(q, ks, kw, vs, vw, kv_start, kv_end=kv_end)  # auto -> torch on CPU
+    out4 = decode_attention(q, ks, kw, vs, vw, kv_start, kv_end=kv_end)  # the default backend: torch
     out3 = decode_attention(q[:, :, 0], ks, kw, vs, vw, kv_start, kv_end=kv_end, backend="torch")
     assert out4.shape == q.shape and out3.shape == q[:, :, 0].shape
     assert (out4 - ref).abs().max() < 1e-10 and (out3 - ref[:, :, 0]).abs().max() < 1e-10

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fusedkv.cache import StaticKVCache, kv_cache_nbytes
+from fusedkv.engine import select_runtime
 from tests.conftest import tiny_model
 
 NEW_TOKENS = 5
@@ -36,7 +37,7 @@ def incremental_logits(model, ids, mask, width, keep_last=0, cache=None):
 @pytest.mark.parametrize("path", ["auto", "materialized", "factored"])
 def test_incremental_decode_matches_full_forward(plan_name, prompt_len, path):
     model = tiny_model(plan_name)
-    model.set_attention_path(path)
+    select_runtime(model, path)
     ids, mask, width = padded_batch(prompt_len)
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
@@ -137,7 +138,7 @@ def test_unpadded_prompt_paths_agree(plan_name, prompt_len):
     with torch.no_grad():
         reference = model(ids, use_cache=False).logits
         for path in ("factored", "auto"):
-            model.set_attention_path(path)
+            select_runtime(model, path)
             assert (model(ids, use_cache=False).logits - reference).abs().max() < 1e-4
             out = model(ids[:, :prompt_len], use_cache=True, logits_to_keep=1)
             cache = out.cache
@@ -150,12 +151,13 @@ TRITON_SCRIPT = """
 import torch
 from tests.conftest import tiny_model
 from tests.model.test_decode import padded_batch, incremental_logits
+from fusedkv.engine import select_runtime
 for plan in ("fusedkv", "fusedkv-lite", "fusedkv-gqa"):
     model = tiny_model(plan)
     ids, mask, width = padded_batch(7)
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
-        model.set_attention_path("triton")  # one-token decode steps run the Triton kernel
+        select_runtime(model, "triton")  # one-token decode steps run the Triton kernel
         steps, _ = incremental_logits(model, ids[:, :width + 2], mask[:, :width + 2], width, keep_last=1)
     for k, step in enumerate(steps[1:]):
         err = (step[:, 0] - full[:, width + k]).abs().max().item()

@@ -8,6 +8,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from fusedkv import FusedKVForCausalLM
 from fusedkv.cache import StaticKVCache, kv_cache_nbytes
+from fusedkv.engine import select_runtime
 from tests.conftest import tiny_config, tiny_model
 from tests.model.test_decode import incremental_logits, padded_batch
 from tests.model.test_model import shifted_logits
@@ -70,9 +71,9 @@ def test_vanilla_mla_matches_transformers_deepseek_v3(q_lora_rank, interleaved):
     ids = torch.randint(1, 97, (2, 40))
     with torch.no_grad():
         for path in ("materialized", "factored"):
-            ours.set_attention_path(path)
+            select_runtime(ours, path)
             assert (ours(ids, use_cache=False).logits - reference(ids).logits).abs().max() < 1e-4, path
-        ours.set_attention_path("auto")
+        select_runtime(ours, "auto")
         a = ours.generate(ids[:1, :10], max_new_tokens=10, do_sample=False)
         b = reference.generate(ids[:1, :10], max_new_tokens=10, do_sample=False)
     assert torch.equal(a, b)
@@ -84,10 +85,10 @@ def test_absorbed_attention_equals_expanded(plan):
     model = mla_model(plan, dtype=torch.float64)
     ids, mask, _ = padded_batch(12)
     with torch.no_grad():
-        model.set_attention_path("materialized")
+        select_runtime(model, "materialized")
         expanded = model(ids, attention_mask=mask, use_cache=False).logits
         unpadded = model(ids[:, 3:], use_cache=False).logits  # the causal-flag path
-        model.set_attention_path("factored")
+        select_runtime(model, "factored")
         assert (model(ids, attention_mask=mask, use_cache=False).logits - expanded).abs().max() < 1e-10
         assert (model(ids[:, 3:], use_cache=False).logits - unpadded).abs().max() < 1e-10
 
@@ -97,12 +98,12 @@ def test_absorbed_attention_equals_expanded(plan):
 @pytest.mark.parametrize("plan", list(MLA_PLANS))
 def test_mla_incremental_decode_matches_full_forward(plan, path, prompt_len):
     model = mla_model(plan)
-    model.set_attention_path(path)
+    select_runtime(model, path)
     ids, mask, width = padded_batch(prompt_len)
     with torch.no_grad():
-        model.set_attention_path("materialized")
+        select_runtime(model, "materialized")
         full = model(ids, attention_mask=mask, use_cache=False).logits
-        model.set_attention_path(path)
+        select_runtime(model, path)
         steps, _ = incremental_logits(model, ids, mask, width)
         skipped, _ = incremental_logits(model, ids, mask, width, keep_last=1)
     valid = mask[:, :width].bool()
@@ -117,6 +118,7 @@ def test_absorbed_decode_never_expands_the_latent():
     """kv_b_proj (the up-projection to per-head K/V) never runs as a layer in absorbed decode: its weight
     is only folded into the query and the output."""
     model = mla_model("fusedkv")
+    select_runtime(model)  # the engine's implementations: absorbed for short blocks
     calls = []
     for layer in model.model.layers:
         layer.self_attn.kv_b_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape))

@@ -9,6 +9,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from fusedkv import FusedKVConfig, FusedKVForCausalLM
 from fusedkv.cache import StaticKVCache, kv_cache_nbytes
 from fusedkv.convert import from_qwen3_state
+from fusedkv.engine import select_runtime
 from fusedkv.generation import generate
 from fusedkv.plan import FULL, SLIDING
 from tests.conftest import randomize_fusion
@@ -41,7 +42,7 @@ def test_vanilla_hybrid_matches_transformers_qwen3_with_sliding_window():
     with torch.no_grad():
         ref = hf(ids).logits
         for path in ("materialized", "factored"):
-            ours.set_attention_path(path)
+            select_runtime(ours, path)
             assert (ours(ids).logits - ref).abs().max() < 1e-4, path
         assert (full(ids).logits - ref).abs().max() > 1e-3  # the window really restricts attention
         assert torch.equal(generate(ours, ids[:1, :9], 8).tokens,
@@ -57,7 +58,7 @@ PLANS = [("vanilla", None), ("cla", None), ("yoco", None), ("fusedkv-lite", [SLI
 @pytest.mark.parametrize("path", ["auto", "materialized", "factored"])
 def test_incremental_decode_matches_full_forward(plan, shared, prompt_len, path):
     model = hybrid_model(plan, shared)
-    model.set_attention_path(path)
+    select_runtime(model, path)
     ids, mask, width = padded_batch(prompt_len)
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits

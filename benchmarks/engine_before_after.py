@@ -1,0 +1,85 @@
+"""Decode speed of two source trees of fusedkv, interleaved: did a refactor change it?
+
+Times what `fusedkv bench` times (`fusedkv.generation.generate` with `weight_layout="auto"`: the bench
+model shape, a random prompt, greedy decode, median TPOT) for vanilla, fusedkv-lite and fusedkv, twice
+per plan: with the native decode step where it covers the model (the default) and with the model's
+modules every step (`native_step=False`: the attention implementations the engine selects). Each tree
+runs in its own process (its own `import fusedkv`); the trees alternate within a round and their order
+rotates from round to round; every process warms up each model first. Per-round ratios after / before
+and their median are printed as a Markdown table.
+
+    git worktree add /tmp/engine-before <commit>
+    OMP_NUM_THREADS=1 python benchmarks/engine_before_after.py --before /tmp/engine-before --after . --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PLANS = ("vanilla", "fusedkv-lite", "fusedkv")
+MODES = {"native step": True, "modules": False}
+
+
+def worker(prompt: int, new_tokens: int, repeats: int) -> None:
+    import torch
+
+    from fusedkv.bench.inference import BenchShape, build_models
+    from fusedkv.generation import generate
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    models = build_models(BenchShape(), list(PLANS), prompt + new_tokens + 8, "cpu", torch.float32, include_hf=False)
+    ids = torch.randint(1, 8000, (1, prompt), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for plan in PLANS:
+        for mode, native in MODES.items():
+            run = lambda m=models[plan], n=native: generate(m, ids, new_tokens, weight_layout="auto",  # noqa: E731
+                                                             native_step=n)
+            run()  # warm-up: layout, kernels, allocator
+            out[f"{plan}|{mode}"] = statistics.median(run().tpot_s for _ in range(repeats))
+    print(json.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", type=Path, help="the tree before the change")
+    p.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1], help="the tree after it")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="generate() calls per model and process (median)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args.prompt, args.new_tokens, args.repeats)
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    results = {name: [] for name in trees}
+    for r in range(args.rounds):
+        order = list(trees) if r % 2 == 0 else list(reversed(trees))
+        for name in order:
+            env = {**os.environ, "PYTHONPATH": str(trees[name])}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--prompt", str(args.prompt),
+                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+            done = subprocess.run(cmd, env=env, cwd=trees[name], capture_output=True, text=True, check=True)
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1} {name}: done", file=sys.stderr)
+    print(f"prompt {args.prompt}, {args.new_tokens} new tokens, batch 1, {args.rounds} rounds, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n")
+    print("| plan | decode | TPOT before (ms) | TPOT after (ms) | after / before per round | median |")
+    print("|---|---|---|---|---|---|")
+    for key in results["before"][0]:
+        before = [r[key] for r in results["before"]]
+        after = [r[key] for r in results["after"]]
+        ratios = [a / b for a, b in zip(after, before)]
+        plan, mode = key.split("|")
+        print(f"| {plan} | {mode} | {statistics.median(before) * 1e3:.2f} | {statistics.median(after) * 1e3:.2f} | "
+              f"{', '.join(f'{x:.2f}' for x in ratios)} | {statistics.median(ratios):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
