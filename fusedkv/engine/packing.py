@@ -84,30 +84,21 @@ class DecodeLinear(nn.Linear):
     f32 weight on CPU runs the native kernel (`fusedkv.kernels.cpu_gemv.linear`, which declines the rest:
     more rows, autograd, another dtype)."""
 
-    @classmethod
-    def adopt(cls, linear: nn.Linear) -> nn.Linear:
-        """A module of class `cls` holding `linear`'s very parameters (names, values and references kept)."""
-        if type(linear) is cls:
-            return linear
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
-        return new
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_gemv.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
 
 
-def _plain(linear: nn.Linear) -> nn.Linear:
-    if type(linear) is not DecodeLinear:
+def _rewrap(cls: type[nn.Linear], linear: nn.Linear) -> nn.Linear:
+    """`linear` as a module of class `cls` (`DecodeLinear` or plain `nn.Linear`) holding its very parameters:
+    names, values and everyone's references to them are kept."""
+    if type(linear) is cls:
         return linear
-    plain = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(plain)
-    plain.in_features, plain.out_features = linear.in_features, linear.out_features
-    plain.weight, plain.bias = linear.weight, linear.bias
-    return plain
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
 class PackedLinears:
     """Several `nn.Linear`s with the same input, stored as one column-major [sum(out), in] buffer whose
     row slices are the modules' weights."""
@@ -180,11 +171,11 @@ def pack_for_decode(model: nn.Module) -> nn.Module:
                 continue
             if names != ("down_proj",) or column_major_down():
                 to_column_major(linears[0])
-            setattr(module, names[0], DecodeLinear.adopt(linears[0]))
+            setattr(module, names[0], _rewrap(DecodeLinear, linears[0]))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
         to_column_major(head)
-        model.set_output_embeddings(DecodeLinear.adopt(head))
+        model.set_output_embeddings(_rewrap(DecodeLinear, head))
     return model
 
 
@@ -196,10 +187,10 @@ def unpack_weights(model: nn.Module) -> nn.Module:
                 if slot is not None and isinstance(getattr(module, slot), PackedLinears):
                     setattr(module, slot, None)
                 elif slot is None:
-                    setattr(module, names[0], _plain(getattr(module, names[0])))
+                    setattr(module, names[0], _rewrap(nn.Linear, getattr(module, names[0])))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(head, DecodeLinear):
-            model.set_output_embeddings(_plain(head))
+            model.set_output_embeddings(_rewrap(nn.Linear, head))
         for p in model.parameters():
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
