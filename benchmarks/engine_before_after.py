@@ -29,13 +29,14 @@ MODES = {"native step": True, "modules": False}
 def worker(prompt: int, new_tokens: int, repeats: int) -> None:
     import torch
 
+    import fusedkv
     from fusedkv.bench.inference import BenchShape, build_models
     from fusedkv.generation import generate
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     models = build_models(BenchShape(), list(PLANS), prompt + new_tokens + 8, "cpu", torch.float32, include_hf=False)
     ids = torch.randint(1, 8000, (1, prompt), generator=torch.Generator().manual_seed(0))
-    out = {}
+    out = {"tree": str(Path(fusedkv.__file__).resolve().parents[1])}
     for plan in PLANS:
         for mode, native in MODES.items():
             run = lambda m=models[plan], n=native: generate(m, ids, new_tokens, weight_layout="auto",  # noqa: E731
@@ -66,7 +67,10 @@ def main() -> None:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--prompt", str(args.prompt),
                    "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
             done = subprocess.run(cmd, env=env, cwd=trees[name], capture_output=True, text=True, check=True)
-            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            if result.pop("tree") != str(trees[name]):
+                raise SystemExit(f"the {name} process imported fusedkv from elsewhere: check PYTHONPATH")
+            results[name].append(result)
             print(f"round {r + 1} {name}: done", file=sys.stderr)
     print(f"prompt {args.prompt}, {args.new_tokens} new tokens, batch 1, {args.rounds} rounds, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n")

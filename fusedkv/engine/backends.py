@@ -34,11 +34,10 @@ layer (`storage_kv`). Triton reads the cache's dtype itself. Elsewhere attention
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import cpu_attention, triton_decode_step
-from ..kernels.reference import factored, fuse_sources
-from ..model.attention import SHORT_QUERY
+from ..kernels.reference import factored
+from ..model.attention import SHORT_QUERY, ReferenceAttention
 from ..model.fusion import KVSources
 from ..model.mla import ExpandedAttention
 
@@ -52,11 +51,12 @@ def _causal_mask(t: int, s: int, device) -> torch.Tensor:
     return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
 
 
-class Materialized:
-    """Fused K/V, then SDPA (causal flag or boolean mask; GQA without copies)."""
+class Materialized(ReferenceAttention):
+    """Fused K/V, then SDPA (causal flag or boolean mask; GQA without copies): the model's own computation,
+    with the engine's dtype rule for short CPU blocks over a 16-bit cache (`widens`)."""
 
     def __init__(self, scale: float, gqa: bool, f32_short: bool):
-        self.scale, self.gqa = scale, gqa
+        super().__init__(scale, gqa)
         self.f32_short = f32_short  # CPU: a short block over a 16-bit cache attends in f32
 
     def widens(self, t: int) -> bool:
@@ -66,17 +66,6 @@ class Materialized:
         if k.dtype != q.dtype and self.widens(q.shape[2]):  # upcast once, here, not in every reader
             return k.to(q.dtype), v.to(q.dtype)
         return k, v
-
-    def __call__(self, q, sources: KVSources, mask, causal: bool, kv_start) -> torch.Tensor:
-        if q.dtype != sources.keys[0].dtype and not self.widens(q.shape[2]):
-            q = q.to(sources.keys[0].dtype)
-        return self.attend(q, sources, mask, causal)
-
-    def attend(self, q, sources: KVSources, mask, causal: bool) -> torch.Tensor:
-        k = fuse_sources(sources.keys, sources.key_weights, q.dtype)
-        v = fuse_sources(sources.values, sources.value_weights, q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              scale=self.scale, enable_gqa=self.gqa)
 
 
 class Factored(Materialized):

@@ -76,14 +76,21 @@ class ReferenceAttention:
     def __init__(self, scale: float, gqa: bool):
         self.scale, self.gqa = scale, gqa
 
+    def widens(self, t: int) -> bool:
+        """Whether a block of `t` queries over a 16-bit cache attends in f32: never here (the engine's may)."""
+        return False
+
     def storage_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return k, v
 
     def __call__(self, q, sources: KVSources, mask, causal: bool, kv_start) -> torch.Tensor:
-        if q.dtype != sources.keys[0].dtype:  # a 16-bit KV cache under f32 activations: attend in its dtype
-            q = q.to(sources.keys[0].dtype)
-        k, v = fuse_sources(sources.keys, sources.key_weights, q.dtype), fuse_sources(sources.values,
-                                                                                       sources.value_weights, q.dtype)
+        if q.dtype != sources.keys[0].dtype and not self.widens(q.shape[2]):
+            q = q.to(sources.keys[0].dtype)  # a 16-bit KV cache under f32 activations: attend in its dtype
+        return self.attend(q, sources, mask, causal)
+
+    def attend(self, q, sources: KVSources, mask, causal: bool) -> torch.Tensor:
+        k = fuse_sources(sources.keys, sources.key_weights, q.dtype)
+        v = fuse_sources(sources.values, sources.value_weights, q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=self.scale, enable_gqa=self.gqa)
 
