@@ -186,7 +186,7 @@ def unpack_weights(model: nn.Module) -> nn.Module:
             for names, slot in projection_groups(module):
                 if slot is not None and isinstance(getattr(module, slot), PackedLinears):
                     setattr(module, slot, None)
-                elif slot is None:
+                elif slot is None and isinstance(getattr(module, names[0]), DecodeLinear):
                     setattr(module, names[0], _rewrap(nn.Linear, getattr(module, names[0])))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(head, DecodeLinear):
