@@ -27,7 +27,7 @@ from ..cache import StaticKVCache
 from ..kernels import cpu_attention, native, triton_decode_fits, triton_runs_on
 from ..model.attention import Attention
 from ..model.mla import MLA
-from .backends import AbsorbedMLA, Factored, Materialized, NativeOneToken, TritonOneToken
+from .backends import FACTORED_MAX_QUERY, AbsorbedMLA, Factored, Materialized, NativeOneToken, TritonOneToken
 from .native_step import NativeDecodeStep, Unsupported
 
 ATTENTION_PATHS = ("auto", "materialized", "factored", "triton", "native")
@@ -99,12 +99,14 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
     decoder = getattr(model, "model", model)
     attention = [layer.self_attn for layer in decoder.layers]
     previous = tuple((attn, attn.attend) for attn in attention)
+    # Every layer's implementation first, then install them: a layer a forced path cannot take leaves the
+    # model as it was.
+    implementations = [_mla_backend(attn, path) if isinstance(attn, MLA) else
+                       _attention_backend(attn, LayerFacts.of(attn, model.config.plan), path, cpu, triton, native_ok)
+                       for attn in attention]
     chosen = {}
-    for attn in attention:
-        if isinstance(attn, MLA):
-            attn.use(_mla_backend(attn, path))
-        else:
-            attn.use(_attention_backend(attn, LayerFacts.of(attn, model.config.plan), path, cpu, triton, native_ok))
+    for attn, implementation in zip(attention, implementations):
+        attn.use(implementation)
         chosen[attn.layer.index] = type(attn.attend).__name__
     step = None
     if native_step and type(cache) is StaticKVCache and not cache.windowed and path in ("auto", "native"):
@@ -148,4 +150,4 @@ def _mla_backend(attn: MLA, path: str):
                          "'factored' (absorbed); there is no one-token kernel for MLA")
     if path == "materialized":
         return None  # the model's own expanded form
-    return AbsorbedMLA(float("inf") if path == "factored" else AbsorbedMLA().max_query)
+    return AbsorbedMLA(float("inf") if path == "factored" else FACTORED_MAX_QUERY)
