@@ -34,6 +34,8 @@ Two exact attention paths:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +48,20 @@ from .layers import RMSNorm, apply_rope
 # Query blocks up to this length take the absorbed path under "auto" at inference (as the factored
 # path of ordinary attention).
 ABSORBED_MAX_QUERY = 16
+
+
+def softmax_scale(config, qk_dim: int) -> float:
+    """1/sqrt(qk_dim), times mscale^2 under scaled RoPE with `mscale_all_dim` (DeepSeek's YaRN, as
+    transformers' DeepseekV3Attention applies it: mscale = 0.1 * mscale_all_dim * ln(factor) + 1 for
+    factor > 1). It tempers every query-key product, the non-rotated channels included; the cos/sin
+    tables carry YaRN's own factor (`rope_inv_freq`)."""
+    scale = qk_dim**-0.5
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale = scale * mscale * mscale
+    return scale
 
 
 class LatentFusion(KVFusion):
@@ -76,7 +92,7 @@ class MLA(nn.Module):
         self.kv_lora_rank, self.q_lora_rank = config.kv_lora_rank, config.q_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
-        self.scale = self.qk_dim**-0.5
+        self.scale = softmax_scale(config, self.qk_dim)
         self.path = "auto"
         h, bias = config.hidden_size, config.attention_bias
         if self.q_lora_rank is None:
