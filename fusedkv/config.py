@@ -81,8 +81,9 @@ class FusedKVConfig(PreTrainedConfig):
     Multi-head latent attention (DeepSeek-V2/V3's names; `fusedkv/model/mla.py`), on when kv_lora_rank
     is set: kv_lora_rank, q_lora_rank (None = full-rank query projection), qk_nope_head_dim,
     qk_rope_head_dim, v_head_dim. The cache holds the normalised latent and the decoupled RoPE key.
-    Scaled RoPE (`rope_parameters` with a `rope_type` such as "yarn") follows transformers; with MLA a
-    YaRN `mscale_all_dim` also scales the softmax, as in DeepSeek-V2/V3.
+    rope_interleave: the RoPE rows of q and k_R hold interleaved pairs (DeepSeek checkpoints) rather than
+    rotate-half halves. Scaled RoPE (`rope_parameters` with a `rope_type` such as "yarn") follows
+    transformers; with MLA a YaRN `mscale_all_dim` also scales the softmax, as in DeepSeek-V2/V3.
 
     DeepSeekMoE (DeepSeek-V2/V3's names; the defaults are Qwen3-MoE's routing): n_shared_experts (always-on
     experts of moe_intermediate_size * n_shared_experts channels beside the routed ones), topk_method
@@ -142,6 +143,7 @@ class FusedKVConfig(PreTrainedConfig):
     n_group: int | None = None
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
+    rope_interleave: bool = False  # MLA's RoPE channels in DeepSeek's interleaved-pair layout (`model/mla.py`)
 
     def __post_init__(self, **kwargs):
         _check_field_types(self)  # first: the defaults and checks below compute with these values
@@ -295,6 +297,7 @@ class FusedKVConfig(PreTrainedConfig):
 
     def _check_mla(self, need) -> None:
         if self.kv_lora_rank is None:
+            need(not self.rope_interleave, "rope_interleave applies to MLA's RoPE key (kv_lora_rank set) only")
             return
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             v = getattr(self, name)
