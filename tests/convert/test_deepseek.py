@@ -195,3 +195,55 @@ def test_cli_converts_and_refuses(tmp_path):
     assert refused.returncode == 2 and "mlp_bias=True" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "refused").exists()
+
+
+# The published config.json of DeepSeek-V3 (its fp8 quantization_config left out) and DeepSeek-V2-Lite: the
+# older `rope_scaling` spelling, the keys only DeepSeek's own code reads, no weights needed.
+DEEPSEEK_V3_JSON = dict(
+    architectures=["DeepseekV3ForCausalLM"], attention_bias=False, attention_dropout=0.0, aux_loss_alpha=0.001,
+    bos_token_id=0, eos_token_id=1, ep_size=1, first_k_dense_replace=3, hidden_act="silu", hidden_size=7168,
+    initializer_range=0.02, intermediate_size=18432, kv_lora_rank=512, max_position_embeddings=163840,
+    model_type="deepseek_v3", moe_intermediate_size=2048, moe_layer_freq=1, n_group=8, n_routed_experts=256,
+    n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128, num_experts_per_tok=8, num_hidden_layers=61,
+    num_key_value_heads=128, num_nextn_predict_layers=1, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    rms_norm_eps=1e-06, rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", seq_aux=True, tie_word_embeddings=False,
+    topk_group=4, topk_method="noaux_tc", torch_dtype="bfloat16", transformers_version="4.33.1", use_cache=True,
+    v_head_dim=128, vocab_size=129280)
+DEEPSEEK_V2_LITE_JSON = {
+    **DEEPSEEK_V3_JSON, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64,
+    "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+    "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None, "routed_scaling_factor": 1.0,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "scoring_func": "softmax", "topk_group": 1, "topk_method": "greedy", "vocab_size": 102400}
+
+
+@pytest.mark.parametrize("hf, expected", [
+    (DEEPSEEK_V3_JSON, dict(mlp_only_layers=[0, 1, 2], num_experts=256, topk_method="noaux_tc", n_group=8,
+                            topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=1536)),
+    (DEEPSEEK_V2_LITE_JSON, dict(mlp_only_layers=[0], num_experts=64, topk_method="greedy", n_group=None,
+                                 topk_group=None, norm_topk_prob=False, routed_scaling_factor=1.0, q_lora_rank=None)),
+])
+def test_published_configs_map_as_transformers_reads_them(hf, expected):
+    """The published configs import; RoPE frequencies, their cos/sin scaling and MLA's softmax scale are
+    transformers' own for them (YaRN with factor 40 and mscale_all_dim)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from fusedkv.model.layers import rope_inv_freq
+    from fusedkv.model.mla import softmax_scale
+
+    config = family_for(hf).to_config(hf, "vanilla")
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert config.rope_interleave and config.rope_parameters["rope_type"] == "yarn" and config.head_dim == 64
+    hf_config = (DeepseekV3Config if hf["model_type"] == "deepseek_v3" else DeepseekV2Config).from_dict(
+        {k: v for k, v in hf.items() if k != "model_type"})
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    ours_inv_freq, ours_scaling = rope_inv_freq(config)
+    assert torch.equal(ours_inv_freq.float(), inv_freq) and ours_scaling == scaling  # 1.0: mscale == mscale_all_dim
+    qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    assert softmax_scale(config, qk_dim) == yarn_apply_mscale(hf_config.rope_parameters, qk_dim**-0.5) != qk_dim**-0.5
