@@ -122,6 +122,12 @@ def test_round_trip_and_fusedkv_plan(checkpoint, tmp_path):
     for i, step in enumerate(steps[1:]):
         assert (step[:, -1] - full[:, width + i]).abs().max() < 1e-5
     assert kv_cache_nbytes(cache) * 2 == kv_cache_nbytes(vanilla_cache)
+    # The uptraining path: the vanilla fusedkv import re-planned gives the same model as the direct conversion.
+    replanned = convert_qwen3(tmp_path / "vanilla", tmp_path / "replanned", kv_sharing="fusedkv")
+    assert replanned.config.to_dict() == fused.config.to_dict()
+    direct = fused.state_dict()
+    assert all(torch.equal(v, direct[k]) for k, v in replanned.state_dict().items()) and len(direct) == len(
+        replanned.state_dict())
 
 
 def test_field_table_covers_transformers_configs():
