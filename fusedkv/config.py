@@ -169,6 +169,9 @@ class FusedKVConfig(PreTrainedConfig):
             choice = None
         else:  # a user shorthand such as "gqa" or "fusedkv+W" (older checkpoints saved "gqa"): plan + settings
             choice = resolve_plan_choice(self.kv_sharing)
+            if choice.query_heads_per_kv_head is not None and self.kv_lora_rank is not None:
+                raise ValueError(f"kv_sharing={self.kv_sharing!r}: +gqa halves the KV heads, which MLA (kv_lora_rank "
+                                 f"set) does not have: its one latent serves every head; use {choice.sharing!r}")
             self.kv_sharing = choice.sharing
             if choice.shared_attention_types is not None and self.shared_attention_types is None:
                 self.shared_attention_types = list(choice.shared_attention_types)

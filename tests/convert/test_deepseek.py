@@ -172,7 +172,7 @@ def test_plans_that_do_not_apply_to_mla_are_refused():
     family = family_for(hf)
     with pytest.raises(ValueError, match="fusedkv-lite does not apply to MLA"):
         family.to_config(hf, "fusedkv-lite")
-    with pytest.raises(ValueError, match="the latent replaces GQA"):
+    with pytest.raises(ValueError, match=r"kv_sharing='fusedkv\+gqa': \+gqa halves the KV heads, which MLA"):
         family.to_config(hf, "fusedkv+gqa")
 
 
