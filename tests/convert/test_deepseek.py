@@ -253,3 +253,19 @@ def test_published_configs_map_as_transformers_reads_them(hf, expected):
     assert torch.equal(ours_inv_freq.float(), inv_freq) and ours_scaling == scaling  # 1.0: mscale == mscale_all_dim
     qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     assert softmax_scale(config, qk_dim) == yarn_apply_mscale(hf_config.rope_parameters, qk_dim**-0.5) != qk_dim**-0.5
+
+
+def test_fusedkv_conversion_trains(tmp_path):
+    """The FusedKV conversion is a starting point for training: a step in training mode has a finite loss, and
+    the fusion weights, the routers and the shared experts get gradients (the correction bias is a buffer)."""
+    build_checkpoint(tmp_path / "src", "v3-qlora-interleave-yarn-groups-sharded")
+    model = convert_qwen3(tmp_path / "src", tmp_path / "out", kv_sharing="fusedkv").train()
+    ids, mask = left_padded()
+    out = model(ids, attention_mask=mask, labels=ids)
+    assert torch.isfinite(out.loss) and out.aux_loss is not None
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name in ("model.layers.3.self_attn.fusion.k_weight", "model.layers.3.self_attn.fusion.v_weight",
+                 "model.layers.3.mlp.gate.weight", "model.layers.3.mlp.shared_experts.up_proj.weight"):
+        assert grads[name] is not None and grads[name].abs().sum() > 0, name
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in model.state_dict()
