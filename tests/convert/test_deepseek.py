@@ -51,11 +51,12 @@ VARIANTS = {  # name -> (transformers class, config, max_shard_size)
 }
 
 
-def build_checkpoint(path, name):
-    """A tiny random transformers DeepSeek model of variant `name`, saved by save_pretrained into `path`."""
+def build_checkpoint(path, name, **extra):
+    """A tiny random transformers DeepSeek model of variant `name` (with `extra` config fields), saved by
+    save_pretrained into `path`."""
     cls, overrides, shard = VARIANTS[name]
     torch.manual_seed(0)
-    config = (DeepseekV3Config if cls is DeepseekV3ForCausalLM else DeepseekV2Config)(**{**BASE, **overrides})
+    config = (DeepseekV3Config if cls is DeepseekV3ForCausalLM else DeepseekV2Config)(**{**BASE, **overrides, **extra})
     model = cls(config).eval()
     with torch.no_grad():
         for module in model.modules():  # a non-zero V3 correction bias, so that choosing on it is checked
@@ -269,3 +270,19 @@ def test_fusedkv_conversion_trains(tmp_path):
                  "model.layers.3.mlp.gate.weight", "model.layers.3.mlp.shared_experts.up_proj.weight"):
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in model.state_dict()
+
+
+def test_odd_layer_counts_take_a_custom_source_map(tmp_path):
+    """DeepSeek-V3 (61 layers) and V2-Lite (27) have an odd layer count: the half-split plans refuse it, a custom
+    source map (Python API) converts it, and the result decodes incrementally as its full forward."""
+    build_checkpoint(tmp_path / "src", "v3-fullq-rotatehalf-tied", num_hidden_layers=3)
+    with pytest.raises(ValueError, match="needs an even number of layers"):
+        convert_qwen3(tmp_path / "src", tmp_path / "refused", kv_sharing="fusedkv")
+    source_map = [{"layers": [3, 3], "k": [1, 2], "v": [1, 2], "k_fusion": "channel", "v_fusion": "channel"}]
+    model = convert_qwen3(tmp_path / "src", tmp_path / "out", kv_sharing="custom", kv_source_map=source_map).eval()
+    assert tuple(model.plan.storage_layers) == (0, 1)
+    ids, mask = left_padded(width=20)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        steps, _ = incremental_logits(model, ids, mask, 14)
+    assert max((step[:, -1] - full[:, 14 + i]).abs().max() for i, step in enumerate(steps[1:])) < 1e-5
