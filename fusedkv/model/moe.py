@@ -28,6 +28,8 @@ The load-balancing loss is the Switch Transformer auxiliary loss exactly as tran
 for Qwen3-MoE (`load_balancing_loss_func`): with f_e the fraction of top-k assignments that went to
 expert e and P_e the mean router probability of e, both pooled over every sparse layer's tokens,
 aux = E * sum_e f_e * P_e (equal to k when routing is perfectly uniform).
+Whatever the routing it is this softmax loss; transformers' DeepSeek classes add none, so DeepSeek imports
+set `router_aux_loss_coef` to 0.
 """
 
 from __future__ import annotations
