@@ -27,6 +27,7 @@ from .plan import (
 )
 
 FUSION_INITS = ("equivalent", "normal", "iterative")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # DeepSeekMoE routing
 MAX_LAYERS = 4096
 
 
@@ -80,6 +81,17 @@ class FusedKVConfig(PreTrainedConfig):
     Multi-head latent attention (DeepSeek-V2/V3's names; `fusedkv/model/mla.py`), on when kv_lora_rank
     is set: kv_lora_rank, q_lora_rank (None = full-rank query projection), qk_nope_head_dim,
     qk_rope_head_dim, v_head_dim. The cache holds the normalised latent and the decoupled RoPE key.
+    rope_interleave: the RoPE rows of q and k_R hold interleaved pairs (DeepSeek checkpoints) rather than
+    rotate-half halves. Scaled RoPE (`rope_parameters` with a `rope_type` such as "yarn") follows
+    transformers; with MLA a YaRN `mscale_all_dim` also scales the softmax, as in DeepSeek-V2/V3.
+
+    DeepSeekMoE (DeepSeek-V2/V3's names; the defaults are Qwen3-MoE's routing): n_shared_experts (always-on
+    experts of moe_intermediate_size * n_shared_experts channels beside the routed ones), topk_method
+    ("greedy": top-k of the softmax; "group_limited_greedy": top-k within the topk_group of n_group expert
+    groups with the highest softmax maximum, DeepSeek-V2; "noaux_tc": sigmoid scores, experts chosen on
+    scores + the router's e_score_correction_bias within the topk_group groups of highest top-2 sum,
+    DeepSeek-V3), n_group, topk_group, routed_scaling_factor (multiplies the routed experts' weights).
+    The dense layers before the first sparse one (first_k_dense_replace) are `mlp_only_layers`.
     """
 
     model_type = "fusedkv"
@@ -125,6 +137,13 @@ class FusedKVConfig(PreTrainedConfig):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # ---- DeepSeekMoE routing and shared experts (DeepSeek-V2/V3's names; `fusedkv/model/moe.py`) ----
+    n_shared_experts: int = 0
+    topk_method: str = "greedy"
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    rope_interleave: bool = False  # MLA's RoPE channels in DeepSeek's interleaved-pair layout (`model/mla.py`)
 
     def __post_init__(self, **kwargs):
         _check_field_types(self)  # first: the defaults and checks below compute with these values
@@ -150,6 +169,9 @@ class FusedKVConfig(PreTrainedConfig):
             choice = None
         else:  # a user shorthand such as "gqa" or "fusedkv+W" (older checkpoints saved "gqa"): plan + settings
             choice = resolve_plan_choice(self.kv_sharing)
+            if choice.query_heads_per_kv_head is not None and self.kv_lora_rank is not None:
+                raise ValueError(f"kv_sharing={self.kv_sharing!r}: +gqa halves the KV heads, which MLA (kv_lora_rank "
+                                 f"set) does not have: its one latent serves every head; use {choice.sharing!r}")
             self.kv_sharing = choice.sharing
             if choice.shared_attention_types is not None and self.shared_attention_types is None:
                 self.shared_attention_types = list(choice.shared_attention_types)
@@ -253,9 +275,32 @@ class FusedKVConfig(PreTrainedConfig):
         need(not bad, f"mlp_only_layers={self.mlp_only_layers}: entries are 0-based layer indices below "
                       f"num_hidden_layers={self.num_hidden_layers}; {bad} are not")
         need(self.router_aux_loss_coef >= 0, f"router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0")
+        self._check_routing(need)
+
+    # ---- DeepSeekMoE routing (the fields of the block above) ----------------------------------------
+    def _check_routing(self, need) -> None:
+        need(self.topk_method in TOPK_METHODS, f"topk_method={self.topk_method!r}: choose one of {TOPK_METHODS}")
+        need(self.n_shared_experts >= 0, f"n_shared_experts={self.n_shared_experts}: must be >= 0")
+        need(self.routed_scaling_factor > 0, f"routed_scaling_factor={self.routed_scaling_factor}: must be > 0")
+        if self.topk_method == "greedy" and self.n_group is None:
+            return
+        need(self.topk_method == "greedy" or (self.n_group is not None and self.topk_group is not None),
+             f"topk_method={self.topk_method!r} routes within expert groups: set n_group and topk_group")
+        groups, chosen = self.n_group or 1, self.topk_group or 1
+        need(groups > 0 and self.num_experts % groups == 0,
+             f"n_group={self.n_group}: must be a positive divisor of num_experts={self.num_experts}")
+        need(0 < chosen <= groups, f"topk_group={self.topk_group}: must be between 1 and n_group={groups}")
+        per_group = self.num_experts // groups
+        need(self.num_experts_per_tok <= chosen * per_group,
+             f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {chosen * per_group} experts in "
+             f"topk_group={chosen} groups of {per_group}; raise topk_group or lower num_experts_per_tok")
+        need(self.topk_method != "noaux_tc" or per_group >= 2,
+             f"topk_method='noaux_tc' scores each group by its top-2 experts: num_experts / n_group = {per_group} "
+             "must be at least 2")
 
     def _check_mla(self, need) -> None:
         if self.kv_lora_rank is None:
+            need(not self.rope_interleave, "rope_interleave applies to MLA's RoPE key (kv_lora_rank set) only")
             return
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             v = getattr(self, name)

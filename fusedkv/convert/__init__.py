@@ -9,6 +9,7 @@ continued training (the paper trains from scratch; a converted model must be tra
   family.py    what a family is (`Family`), and `UnsupportedField`
   families.py  the list of families, and `family_for(config)`
   qwen3.py     Qwen3 and Qwen3-MoE
+  deepseek.py  DeepSeek-V3 and DeepSeek-V2 (MLA, DeepSeekMoE)
 """
 
 from .core import (

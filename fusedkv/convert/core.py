@@ -69,7 +69,8 @@ def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, orig
     model = FusedKVForCausalLM(config)
     expected = model.state_dict()
     allowed_drop = {f"model.layers.{i}.self_attn.{n}" for i in config.plan.reconstruction_layers
-                    for n in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "k_norm.weight")}
+                    for n in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "k_norm.weight",
+                              "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight")}
     unexpected = [k for k in state if k not in expected and k not in allowed_drop]
     if unexpected:
         raise ValueError(f"{origin}: weights that a Qwen3 model of this config should not have: {unexpected[:5]}")
@@ -96,11 +97,16 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
     if not cfg_file.is_file():
         raise ValueError(f"{src} has no config.json; pass a Hugging Face Qwen3 checkpoint directory")
     source_config = json.loads(cfg_file.read_text())
+    family = None
     if source_config.get("model_type") == FusedKVConfig.model_type:  # a fusedkv vanilla model: uptraining
         config = fusedkv_to_plan_config(source_config, kv_sharing, origin=str(src), **overrides)
     else:
-        config = family_for(source_config).to_config(source_config, kv_sharing, **overrides)
-    model = from_qwen3_state(load_state_dict(src), config, origin=str(src))
+        family = family_for(source_config)
+        config = family.to_config(source_config, kv_sharing, **overrides)
+    state = load_state_dict(src)
+    if family is not None:
+        state = family.prepare_state(state, config)  # the family's names and layouts -> fusedkv's
+    model = from_qwen3_state(state, config, origin=str(src))
     if dtype is not None:
         model = model.to(dtype)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from .deepseek import FAMILY as DEEPSEEK
 from .family import Family
 from .qwen3 import FAMILY as QWEN3
 
-FAMILIES: tuple[Family, ...] = (QWEN3,)
+FAMILIES: tuple[Family, ...] = (QWEN3, DEEPSEEK)
 MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 
 

@@ -94,6 +94,8 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return "the model is not an f32 CPU model in eval mode"
     if config.kv_lora_rank is not None or config.num_experts > 0 or config.hidden_act != "silu":
         return "MLA, MoE and activations other than SiLU run module by module"
+    if config.rope_parameters.get("rope_type", "default") != "default":
+        return "scaled RoPE (rope_parameters.rope_type) runs module by module"
     if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
         return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
     if sorted(config.plan.storage_layers) != sorted(keys):

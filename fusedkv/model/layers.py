@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 class RMSNorm(nn.Module):
@@ -25,19 +26,47 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """RoPE tables for integer positions [B, T]: (cos, signed sin), each [B, 1, T, D] (broadcast over heads).
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [head_dim/2] (float64) and the attention scaling of its cos/sin tables, for
+    `config.rope_parameters`: the default RoPE here (exactly as before scaling existed), any other
+    `rope_type` by transformers' own `ROPE_INIT_FUNCTIONS` (YaRN: the interpolated frequencies and the
+    temperature sqrt(1/t) that transformers multiplies into cos and sin), so scaled checkpoints match."""
+    rope = config.rope_parameters
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return _default_inv_freq(config.head_dim, float(rope["rope_theta"])), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r}: choose default or one of "
+                         f"{sorted(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return inv_freq.to(torch.float64), float(attention_scaling)
+
+
+def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    channels = torch.arange(0, head_dim, 2, dtype=torch.float64)
+    return 1.0 / (theta ** (channels / head_dim))
+
+
+def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype):
+    """RoPE tables for integer positions [B, T]: (cos, signed sin), each [B, 1, T, D] (broadcast over heads),
+    both times `attention_scaling` (1 for the default RoPE; see `rope_inv_freq`).
 
     The sin table carries rotate-half's sign (negative on the first D/2 channels), so `apply_rope` is a
     roll and two products: two fewer ops per call, which matters in a one-token decode step.
     Computed on the fly from the positions (D/2 frequencies): cheap next to the projections, and it
     keeps the model free of non-persistent buffers that checkpoint loading would have to rebuild.
     """
-    channels = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64)
-    inv_freq = 1.0 / (theta ** (channels / head_dim))
-    freqs = position_ids.to(torch.float64)[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
-    sin = freqs.sin()
-    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+    freqs = position_ids.to(torch.float64)[:, None, :, None] * inv_freq.to(position_ids.device)  # [B, 1, T, D/2]
+    cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), freqs.sin()
+    sin = torch.cat((-sin, sin), dim=-1)
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """`rope_tables` of the default (unscaled) RoPE of base `theta`."""
+    return rope_tables(position_ids, _default_inv_freq(head_dim, theta), 1.0, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ MLA compresses each token's keys and values jointly into one latent (DeepSeek-V2
 
 so the cache holds only c and k_R per token: `kv_lora_rank + qk_rope_head_dim` values instead of
 `num_heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)`. Module and parameter names are
-transformers' `DeepseekV3Attention`, so its weights copy over unchanged (rotate-half RoPE layout; the
-interleaved layout of DeepSeek checkpoints is a fixed permutation of the RoPE rows).
+transformers' `DeepseekV3Attention`, so its weights copy over unchanged, in either RoPE layout: rotate-half,
+or DeepSeek's interleaved pairs with `rope_interleave` (regrouped into rotate-half order before RoPE).
 
 FusedKV on MLA (paper App. A.6): a storage layer writes (c, k_R) to the cache, keys = latent,
 values = RoPE key, in transformers' `DynamicCache` (as transformers' DeepSeek-V3 does); a
@@ -32,6 +32,8 @@ for short blocks (DeepSeek-V2 Sec. 2.1.2; `fusedkv.engine.backends.AbsorbedMLA`)
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +42,20 @@ from ..kernels.reference import fuse_sources
 from ..plan import LayerKV
 from .fusion import KVFusion, KVSources
 from .layers import RMSNorm, apply_rope
+
+
+def softmax_scale(config, qk_dim: int) -> float:
+    """1/sqrt(qk_dim), times mscale^2 under scaled RoPE with `mscale_all_dim` (DeepSeek's YaRN, as
+    transformers' DeepseekV3Attention applies it: mscale = 0.1 * mscale_all_dim * ln(factor) + 1 for
+    factor > 1). It tempers every query-key product, the non-rotated channels included; the cos/sin
+    tables carry YaRN's own factor (`rope_inv_freq`)."""
+    scale = qk_dim**-0.5
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale = scale * mscale * mscale
+    return scale
 
 
 class LatentFusion(KVFusion):
@@ -74,7 +90,8 @@ class MLA(nn.Module):
         self.kv_lora_rank, self.q_lora_rank = config.kv_lora_rank, config.q_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
-        self.scale = self.qk_dim**-0.5
+        self.scale = softmax_scale(config, self.qk_dim)
+        self.rope_interleave = config.rope_interleave
         h, bias = config.hidden_size, config.attention_bias
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(h, self.num_heads * self.qk_dim, bias=False)
@@ -96,11 +113,11 @@ class MLA(nn.Module):
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(b, t, self.num_heads, self.qk_dim).transpose(1, 2).split(
             [self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin)
+        q_rope = apply_rope(self._rope_layout(q_rope), cos, sin)
         if self.layer.stores:
             latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
             latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, r]: one "head", shared by all
-            k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)  # [B, 1, T, d_R]
+            k_rope = apply_rope(self._rope_layout(k_rope.unsqueeze(1)), cos, sin)  # [B, 1, T, d_R]
             if kv.cache is not None:
                 latent, k_rope = kv.cache.update(latent, k_rope, self.layer.index)
             kv.layers[self.layer.index] = (latent, k_rope)
@@ -114,6 +131,15 @@ class MLA(nn.Module):
         """Attend with `implementation` (`fusedkv.engine.select_runtime`); None: the model's own
         `ExpandedAttention`. Called as `implementation(layer, q_nope, q_rope, sources, mask, causal)`."""
         self.attend = implementation or ExpandedAttention()
+
+    def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """With `rope_interleave` (DeepSeek's layout: pairs (x0, x1), (x2, x3), ...) the RoPE channels are
+        regrouped into rotate-half order (x0, x2, ..., x1, x3, ...), as transformers'
+        `apply_rotary_pos_emb_interleave` does; everything after RoPE (cache, fusion weights tied over
+        pairs (j, j + d_R/2), attention) then sees the rotate-half layout either way."""
+        if not self.rope_interleave:
+            return x
+        return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as W_UK [H, d_nope, r] and W_UV [H, d_v, r] (views, no copy)."""

@@ -27,10 +27,10 @@ from ..config import FusedKVConfig
 from ..plan import SLIDING
 from .attention import Attention, KVState
 from .fusion import KVFusion
-from .layers import RMSNorm, SwiGLU, rope_cos_sin
+from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_tables
 from .loss import lm_loss, shift_labels
 from .mla import MLA
-from .moe import Experts, RouterRecord, SparseMoE, is_sparse_layer, load_balancing_loss
+from .moe import Experts, Router, RouterRecord, SparseMoE, is_sparse_layer, load_balancing_loss
 
 
 class DecoderLayer(nn.Module):
@@ -67,6 +67,8 @@ class FusedKVPreTrainedModel(PreTrainedModel):
             hf_init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 hf_init.zeros_(module.bias)
+            if isinstance(module, Router) and hasattr(module, "e_score_correction_bias"):
+                hf_init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, nn.Embedding):
             hf_init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
@@ -156,7 +158,7 @@ class FusedKVModel(FusedKVPreTrainedModel):
         else:
             causal = False
             mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_tables(position_ids, *rope_inv_freq(self.config), x.dtype)
         kv = KVState(cache=cache, causal=causal, padding_mask=attention_mask)
         if self.config.sliding_window and SLIDING in self.config.layer_types:
             kv.window_mask = _window_mask(mask, causal, past, q_len, self.config.sliding_window, x.device)

@@ -154,3 +154,19 @@ def test_moe_checkpoint_roundtrip(tmp_path):
 def test_bad_moe_configs_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**overrides)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(topk_method="top2"), "topk_method='top2'"),
+    (dict(topk_method="noaux_tc"), "set n_group and topk_group"),
+    (dict(topk_method="group_limited_greedy", n_group=5, topk_group=1), "n_group=5"),
+    (dict(topk_method="group_limited_greedy", n_group=4, topk_group=5), "topk_group=5"),
+    (dict(topk_method="group_limited_greedy", n_group=4, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok=3"),
+    (dict(topk_method="noaux_tc", n_group=8, topk_group=2), "top-2"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    (dict(n_shared_experts=-1), "n_shared_experts"),
+    (dict(rope_interleave=True), "rope_interleave applies to MLA"),
+])
+def test_bad_deepseek_routing_configs_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**{**MOE, "num_experts": 8, **overrides})
