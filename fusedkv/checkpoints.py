@@ -141,6 +141,56 @@ def check_checkpoint_dir(path, config=None, model_types: tuple[str, ...] = ("fus
     verify_manifest(p)  # trained models (RUN/final) carry one; others pass
     for w in weights:
         _check_safetensors(w)
+    for w in weights:
+        check_finite_safetensors(w)
+
+
+# (path, device, inode, size, mtime_ns) of safetensors files whose tensors were found finite.
+_FINITE: set[tuple] = set()
+
+
+def _non_finite(name: str, tensor) -> str | None:
+    """"NAME (N of M values NaN or inf)" when a floating tensor holds a non-finite value, else None."""
+    import torch
+
+    if not tensor.is_floating_point():
+        return None
+    bad = sum(int((~torch.isfinite(part)).sum()) for part in tensor.detach().reshape(-1).split(1 << 24))
+    return f"{name} ({bad} of {tensor.numel()} values NaN or inf)" if bad else None
+
+
+def _refuse_non_finite(what: str, found: list[str]) -> None:
+    if found:
+        more = f" and {len(found) - 1} more tensor(s)" if len(found) > 1 else ""
+        raise ValueError(f"{what} holds non-finite weights: {found[0]}{more}; the checkpoint is corrupt or its "
+                         "training diverged, so every result would be NaN. Use an intact copy or an earlier "
+                         "checkpoint")
+
+
+def check_finite_safetensors(file: str | Path) -> None:
+    """ValueError naming the tensor when a safetensors file holds a NaN or inf weight: such a model computes
+    NaN everywhere, so every command refuses it at load, before any work (once per file per process)."""
+    from safetensors import safe_open
+
+    file = Path(file)
+    st = file.stat()
+    key = (str(file.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _FINITE:
+        return
+    found = []
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            bad = _non_finite(name, f.get_tensor(name))
+            if bad:
+                found.append(bad)
+    _refuse_non_finite(str(file), found)
+    _FINITE.add(key)
+
+
+def check_finite_model(model, what: str) -> None:
+    """The same check on a model in memory (e.g. one just converted, before it is written)."""
+    found = [bad for name, t in model.state_dict().items() if (bad := _non_finite(name, t))]
+    _refuse_non_finite(what, found)
 
 
 def _check_safetensors(file: Path) -> None:

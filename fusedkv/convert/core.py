@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..checkpoints import check_destination, write_directory_atomically
+from ..checkpoints import check_destination, check_finite_model, write_directory_atomically
 from ..config import FusedKVConfig
 from ..model import FusedKVForCausalLM
 from ..plan import VANILLA
@@ -98,6 +98,7 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
     else:
         config = family_for(source_config).to_config(source_config, kv_sharing, **overrides)
     model = from_qwen3_state(load_state_dict(src), config, origin=str(src))
+    check_finite_model(model, str(src))  # NaN/inf weights would convert into a model that computes NaN
     if dtype is not None:
         model = model.to(dtype)
 

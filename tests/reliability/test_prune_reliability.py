@@ -57,3 +57,42 @@ def test_new_directory_is_written_without_a_temporary(cli, tiny_ckpt, tmp_path):
     r = cli("prune", tiny_ckpt, "--out", tmp_path / "new" / "pruned", *FAST)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["pruned"]
+
+
+def test_nan_weights_are_refused_before_pruning(cli, nan_ckpt, tmp_path):
+    """Was (#7): a pruned model written from NaN weights, exit 0."""
+    r = cli("prune", nan_ckpt, "--out", tmp_path / "pruned", *FAST)
+    assert_one_line_error(r, 2, "holds non-finite weights", "model.norm.weight")
+    assert "Wanda" not in r.stdout and not (tmp_path / "pruned").exists()
+
+
+def test_overflowing_activations_stop_pruning(cli, tiny_ckpt, tmp_path):
+    """Finite weights whose activations overflow inside a decoder layer: Wanda's scores would be NaN."""
+    import torch
+
+    from fusedkv import FusedKVForCausalLM
+
+    src = tmp_path / "overflow"
+    model = FusedKVForCausalLM.from_pretrained(tiny_ckpt)
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight.fill_(3e38)
+    model.save_pretrained(src)
+    for f in tiny_ckpt.glob("tokenizer*"):
+        shutil.copy2(f, src / f.name)
+    r = cli("prune", src, "--out", tmp_path / "pruned", *FAST)
+    assert_one_line_error(r, 1, "not finite", "nothing was written")
+    assert not (tmp_path / "pruned").exists()
+
+
+def test_convert_of_nan_weights_is_refused(cli, qwen3_src, tmp_path):
+    """`fusedkv convert` of a Qwen3 checkpoint with a NaN weight wrote a model that computes NaN."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "qwen3-nan"
+    shutil.copytree(qwen3_src, src)
+    state = load_file(src / "model.safetensors")
+    state["model.norm.weight"][3] = float("inf")
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    r = cli("convert", src, tmp_path / "dst")
+    assert_one_line_error(r, 2, "holds non-finite weights", "model.norm.weight (1 of 64 values NaN or inf)")
+    assert not (tmp_path / "dst").exists()
