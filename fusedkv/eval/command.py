@@ -100,6 +100,7 @@ def run(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from ..checkpoints import check_checkpoint_dir
     from ..data import read_text_file
     from ..model import FusedKVForCausalLM
 
@@ -108,8 +109,10 @@ def run(args) -> None:
     if text is not None and not text.strip():
         raise UsageError(f"--text {args.text} is empty")
     ckpt = Path(args.checkpoint)
-    model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
+    check_checkpoint_dir(ckpt)  # its errors first (from_pretrained does not repeat the work)
     tok = AutoTokenizer.from_pretrained(ckpt)
+    val_shard = _open_val(args.val, ckpt, tok) if args.val else None  # same tokenizer, before the model loads
+    model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"{ckpt}: tokenizer has {len(tok)} tokens, model vocab_size={model.config.vocab_size}")
     context = model.config.max_position_embeddings
@@ -143,7 +146,7 @@ def run(args) -> None:
               "scored token by token through it (lm-eval tasks score prefills, which KIVI keeps in full precision)")
 
     with torch.inference_mode():
-        report["val_loss"] = _validation_loss(scored, ckpt, args.val, window, args.batch_size, args.max_batches)
+        report["val_loss"] = _validation_loss(scored, ckpt, val_shard, window, args.batch_size, args.max_batches)
         report["val_ppl"] = math.exp(report["val_loss"])
         print(f"validation loss {report['val_loss']:.4f}   perplexity {report['val_ppl']:.2f}")
         from .perplexity import text_perplexity, wikitext_perplexity
@@ -202,23 +205,37 @@ def run(args) -> None:
             Path(args.json_path).write_text(json.dumps(report, indent=1, default=str))
 
 
-def _validation_loss(model, ckpt: Path, val: str | None, window: int, batch_size: int, max_batches: int) -> float:
-    """Mean token NLL on a token split: a prepared dataset's val.bin, a .bin, or the built-in held-out
-    works tokenised with the checkpoint's tokenizer."""
-    from ..data import TokenShard, iter_eval_batches, load_prepared_dataset, prepare_dataset
+def _open_val(val: str, ckpt: Path, tok):
+    """The token split `--val` names (a prepared dataset's val.bin, or a .bin), refused unless it was
+    tokenised with the checkpoint's tokenizer (the hash its metadata records)."""
+    import sys
+
+    from ..data import TokenShard, load_prepared_dataset
+    from ..data.tokenizer import check_same_tokenizer
+
+    path = Path(val)
+    if not path.exists():
+        raise UsageError(f"--val {val}: no such file or directory")
+    shard = load_prepared_dataset(path).val if path.is_dir() else TokenShard(path)
+    if not check_same_tokenizer(shard.meta.get("tokenizer_sha256"), tok, f"--val {val}", str(ckpt)):
+        print(f"fusedkv eval: warning: --val {val} records no tokenizer hash, so it cannot be checked against "
+              f"{ckpt}'s tokenizer", file=sys.stderr)
+    if shard.vocab_size and shard.vocab_size > len(tok):
+        raise UsageError(f"--val {val}: tokens from a {shard.vocab_size}-token vocabulary, {ckpt}'s tokenizer "
+                         f"has {len(tok)}")
+    return shard
+
+
+def _validation_loss(model, ckpt: Path, shard, window: int, batch_size: int, max_batches: int) -> float:
+    """Mean token NLL on a token split (`_open_val`), or on the built-in held-out works tokenised with the
+    checkpoint's tokenizer when `shard` is None."""
+    from ..data import iter_eval_batches, prepare_dataset
     from .perplexity import validation_loss
 
-    if val is None:
+    if shard is None:
         with tempfile.TemporaryDirectory() as tmp:
             shard = prepare_dataset("builtin", tmp, tokenizer=str(ckpt)).val
             return _loss(model, shard, window, batch_size, max_batches, validation_loss, iter_eval_batches)
-    path = Path(val)
-    if not path.exists():
-        raise ValueError(f"--val {val}: no such file or directory")
-    shard = load_prepared_dataset(path).val if path.is_dir() else TokenShard(path)
-    if shard.vocab_size and shard.vocab_size > model.config.vocab_size:
-        raise ValueError(f"--val {val}: tokens from a {shard.vocab_size}-token vocabulary, model has "
-                         f"{model.config.vocab_size}")
     return _loss(model, shard, window, batch_size, max_batches, validation_loss, iter_eval_batches)
 
 
