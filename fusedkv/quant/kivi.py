@@ -21,10 +21,19 @@ Storage is real: codes are bit-packed along the channel axis (4 per byte at 2 bi
 In a FusedKV model only storage layers write a cache (`fusedkv.model.attention`): they call
 `cache.update` and attend over what it returns, and reconstruction layers fuse those same returned
 (dequantised) tensors, so every plan, `model.generate()` and the lean loop work unchanged.
+
+Padding: KIVI's key groups are runs of G tokens and its flushes follow the token count, so a left-padded
+row must not count its padding, or its groups would straddle padding and real tokens (pad keys joining
+the per-channel min/max) and fall on other columns than the same prompt's alone. `KIVICache.set_padding`
+(which `fusedkv.generation.generate` calls with the prompt's mask; call it yourself before
+`model.generate(attention_mask=...)`) gives each padded row a cache of its own that stores its real tokens
+only, aligned to its first one: the row then decodes exactly as the same prompt alone. Padding positions
+are returned as zeros (the attention mask hides them) and are not stored.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +215,18 @@ class KIVILayer(CacheLayerMixin):
         self.quantized_keys: QuantizedKV | None = None
         self.quantized_values: QuantizedKV | None = None
         self.length = 0
+        # Left padding (`set_padding`): one single-row layer per row, holding its real tokens only, and the
+        # column of each row's first real token.
+        self.rows: list[KIVILayer] | None = None
+        self.starts: list[int] | None = None
+
+    def set_padding(self, starts: list[int]) -> None:
+        """Rows begin with `starts[b]` padding columns (before anything is stored): from now on each row is
+        quantised on its own, its groups aligned to its first real token, its padding never stored."""
+        if self.length:
+            raise ValueError("set the padding of a KIVI cache before the prompt is stored")
+        self.rows = [KIVILayer(self.bits, self.group_size, self.residual_length) for _ in starts]
+        self.starts = list(starts)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -215,6 +236,8 @@ class KIVILayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new tokens; return dequantised past + full-precision residual (new tokens
         included); then move what left the residual window into quantised storage."""
+        if self.rows is not None:
+            return self._update_rows(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=2)
@@ -227,6 +250,22 @@ class KIVILayer(CacheLayerMixin):
             values = torch.cat([dequantize(self.quantized_values, self.dtype), values], dim=2)
         self._flush()
         return keys, values
+
+    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`update` of a left-padded batch: each row's real new columns go to its own layer; the rows'
+        returns are put back on the batch's columns, padding as zeros."""
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        past, t = self.length, key_states.shape[2]
+        self.length += t
+        out_k = key_states.new_zeros(*key_states.shape[:2], self.length, key_states.shape[3])
+        out_v = value_states.new_zeros(*value_states.shape[:2], self.length, value_states.shape[3])
+        for b, (row, start) in enumerate(zip(self.rows, self.starts)):
+            first = min(max(start - past, 0), t)  # the first of the new columns that is a real token
+            k, v = row.update(key_states[b:b + 1, :, first:], value_states[b:b + 1, :, first:])
+            out_k[b, :, self.length - k.shape[2]:] = k[0]
+            out_v[b, :, self.length - v.shape[2]:] = v[0]
+        return out_k, out_v
 
     def _flush(self) -> None:
         r = self.residual_length
@@ -251,6 +290,8 @@ class KIVILayer(CacheLayerMixin):
         return self.length + query_length, 0
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.rows is not None:
+            return [t for row in self.rows for t in row.tensors()]
         out = [t for t in (self.keys, self.values) if t is not None]
         for q in (self.quantized_keys, self.quantized_values):
             if q is not None:
@@ -262,9 +303,15 @@ class KIVILayer(CacheLayerMixin):
         self.quantized_keys = self.quantized_values = None
         self.length = 0
         self.is_initialized = False
+        self.rows = self.starts = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
+            return
+        if self.rows is not None:
+            order = beam_idx.tolist()
+            self.rows = [copy.deepcopy(self.rows[i]) for i in order]  # a row may be chosen twice
+            self.starts = [self.starts[i] for i in order]
             return
         beam_idx = beam_idx.to(self.device)
         self.keys, self.values = self.keys.index_select(0, beam_idx), self.values.index_select(0, beam_idx)
@@ -297,6 +344,19 @@ class KIVICache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length(layer_idx) + query_length, 0
+
+    def set_padding(self, attention_mask: torch.Tensor) -> None:
+        """Declare the prompt's left padding ([B, T] mask, 1 = real token) before the prompt is stored, so
+        that each row is quantised as it would be alone (module docstring). No padding: nothing changes."""
+        mask = attention_mask.bool()
+        starts = (~mask).long().sum(-1)
+        if bool((mask.long().argmax(-1) != starts).any() | ~mask[:, -1].all()):
+            raise ValueError("KIVICache.set_padding takes left padding only (each row: padding, then its tokens)")
+        if not bool(starts.any()):
+            return
+        for layer in self.layers:
+            if isinstance(layer, KIVILayer):
+                layer.set_padding(starts.tolist())
 
     def reset(self) -> None:
         for layer in self.layers:
