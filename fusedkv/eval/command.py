@@ -61,7 +61,9 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
     p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
                    help="score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
-    p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
+    p.add_argument("--kv-group", type=argtypes.positive_int, default=None,
+                   help="KIVI group size G (default: 32, or the largest smaller size dividing the head "
+                   "dimension and --kv-residual)")
     p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
                    help="KIVI full-precision residual length R, a multiple of G (default 128)")
     p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="write all results as JSON here")
@@ -136,13 +138,14 @@ def run(args) -> None:
     report: dict = {"checkpoint": str(ckpt), "plan": model.config.kv_sharing}
     scored = model
     if args.kv_bits:  # KIVI changes only what decoding sees: score one token per forward through its cache
-        from ..quant import KIVICache, check_kivi_settings
+        from ..quant import KIVICache, check_kivi_settings, default_group_size
         from ..quant.scoring import DecodeScorer
 
-        check_kivi_settings(args.kv_bits, args.kv_group, args.kv_residual, model.config.head_dim)
-        scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, args.kv_group, args.kv_residual))
-        report["kv_cache"] = {"kivi_bits": args.kv_bits, "group": args.kv_group, "residual": args.kv_residual}
-        print(f"KIVI {args.kv_bits}-bit KV cache (G={args.kv_group}, R={args.kv_residual}): loss and perplexity "
+        group = args.kv_group or default_group_size(model.config.head_dim, args.kv_residual)
+        check_kivi_settings(args.kv_bits, group, args.kv_residual, model.config.head_dim)
+        scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, group, args.kv_residual))
+        report["kv_cache"] = {"kivi_bits": args.kv_bits, "group": group, "residual": args.kv_residual}
+        print(f"KIVI {args.kv_bits}-bit KV cache (G={group}, R={args.kv_residual}): loss and perplexity "
               "scored token by token through it (lm-eval tasks score prefills, which KIVI keeps in full precision)")
 
     with torch.inference_mode():

@@ -34,6 +34,7 @@ are returned as zeros (the attention mask hides them) and are not stored.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,15 @@ SUPPORTED_BITS = (2, 4)
 DEFAULT_GROUP_SIZE = 32  # KIVI's G and the FusedKV paper's setting
 DEFAULT_RESIDUAL_LENGTH = 128  # KIVI's R
 SCALE_DTYPE = torch.float16  # scales and zero points: 16 bits each
+
+
+def default_group_size(head_dim: int, residual_length: int = DEFAULT_RESIDUAL_LENGTH) -> int:
+    """The group size G a model gets when none is given: KIVI's 32 when it fits, else the largest smaller
+    size that divides both the head dimension (values are grouped along channels) and the residual length
+    (keys are quantised a whole group at a time): 32 for head_dim 64 or 128, 16 for head_dim 48 (the
+    default `fusedkv train` model), 8 for head_dim 40."""
+    common = math.gcd(head_dim, residual_length)
+    return max(g for g in range(1, DEFAULT_GROUP_SIZE + 1) if common % g == 0)
 
 
 def check_kivi_settings(bits: int, group_size: int, residual_length: int, head_dim: int | None = None) -> None:
@@ -323,11 +333,13 @@ class KIVILayer(CacheLayerMixin):
 
 class KIVICache(Cache):
     """A transformers `Cache` with a `KIVILayer` for each of the plan's storage layers (reconstruction
-    layers hold nothing). Pass it as `cache=` to the model, to `model.generate(past_key_values=...)`,
+    layers hold nothing); `group_size` None: `default_group_size` of the model's head dimension. Pass it
+    as `cache=` to the model, to `model.generate(past_key_values=...)`,
     or build it through `kivi_cache_factory` for `fusedkv.generation.generate`."""
 
-    def __init__(self, config, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE,
+    def __init__(self, config, bits: int = 4, group_size: int | None = None,
                  residual_length: int = DEFAULT_RESIDUAL_LENGTH):
+        group_size = group_size or default_group_size(config.head_dim, residual_length)
         check_kivi_settings(bits, group_size, residual_length, config.head_dim)
         storage = set(config.plan.storage_layers)
         layers = [KIVILayer(bits, group_size, residual_length) if i in storage else DummyLayer()
@@ -379,9 +391,10 @@ class KIVICache(Cache):
         return sum(storages.values())
 
 
-def kivi_cache_factory(bits: int, group_size: int = DEFAULT_GROUP_SIZE,
+def kivi_cache_factory(bits: int, group_size: int | None = None,
                        residual_length: int = DEFAULT_RESIDUAL_LENGTH):
-    """A `cache_factory(config, batch, max_len, dtype, device)` for `fusedkv.generation.generate`."""
+    """A `cache_factory(config, batch, max_len, dtype, device)` for `fusedkv.generation.generate`
+    (`group_size` None: `default_group_size` of the model)."""
 
     def factory(config, batch_size=None, max_len=None, dtype=None, device=None):
         return KIVICache(config, bits, group_size, residual_length)
