@@ -175,7 +175,7 @@ def _run_generate(args) -> None:
     if args.kv_bits:  # the quantised cache instead (its residual window keeps the activations' dtype)
         from .quant import check_kivi_settings, default_group_size, kivi_cache_factory
 
-        group = args.kv_group or default_group_size(model.config.head_dim, args.kv_residual)
+        group = default_group_size(model.config.head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
         check_kivi_settings(args.kv_bits, group, args.kv_residual, model.config.head_dim)
         cache = kivi_cache_factory(args.kv_bits, group, args.kv_residual)
 

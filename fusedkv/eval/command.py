@@ -141,7 +141,7 @@ def run(args) -> None:
         from ..quant import KIVICache, check_kivi_settings, default_group_size
         from ..quant.scoring import DecodeScorer
 
-        group = args.kv_group or default_group_size(model.config.head_dim, args.kv_residual)
+        group = default_group_size(model.config.head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
         check_kivi_settings(args.kv_bits, group, args.kv_residual, model.config.head_dim)
         scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, group, args.kv_residual))
         report["kv_cache"] = {"kivi_bits": args.kv_bits, "group": group, "residual": args.kv_residual}

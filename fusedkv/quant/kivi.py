@@ -339,7 +339,8 @@ class KIVICache(Cache):
 
     def __init__(self, config, bits: int = 4, group_size: int | None = None,
                  residual_length: int = DEFAULT_RESIDUAL_LENGTH):
-        group_size = group_size or default_group_size(config.head_dim, residual_length)
+        if group_size is None:
+            group_size = default_group_size(config.head_dim, residual_length)
         check_kivi_settings(bits, group_size, residual_length, config.head_dim)
         storage = set(config.plan.storage_layers)
         layers = [KIVILayer(bits, group_size, residual_length) if i in storage else DummyLayer()
