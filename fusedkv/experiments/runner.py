@@ -169,6 +169,7 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             if record.get("key") == key or cached.exists():
                 result = {**(record if record.get("key") == key else json.loads(cached.read_text())),
                           "name": run["name"]}
+                result = _with_task_limit(result, task_limit, cached)
             elif finished_only:
                 if progress:
                     print(f"not finished: {run['name']} seed {seed}", flush=True)
@@ -205,6 +206,21 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             results.append(result)
             finished[(run["name"], seed)] = (key, result)
     return results
+
+
+def _with_task_limit(result: dict, task_limit: int | None, cached: Path) -> dict:
+    """A reused result scored on the local tasks under another --task-limit is scored again from its model
+    (or stripped of its task scores for 0), so no table mixes limits; training is not repeated."""
+    if result.get("task_limit") == task_limit:
+        return result
+    result = {k: v for k, v in result.items() if k != "tasks"} | {"task_limit": task_limit}
+    if task_limit:
+        from ..model import FusedKVForCausalLM
+
+        model = FusedKVForCausalLM.from_pretrained(result["checkpoint"]).eval()
+        result["tasks"] = _task_scores(model, result["checkpoint"], task_limit)
+    write_json_atomic(cached, result)
+    return result
 
 
 # TrainConfig fields that say where and how verbosely a run is written, not what it computes.
@@ -380,6 +396,7 @@ def _summarise(name: str, seed: int, res: dict, task_limit: int | None) -> dict:
         curve=[(r["tokens"], r["val_loss"]) for r in res.get("val_curve", []) if r.get("val_loss") is not None],
         tokens_per_s=res.get("tokens_per_s"), tokens_seen=res.get("tokens_seen"),
         init_val_loss=res.get("init_val_loss"),  # a run started from another model: its loss before training
+        task_limit=task_limit,
     )
     if out["init_val_loss"] is not None:
         out["curve"].insert(0, (0, out["init_val_loss"]))

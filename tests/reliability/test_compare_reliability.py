@@ -56,6 +56,18 @@ def test_a_preset_value_changed_through_the_file_is_another_run(cli, nano, tmp_p
     assert json.loads((out / "vanilla" / "seed0" / "result.json").read_text())["key"] != key
 
 
+def test_another_task_limit_rescores_without_training(cli, nano, tmp_path):
+    """A result scored with --task-limit 0 (no tasks) was reused as it was under --task-limit 2."""
+    spec, env = nano
+    out = tmp_path / "out"
+    assert cli("compare", spec, "--out", out, "--task-limit", "0", env=env, timeout=600).returncode == 0
+    assert "tasks" not in json.loads((out / "vanilla" / "seed0" / "result.json").read_text())
+    r = cli("compare", spec, "--out", out, "--task-limit", "2", env=env, timeout=600)
+    assert r.returncode == 0 and "[1/1]" not in r.stdout, r.stderr[-2000:]  # not trained again
+    result = json.loads((out / "vanilla" / "seed0" / "result.json").read_text())
+    assert result["task_limit"] == 2 and result["tasks"] and "task avg" in (out / "results.md").read_text()
+
+
 @pytest.mark.parametrize("runs, fragment", [
     ("[{name: fkv, plan: fusedkv}, {name: fkv, plan: fusedkv}]", "run name 'fkv' is used twice"),
     ("[{name: Lite, plan: fusedkv-lite}, {name: lite, plan: fusedkv}]", "share the directory 'lite'"),
