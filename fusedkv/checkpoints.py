@@ -9,14 +9,25 @@ last (atomically) by `write_manifest`, and `check_checkpoint_dir` (which `from_p
 verifies it, so flipped bytes inside `model.safetensors` are refused instead of producing NaN. A
 model directory without a manifest (`save_pretrained` by a user, `fusedkv convert`) still loads. Files
 are hashed once per process (streamed in 4 MiB blocks) while their size and modification time stay.
+
+Writing a model (`fusedkv convert`, `fusedkv prune`, any command that makes a model directory) goes
+through `check_destination` (before any work: never a file, never the source, never a directory that
+already holds files unless `overwrite`) and `write_directory_atomically` (a temporary directory beside
+the destination, renamed into place once complete), so no command loses a model.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+from .errors import RunError, UsageError
+from .utils import replace_dir
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -130,6 +141,56 @@ def check_checkpoint_dir(path, config=None, model_types: tuple[str, ...] = ("fus
     verify_manifest(p)  # trained models (RUN/final) carry one; others pass
     for w in weights:
         _check_safetensors(w)
+    for w in weights:
+        check_finite_safetensors(w)
+
+
+# (path, device, inode, size, mtime_ns) of safetensors files whose tensors were found finite.
+_FINITE: set[tuple] = set()
+
+
+def _non_finite(name: str, tensor) -> str | None:
+    """"NAME (N of M values NaN or inf)" when a floating tensor holds a non-finite value, else None."""
+    import torch
+
+    if not tensor.is_floating_point():
+        return None
+    bad = sum(int((~torch.isfinite(part)).sum()) for part in tensor.detach().reshape(-1).split(1 << 24))
+    return f"{name} ({bad} of {tensor.numel()} values NaN or inf)" if bad else None
+
+
+def _refuse_non_finite(what: str, found: list[str]) -> None:
+    if found:
+        more = f" and {len(found) - 1} more tensor(s)" if len(found) > 1 else ""
+        raise ValueError(f"{what} holds non-finite weights: {found[0]}{more}; the checkpoint is corrupt or its "
+                         "training diverged, so every result would be NaN. Use an intact copy or an earlier "
+                         "checkpoint")
+
+
+def check_finite_safetensors(file: str | Path) -> None:
+    """ValueError naming the tensor when a safetensors file holds a NaN or inf weight: such a model computes
+    NaN everywhere, so every command refuses it at load, before any work (once per file per process)."""
+    from safetensors import safe_open
+
+    file = Path(file)
+    st = file.stat()
+    key = (str(file.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _FINITE:
+        return
+    found = []
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            bad = _non_finite(name, f.get_tensor(name))
+            if bad:
+                found.append(bad)
+    _refuse_non_finite(str(file), found)
+    _FINITE.add(key)
+
+
+def check_finite_model(model, what: str) -> None:
+    """The same check on a model in memory (e.g. one just converted, before it is written)."""
+    found = [bad for name, t in model.state_dict().items() if (bad := _non_finite(name, t))]
+    _refuse_non_finite(what, found)
 
 
 def _check_safetensors(file: Path) -> None:
@@ -153,3 +214,42 @@ def _check_safetensors(file: Path) -> None:
             f"{file} is truncated or corrupt: its header describes {8 + n + end} bytes but the file has {size}; "
             "re-save the checkpoint"
         )
+
+
+def check_destination(dst: str | Path, overwrite: bool, source: str | Path | None = None,
+                      what: str = "destination") -> None:
+    """Refuse, before any work, a model destination that would lose data: a file, the source itself (or a
+    folder holding it), or a directory that already holds files (another model) without `overwrite`."""
+    dst = Path(dst)
+    if dst.exists() and not dst.is_dir():
+        raise UsageError(f"{what} {dst} is a file; give a directory to write the model to")
+    if source is not None and Path(source).exists():
+        src = Path(source).resolve()
+        if dst.resolve() == src or dst.resolve() in src.parents:
+            raise UsageError(f"{what} {dst} would replace the source {source}; choose another directory")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        held = " (a model)" if (dst / "config.json").exists() else ""
+        raise UsageError(f"{what} {dst} already holds files{held}; pass --overwrite (overwrite=True) to replace "
+                         "them, or choose a new directory")
+
+
+def write_directory_atomically(dst: str | Path, write, overwrite: bool = True) -> None:
+    """`write(tmp)` fills a temporary directory beside `dst` (same file system), which then replaces `dst`
+    by rename; on any failure the temporary directory is removed and `dst` is untouched. Without
+    `overwrite`, a `dst` that gained files while the model was being made is refused, not replaced."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        try:
+            write(tmp)
+        except Exception as e:
+            if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+                raise RunError(f"no space left on the device while writing {dst}; nothing was changed there, "
+                               "free some disk space and retry") from e
+            raise
+        check_destination(dst, overwrite)
+        replace_dir(tmp, dst)  # the old directory is deleted only once the new one is in place
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

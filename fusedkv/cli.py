@@ -128,7 +128,9 @@ def _add_generate(sub):
     p.add_argument("--kv-dtype", default=None, choices=precisions, help="KV cache dtype instead of --dtype's")
     p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
                    help="KIVI 2/4-bit KV cache (fusedkv.quant): keys per channel, values per token, recent ones exact")
-    p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
+    p.add_argument("--kv-group", type=argtypes.positive_int, default=None,
+                   help="KIVI group size G (default: 32, or the largest smaller size dividing the head "
+                   "dimension and --kv-residual)")
     p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
                    help="KIVI full-precision residual length R, a multiple of G (default 128)")
     p.set_defaults(func=_run_generate)
@@ -171,10 +173,11 @@ def _run_generate(args) -> None:
         return StaticKVCache(config, batch, max_len, kv_dtype, device)
 
     if args.kv_bits:  # the quantised cache instead (its residual window keeps the activations' dtype)
-        from .quant import check_kivi_settings, kivi_cache_factory
+        from .quant import check_kivi_settings, default_group_size, kivi_cache_factory
 
-        check_kivi_settings(args.kv_bits, args.kv_group, args.kv_residual, model.config.head_dim)
-        cache = kivi_cache_factory(args.kv_bits, args.kv_group, args.kv_residual)
+        group = default_group_size(model.config.head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
+        check_kivi_settings(args.kv_bits, group, args.kv_residual, model.config.head_dim)
+        cache = kivi_cache_factory(args.kv_bits, group, args.kv_residual)
 
     # The package's own loop: the compact static cache, prefill skipping, and the weight layout the
     # batch decodes fastest with (fusedkv.engine.packing).

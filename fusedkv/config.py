@@ -358,7 +358,7 @@ class FusedKVConfig(PreTrainedConfig):
         """Bytes of KV cache one token occupies, per sequence (2 * L * H_kv * D for vanilla, paper Table 1).
 
         With `context`, the average over a sequence of that many tokens: a sliding-window storage layer
-        holds only the last `sliding_window` tokens (paper App. A.6), so its share shrinks as the context
+        holds only the last `sliding_window - 1` tokens (paper App. A.6), so its share shrinks as the context
         grows. Without it every storage layer counts in full (exact for models without window layers)."""
         if self.kv_lora_rank is not None:  # MLA: the latent and the RoPE key, once per storage layer
             return len(self.plan.storage_layers) * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
@@ -366,7 +366,9 @@ class FusedKVConfig(PreTrainedConfig):
         plan = self.plan
         if context is None or SLIDING not in self.layer_types:
             return len(plan.storage_layers) * per_layer
-        held = sum(min(context, self.sliding_window) if plan.layers[i].attention_type == SLIDING else context
+        # A window layer's cache holds the last W - 1 tokens (the query's own token makes W), as
+        # StaticKVCache and transformers' DynamicSlidingWindowLayer do.
+        held = sum(min(context, self.sliding_window - 1) if plan.layers[i].attention_type == SLIDING else context
                    for i in plan.storage_layers)
         return per_layer * held / context
 

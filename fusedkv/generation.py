@@ -149,6 +149,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
             raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}; "
                              "give one mask entry per token")
         prompt_ids, prompt_mask = left_align(input_ids, attention_mask)
+        if callable(getattr(cache, "set_padding", None)):  # a cache that must not count padding (KIVI's groups)
+            cache.set_padding(prompt_mask)
         mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
         mask[:, :prompt_len] = prompt_mask
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)

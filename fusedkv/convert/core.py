@@ -8,18 +8,15 @@ other plan: the uptraining path (`fusedkv.train.distill`).
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from ..checkpoints import check_destination, check_finite_model, write_directory_atomically
 from ..config import FusedKVConfig
-from ..errors import RunError, UsageError
 from ..model import FusedKVForCausalLM
 from ..plan import VANILLA
 from .families import family_for
@@ -92,7 +89,7 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
     end, so a failed conversion (bad weights, a full disk, Ctrl-C) leaves `dst` as it was. A `dst` that
     already holds files is replaced only with `overwrite=True`."""
     src, dst = Path(src), Path(dst)
-    _check_destination(src, dst, overwrite)
+    check_destination(dst, overwrite, source=src)
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{src} has no config.json; pass a Hugging Face Qwen3 checkpoint directory")
@@ -107,6 +104,7 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
     if family is not None:
         state = family.prepare_state(state, config)  # the family's names and layouts -> fusedkv's
     model = from_qwen3_state(state, config, origin=str(src))
+    check_finite_model(model, str(src))  # NaN/inf weights would convert into a model that computes NaN
     if dtype is not None:
         model = model.to(dtype)
 
@@ -116,42 +114,5 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
             if (src / name).exists():
                 shutil.copy2(src / name, out / name)
 
-    _write_directory_atomically(dst, write)
+    write_directory_atomically(dst, write, overwrite)
     return model
-
-
-def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """Refuse, before any work, a destination that would lose data: a file, the source itself (or a folder
-    holding it), or a non-empty directory without `overwrite`."""
-    if dst.exists() and not dst.is_dir():
-        raise UsageError(f"destination {dst} is a file; give a directory to write the converted model to")
-    if src.exists() and (dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents):
-        raise UsageError(f"destination {dst} would replace the source {src}; choose another directory")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise UsageError(f"destination {dst} already holds files; pass --overwrite (overwrite=True) to replace "
-                         "them, or choose a new directory")
-
-
-def _write_directory_atomically(dst: Path, write) -> None:
-    """`write(tmp)` fills a temporary directory beside `dst` (same file system), which then replaces `dst`
-    by rename; on any failure the temporary directory is removed and `dst` is untouched."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        try:
-            write(tmp)
-        except Exception as e:
-            if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
-                raise RunError(f"no space left on the device while writing {dst}; nothing was changed there, "
-                               "free some disk space and retry") from e
-            raise
-        if dst.exists():  # swap: the old directory is deleted only once the new one is in place
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

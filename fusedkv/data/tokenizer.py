@@ -166,6 +166,20 @@ def tokenizer_sha256(tokenizer) -> str:
     return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
 
 
+def check_same_tokenizer(recorded: str | None, tokenizer, data: str, model: str) -> bool:
+    """Refuse (ValueError) token data whose metadata records another tokenizer's hash than `tokenizer`'s:
+    its ids would mean other strings to the model, and every number computed from them would be silently
+    wrong. Returns False when the data records no hash (nothing to compare)."""
+    if recorded is None:
+        return False
+    if recorded != tokenizer_sha256(tokenizer):
+        raise ValueError(f"{data} was tokenised with another tokenizer than {model}'s (tokenizer SHA-256 "
+                         f"{recorded[:12]}... in its metadata, {tokenizer_sha256(tokenizer)[:12]}... for {model}): "
+                         f"its token ids mean other text to this model. Prepare the data with {model}'s tokenizer "
+                         "(fusedkv.data.prepare_dataset(source, out, tokenizer=MODEL_DIR))")
+    return True
+
+
 def eos_token_id(tokenizer) -> int:
     """The id used to terminate documents: the tokenizer's EOS, else ``<|endoftext|>`` if present."""
     if tokenizer.eos_token_id is not None:

@@ -61,7 +61,9 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
     p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
                    help="score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
-    p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
+    p.add_argument("--kv-group", type=argtypes.positive_int, default=None,
+                   help="KIVI group size G (default: 32, or the largest smaller size dividing the head "
+                   "dimension and --kv-residual)")
     p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
                    help="KIVI full-precision residual length R, a multiple of G (default 128)")
     p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="write all results as JSON here")
@@ -100,6 +102,7 @@ def run(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from ..checkpoints import check_checkpoint_dir
     from ..data import read_text_file
     from ..model import FusedKVForCausalLM
 
@@ -108,8 +111,10 @@ def run(args) -> None:
     if text is not None and not text.strip():
         raise UsageError(f"--text {args.text} is empty")
     ckpt = Path(args.checkpoint)
-    model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
+    check_checkpoint_dir(ckpt)  # its errors first (from_pretrained does not repeat the work)
     tok = AutoTokenizer.from_pretrained(ckpt)
+    val_shard = _open_val(args.val, ckpt, tok) if args.val else None  # same tokenizer, before the model loads
+    model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"{ckpt}: tokenizer has {len(tok)} tokens, model vocab_size={model.config.vocab_size}")
     context = model.config.max_position_embeddings
@@ -133,17 +138,18 @@ def run(args) -> None:
     report: dict = {"checkpoint": str(ckpt), "plan": model.config.kv_sharing}
     scored = model
     if args.kv_bits:  # KIVI changes only what decoding sees: score one token per forward through its cache
-        from ..quant import KIVICache, check_kivi_settings
+        from ..quant import KIVICache, check_kivi_settings, default_group_size
         from ..quant.scoring import DecodeScorer
 
-        check_kivi_settings(args.kv_bits, args.kv_group, args.kv_residual, model.config.head_dim)
-        scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, args.kv_group, args.kv_residual))
-        report["kv_cache"] = {"kivi_bits": args.kv_bits, "group": args.kv_group, "residual": args.kv_residual}
-        print(f"KIVI {args.kv_bits}-bit KV cache (G={args.kv_group}, R={args.kv_residual}): loss and perplexity "
+        group = default_group_size(model.config.head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
+        check_kivi_settings(args.kv_bits, group, args.kv_residual, model.config.head_dim)
+        scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, group, args.kv_residual))
+        report["kv_cache"] = {"kivi_bits": args.kv_bits, "group": group, "residual": args.kv_residual}
+        print(f"KIVI {args.kv_bits}-bit KV cache (G={group}, R={args.kv_residual}): loss and perplexity "
               "scored token by token through it (lm-eval tasks score prefills, which KIVI keeps in full precision)")
 
     with torch.inference_mode():
-        report["val_loss"] = _validation_loss(scored, ckpt, args.val, window, args.batch_size, args.max_batches)
+        report["val_loss"] = _validation_loss(scored, ckpt, val_shard, window, args.batch_size, args.max_batches)
         report["val_ppl"] = math.exp(report["val_loss"])
         print(f"validation loss {report['val_loss']:.4f}   perplexity {report['val_ppl']:.2f}")
         from .perplexity import text_perplexity, wikitext_perplexity
@@ -202,23 +208,37 @@ def run(args) -> None:
             Path(args.json_path).write_text(json.dumps(report, indent=1, default=str))
 
 
-def _validation_loss(model, ckpt: Path, val: str | None, window: int, batch_size: int, max_batches: int) -> float:
-    """Mean token NLL on a token split: a prepared dataset's val.bin, a .bin, or the built-in held-out
-    works tokenised with the checkpoint's tokenizer."""
-    from ..data import TokenShard, iter_eval_batches, load_prepared_dataset, prepare_dataset
+def _open_val(val: str, ckpt: Path, tok):
+    """The token split `--val` names (a prepared dataset's val.bin, or a .bin), refused unless it was
+    tokenised with the checkpoint's tokenizer (the hash its metadata records)."""
+    import sys
+
+    from ..data import TokenShard, load_prepared_dataset
+    from ..data.tokenizer import check_same_tokenizer
+
+    path = Path(val)
+    if not path.exists():
+        raise UsageError(f"--val {val}: no such file or directory")
+    shard = load_prepared_dataset(path).val if path.is_dir() else TokenShard(path)
+    if not check_same_tokenizer(shard.meta.get("tokenizer_sha256"), tok, f"--val {val}", str(ckpt)):
+        print(f"fusedkv eval: warning: --val {val} records no tokenizer hash, so it cannot be checked against "
+              f"{ckpt}'s tokenizer", file=sys.stderr)
+    if shard.vocab_size and shard.vocab_size > len(tok):
+        raise UsageError(f"--val {val}: tokens from a {shard.vocab_size}-token vocabulary, {ckpt}'s tokenizer "
+                         f"has {len(tok)}")
+    return shard
+
+
+def _validation_loss(model, ckpt: Path, shard, window: int, batch_size: int, max_batches: int) -> float:
+    """Mean token NLL on a token split (`_open_val`), or on the built-in held-out works tokenised with the
+    checkpoint's tokenizer when `shard` is None."""
+    from ..data import iter_eval_batches, prepare_dataset
     from .perplexity import validation_loss
 
-    if val is None:
+    if shard is None:
         with tempfile.TemporaryDirectory() as tmp:
             shard = prepare_dataset("builtin", tmp, tokenizer=str(ckpt)).val
             return _loss(model, shard, window, batch_size, max_batches, validation_loss, iter_eval_batches)
-    path = Path(val)
-    if not path.exists():
-        raise ValueError(f"--val {val}: no such file or directory")
-    shard = load_prepared_dataset(path).val if path.is_dir() else TokenShard(path)
-    if shard.vocab_size and shard.vocab_size > model.config.vocab_size:
-        raise ValueError(f"--val {val}: tokens from a {shard.vocab_size}-token vocabulary, model has "
-                         f"{model.config.vocab_size}")
     return _loss(model, shard, window, batch_size, max_batches, validation_loss, iter_eval_batches)
 
 

@@ -51,7 +51,7 @@ def load_experiment(name_or_path: str) -> dict:
         raise ValueError(f"no experiment {name_or_path!r}; give a YAML file or one of {shipped}")
     spec = yaml.safe_load(path.read_text()) or {}
     if "extends" in spec:  # the parent's fields (runs, seeds, evaluate, ...) unless given; `base` merged
-        parent = load_experiment(str(path.parent / f"{spec.pop('extends')}.yaml"))
+        parent = load_experiment(str(_parent_file(path, spec.pop("extends"))))
         if "runs" in spec and "paired" not in spec and "paired" in parent:
             # Other runs: the parent's pairs among them, or (none left) the default, every run vs the first.
             names = {run.get("name") for run in spec["runs"] or [] if isinstance(run, dict)}
@@ -63,10 +63,36 @@ def load_experiment(name_or_path: str) -> dict:
         if "name" not in run or "plan" not in run:
             raise ValueError(f"{path}: run {i + 1} needs a 'name' and a 'plan'")
     names = [run["name"] for run in spec.get("runs", [])]
+    check_run_names(names, str(path))
     for pair in spec.get("paired") or []:  # checked now, not after hours of training
         if not (isinstance(pair, list) and len(pair) == 2 and all(n in names for n in pair)):
             raise ValueError(f"{path}: paired entry {pair!r} must be [RUN, REFERENCE], two of the run names {names}")
     return spec
+
+
+def _parent_file(path: Path, extends) -> Path:
+    """The file `extends: NAME` means in `path`: NAME(.yaml) beside it, else the shipped experiment NAME
+    (so a user's file can extend `_small` or `main`)."""
+    name = str(extends)
+    file = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+    for candidate in (path.parent / file, EXPERIMENTS_DIR / file):
+        if candidate.is_file():
+            return candidate
+    shipped = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+    raise ValueError(f"{path}: extends: {name!r} is neither a file beside it ({path.parent / file}) nor a shipped "
+                     f"experiment ({', '.join(shipped)})")
+
+
+def check_run_names(names: list, origin: str) -> None:
+    """Every run needs a name of its own: results, tables and run directories are keyed by it (two runs
+    of one name would merge into one row, and "Lite" and "lite" would share a directory)."""
+    seen: dict[str, str] = {}
+    for name in names:
+        other = seen.get(_slug(str(name)))
+        if other is not None:
+            same = "twice" if other == name else f"as {name!r} and {other!r}, which share the directory {_slug(name)!r}"
+            raise ValueError(f"{origin}: run name {other!r} is used {same}; give every run its own name")
+        seen[_slug(str(name))] = name
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -103,12 +129,27 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
     results = []
     finished: dict[tuple[str, int], tuple[str, dict]] = {}  # (run name, seed) -> (cache key, result)
     total = len(spec["runs"]) * len(seeds)
+    check_run_names([run["name"] for run in spec["runs"]], "the experiment")
     listed = set()
     for run in spec["runs"]:
         for what in ("from", "distill"):
             if what in run and run[what] not in listed:
                 raise ValueError(f"run {run['name']!r}: {what}: {run[what]!r} must name a run listed before it")
         listed.add(run["name"])
+    # Every (run, seed)'s settings are resolved and keyed before anything trains, so a bad one is reported
+    # at once; the key is the complete resolved TrainConfig (preset values filled in) plus the ancestors'
+    # keys and the evaluation, so any change to what a run computes makes it another run.
+    keys: dict[tuple[str, int], str] = {}
+    for run in spec["runs"]:
+        for seed in seeds:
+            own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
+            fields = {**_merge(_merge(base, own), overrides), "seed": seed}
+            # A chained run is another run whenever an ancestor is: its key includes theirs.
+            identity = {**_resolved(fields, run["name"]), **{k: keys[run[k], seed] for k in ("from", "distill")
+                                                               if k in run},
+                        **({"evaluate": evaluate} if evaluate else {})}
+            keys[run["name"], seed] = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str)
+                                                     .encode()).hexdigest()[:16]
     for run in spec["runs"]:
         for seed in seeds:
             run_dir = out_dir / _slug(run["name"]) / f"seed{seed}"
@@ -120,13 +161,15 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                     print(f"not finished: {run['name']} seed {seed}", flush=True)
                 continue
             parents = {k: finished[run[k], seed] for k in ("from", "distill") if k in run}
-            # A chained run is another run whenever an ancestor is: its key includes theirs.
-            identity = {**fields, **{k: key for k, (key, _) in parents.items()}, **({"evaluate": evaluate}
-                                                                                 if evaluate else {})}
-            key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            key = keys[run["name"], seed]
             cached = cache_dir / key / "result.json"
-            if done.exists() or cached.exists():
-                result = {**json.loads((done if done.exists() else cached).read_text()), "name": run["name"]}
+            # This experiment's own record counts only when it is of these very settings (a re-run into the
+            # same --out with a changed setting is another run).
+            record = json.loads(done.read_text()) if done.exists() else {}
+            if record.get("key") == key or cached.exists():
+                result = {**(record if record.get("key") == key else json.loads(cached.read_text())),
+                          "name": run["name"]}
+                result = _with_task_limit(result, task_limit, cached)
             elif finished_only:
                 if progress:
                     print(f"not finished: {run['name']} seed {seed}", flush=True)
@@ -155,12 +198,45 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                 if "retrieval" in evaluate:
                     result["retrieval"] = _retrieval(result["checkpoint"], evaluate["retrieval"])
                 result["config"] = fields
+                result["key"] = key
                 write_json_atomic(cached, result)  # a killed run never leaves a half result
+            result["key"] = key
             run_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(done, result)
             results.append(result)
             finished[(run["name"], seed)] = (key, result)
     return results
+
+
+def _with_task_limit(result: dict, task_limit: int | None, cached: Path) -> dict:
+    """A reused result scored on the local tasks under another --task-limit is scored again from its model
+    (or stripped of its task scores for 0), so no table mixes limits; training is not repeated."""
+    if result.get("task_limit") == task_limit:
+        return result
+    result = {k: v for k, v in result.items() if k != "tasks"} | {"task_limit": task_limit}
+    if task_limit:
+        from ..model import FusedKVForCausalLM
+
+        model = FusedKVForCausalLM.from_pretrained(result["checkpoint"]).eval()
+        result["tasks"] = _task_scores(model, result["checkpoint"], task_limit)
+    write_json_atomic(cached, result)
+    return result
+
+
+# TrainConfig fields that say where and how verbosely a run is written, not what it computes.
+_NOT_IDENTITY = ("out_dir", "progress", "resume", "overwrite")
+
+
+def _resolved(fields: dict, name: str) -> dict:
+    """The complete training settings of a run, as TrainConfig resolves them (the preset's values filled in);
+    a ValueError naming the run when they are invalid."""
+    from ..train import TrainConfig
+
+    try:
+        resolved = TrainConfig.from_dict(fields).to_dict()
+    except ValueError as e:
+        raise ValueError(f"run {name!r}: {e}") from e
+    return {k: v for k, v in resolved.items() if k not in _NOT_IDENTITY}
 
 
 def _resumable(train_dir: Path) -> bool:
@@ -320,6 +396,7 @@ def _summarise(name: str, seed: int, res: dict, task_limit: int | None) -> dict:
         curve=[(r["tokens"], r["val_loss"]) for r in res.get("val_curve", []) if r.get("val_loss") is not None],
         tokens_per_s=res.get("tokens_per_s"), tokens_seen=res.get("tokens_seen"),
         init_val_loss=res.get("init_val_loss"),  # a run started from another model: its loss before training
+        task_limit=task_limit,
     )
     if out["init_val_loss"] is not None:
         out["curve"].insert(0, (0, out["init_val_loss"]))

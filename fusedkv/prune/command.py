@@ -17,7 +17,10 @@ def register(sub) -> None:
         "below. Input norms come from random windows of the built-in corpus's training works, tokenised with the "
         "checkpoint's tokenizer. Prints the measured sparsity of every matrix.")
     p.add_argument("checkpoint", help="checkpoint directory (config, weights, tokenizer)")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--out", required=True, help="output checkpoint directory (new or empty)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it already holds files (it is replaced only once the pruned model is "
+                   "fully written)")
     p.add_argument("--sparsity", type=argtypes.float_range(0.0, 1.0, hi_open=True), default=None,
                    help="fraction of each row to zero (default 0.5)")
     p.add_argument("--nm", default=None, metavar="N:M", help="semi-structured: zero N of every M inputs, e.g. 2:4")
@@ -34,6 +37,7 @@ def run(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from ..checkpoints import check_destination, write_directory_atomically
     from ..model import FusedKVForCausalLM
     from .wanda import builtin_calibration_tokens, calibration_batches, check_prune_settings, parse_nm, wanda_prune
 
@@ -42,8 +46,7 @@ def run(args) -> None:
     if args.calib_seqs < 1:
         raise ValueError(f"--calib-seqs {args.calib_seqs}: need at least one calibration window")
     out = Path(args.out)
-    if out.resolve() == Path(args.checkpoint).resolve():
-        raise ValueError("--out is the input checkpoint; write the pruned model to a new directory")
+    check_destination(out, args.overwrite, source=args.checkpoint, what="--out")  # before any work
     model = FusedKVForCausalLM.from_pretrained(args.checkpoint).eval()
     try:
         tok = AutoTokenizer.from_pretrained(args.checkpoint)
@@ -60,8 +63,12 @@ def run(args) -> None:
           f"{len(model.model.layers)} layers")
     report = wanda_prune(model, calibration, sparsity, nm,
                          progress=lambda i: print(f"  layer {i + 1} pruned", flush=True))
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    write_directory_atomically(out, write, args.overwrite)
     width = max(len(r.name) for r in report)
     print(f"\n{'matrix':<{width}}  {'shape':>12}  sparsity")
     for r in report:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import RunError
+
 # The decoder block's linear maps, by their name inside a `DecoderLayer`.
 PRUNABLE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -123,6 +125,10 @@ def wanda_prune(model, calibration: list[torch.Tensor], sparsity: float | None =
     model.eval()
     for idx, layer in enumerate(model.model.layers):
         norms = input_square_norms(model, idx, calibration)
+        if not all(bool(torch.isfinite(n).all()) for n in norms.values()):
+            raise RunError(f"the inputs of decoder layer {idx} are not finite (NaN or inf) on the calibration "
+                           "windows: the model's activations overflow, so Wanda's scores mean nothing; nothing "
+                           "was written")
         for name, lin in block_linears(layer).items():
             mask = prune_mask(wanda_scores(lin.weight, norms[name]), sparsity, nm)
             lin.weight.masked_fill_(mask.to(lin.weight.device), 0.0)

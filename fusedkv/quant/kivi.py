@@ -21,10 +21,20 @@ Storage is real: codes are bit-packed along the channel axis (4 per byte at 2 bi
 In a FusedKV model only storage layers write a cache (`fusedkv.model.attention`): they call
 `cache.update` and attend over what it returns, and reconstruction layers fuse those same returned
 (dequantised) tensors, so every plan, `model.generate()` and the lean loop work unchanged.
+
+Padding: KIVI's key groups are runs of G tokens and its flushes follow the token count, so a left-padded
+row must not count its padding, or its groups would straddle padding and real tokens (pad keys joining
+the per-channel min/max) and fall on other columns than the same prompt's alone. `KIVICache.set_padding`
+(which `fusedkv.generation.generate` calls with the prompt's mask; call it yourself before
+`model.generate(attention_mask=...)`) gives each padded row a cache of its own that stores its real tokens
+only, aligned to its first one: the row then decodes exactly as the same prompt alone. Padding positions
+are returned as zeros (the attention mask hides them) and are not stored.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +44,15 @@ SUPPORTED_BITS = (2, 4)
 DEFAULT_GROUP_SIZE = 32  # KIVI's G and the FusedKV paper's setting
 DEFAULT_RESIDUAL_LENGTH = 128  # KIVI's R
 SCALE_DTYPE = torch.float16  # scales and zero points: 16 bits each
+
+
+def default_group_size(head_dim: int, residual_length: int = DEFAULT_RESIDUAL_LENGTH) -> int:
+    """The group size G a model gets when none is given: KIVI's 32 when it fits, else the largest smaller
+    size that divides both the head dimension (values are grouped along channels) and the residual length
+    (keys are quantised a whole group at a time): 32 for head_dim 64 or 128, 16 for head_dim 48 (the
+    default `fusedkv train` model), 8 for head_dim 40."""
+    common = math.gcd(head_dim, residual_length)
+    return max(g for g in range(1, DEFAULT_GROUP_SIZE + 1) if common % g == 0)
 
 
 def check_kivi_settings(bits: int, group_size: int, residual_length: int, head_dim: int | None = None) -> None:
@@ -206,6 +225,18 @@ class KIVILayer(CacheLayerMixin):
         self.quantized_keys: QuantizedKV | None = None
         self.quantized_values: QuantizedKV | None = None
         self.length = 0
+        # Left padding (`set_padding`): one single-row layer per row, holding its real tokens only, and the
+        # column of each row's first real token.
+        self.rows: list[KIVILayer] | None = None
+        self.starts: list[int] | None = None
+
+    def set_padding(self, starts: list[int]) -> None:
+        """Rows begin with `starts[b]` padding columns (before anything is stored): from now on each row is
+        quantised on its own, its groups aligned to its first real token, its padding never stored."""
+        if self.length:
+            raise ValueError("set the padding of a KIVI cache before the prompt is stored")
+        self.rows = [KIVILayer(self.bits, self.group_size, self.residual_length) for _ in starts]
+        self.starts = list(starts)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -215,6 +246,8 @@ class KIVILayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new tokens; return dequantised past + full-precision residual (new tokens
         included); then move what left the residual window into quantised storage."""
+        if self.rows is not None:
+            return self._update_rows(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=2)
@@ -227,6 +260,22 @@ class KIVILayer(CacheLayerMixin):
             values = torch.cat([dequantize(self.quantized_values, self.dtype), values], dim=2)
         self._flush()
         return keys, values
+
+    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`update` of a left-padded batch: each row's real new columns go to its own layer; the rows'
+        returns are put back on the batch's columns, padding as zeros."""
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        past, t = self.length, key_states.shape[2]
+        self.length += t
+        out_k = key_states.new_zeros(*key_states.shape[:2], self.length, key_states.shape[3])
+        out_v = value_states.new_zeros(*value_states.shape[:2], self.length, value_states.shape[3])
+        for b, (row, start) in enumerate(zip(self.rows, self.starts)):
+            first = min(max(start - past, 0), t)  # the first of the new columns that is a real token
+            k, v = row.update(key_states[b:b + 1, :, first:], value_states[b:b + 1, :, first:])
+            out_k[b, :, self.length - k.shape[2]:] = k[0]
+            out_v[b, :, self.length - v.shape[2]:] = v[0]
+        return out_k, out_v
 
     def _flush(self) -> None:
         r = self.residual_length
@@ -251,6 +300,8 @@ class KIVILayer(CacheLayerMixin):
         return self.length + query_length, 0
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.rows is not None:
+            return [t for row in self.rows for t in row.tensors()]
         out = [t for t in (self.keys, self.values) if t is not None]
         for q in (self.quantized_keys, self.quantized_values):
             if q is not None:
@@ -262,9 +313,15 @@ class KIVILayer(CacheLayerMixin):
         self.quantized_keys = self.quantized_values = None
         self.length = 0
         self.is_initialized = False
+        self.rows = self.starts = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
+            return
+        if self.rows is not None:
+            order = beam_idx.tolist()
+            self.rows = [copy.deepcopy(self.rows[i]) for i in order]  # a row may be chosen twice
+            self.starts = [self.starts[i] for i in order]
             return
         beam_idx = beam_idx.to(self.device)
         self.keys, self.values = self.keys.index_select(0, beam_idx), self.values.index_select(0, beam_idx)
@@ -276,11 +333,14 @@ class KIVILayer(CacheLayerMixin):
 
 class KIVICache(Cache):
     """A transformers `Cache` with a `KIVILayer` for each of the plan's storage layers (reconstruction
-    layers hold nothing). Pass it as `cache=` to the model, to `model.generate(past_key_values=...)`,
+    layers hold nothing); `group_size` None: `default_group_size` of the model's head dimension. Pass it
+    as `cache=` to the model, to `model.generate(past_key_values=...)`,
     or build it through `kivi_cache_factory` for `fusedkv.generation.generate`."""
 
-    def __init__(self, config, bits: int = 4, group_size: int = DEFAULT_GROUP_SIZE,
+    def __init__(self, config, bits: int = 4, group_size: int | None = None,
                  residual_length: int = DEFAULT_RESIDUAL_LENGTH):
+        if group_size is None:
+            group_size = default_group_size(config.head_dim, residual_length)
         check_kivi_settings(bits, group_size, residual_length, config.head_dim)
         storage = set(config.plan.storage_layers)
         layers = [KIVILayer(bits, group_size, residual_length) if i in storage else DummyLayer()
@@ -297,6 +357,19 @@ class KIVICache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length(layer_idx) + query_length, 0
+
+    def set_padding(self, attention_mask: torch.Tensor) -> None:
+        """Declare the prompt's left padding ([B, T] mask, 1 = real token) before the prompt is stored, so
+        that each row is quantised as it would be alone (module docstring). No padding: nothing changes."""
+        mask = attention_mask.bool()
+        starts = (~mask).long().sum(-1)
+        if bool((mask.long().argmax(-1) != starts).any() | ~mask[:, -1].all()):
+            raise ValueError("KIVICache.set_padding takes left padding only (each row: padding, then its tokens)")
+        if not bool(starts.any()):
+            return
+        for layer in self.layers:
+            if isinstance(layer, KIVILayer):
+                layer.set_padding(starts.tolist())
 
     def reset(self) -> None:
         for layer in self.layers:
@@ -319,9 +392,10 @@ class KIVICache(Cache):
         return sum(storages.values())
 
 
-def kivi_cache_factory(bits: int, group_size: int = DEFAULT_GROUP_SIZE,
+def kivi_cache_factory(bits: int, group_size: int | None = None,
                        residual_length: int = DEFAULT_RESIDUAL_LENGTH):
-    """A `cache_factory(config, batch, max_len, dtype, device)` for `fusedkv.generation.generate`."""
+    """A `cache_factory(config, batch, max_len, dtype, device)` for `fusedkv.generation.generate`
+    (`group_size` None: `default_group_size` of the model)."""
 
     def factory(config, batch_size=None, max_len=None, dtype=None, device=None):
         return KIVICache(config, bits, group_size, residual_length)

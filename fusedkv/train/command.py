@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, debug_enabled, report
+from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError, debug_enabled, report
 from ..plan import resolve_plan_choice
 from . import checkpoint as ckpt_io
 from .config import DISTRIBUTED_MODES, PLANS, PRESET_NAMES, resolve_config
@@ -224,6 +224,18 @@ def _run_dir_of(target: str) -> str:
     return str(p)
 
 
+def _check_init_from(cfg) -> None:
+    """--init-from is a local model directory: a missing one is named here, instead of transformers
+    taking the name for a Hugging Face hub id and failing on the network."""
+    if cfg.init_from is None or cfg.resume:
+        return
+    p = Path(cfg.init_from)
+    if not p.is_dir():
+        what = "is a file" if p.exists() else "does not exist"
+        raise UsageError(f"--init-from {cfg.init_from} {what}; give a saved model directory (config.json, weights, "
+                         "tokenizer), e.g. runs/tiny-fusedkv/final")
+
+
 def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -234,6 +246,7 @@ def handle(args: argparse.Namespace) -> int:
     try:
         with contextlib.ExitStack() as hold:
             cfg = build_config(args, hold)
+            _check_init_from(cfg)
             if args.print_config:
                 print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
                 return 0

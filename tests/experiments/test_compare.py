@@ -103,9 +103,10 @@ def test_compatibility_experiments_build_the_variants_they_name():
     main_base = load_experiment("main")["base"]
     expected = {"gqa": {"gqa": 0.5, "gqa-fusedkv": 0.25}, "moe": {"moe": 1.0, "moe-fusedkv": 0.5},
                 "mla": {"mla": 0.5, "mla-fusedkv": 0.25}, "quant": {"vanilla": 1.0, "fusedkv": 0.5},
-                # 6 window layers hold 32 of 128 tokens, 2 full layers all 128 (+W: 3 + 2 storage, +WF: 3 + 1)
-                "swa": {"swa": (6 * 32 + 2 * 128) / 1024, "swa-fusedkv-W": (3 * 32 + 2 * 128) / 1024,
-                        "swa-fusedkv-WF": (3 * 32 + 128) / 1024}}
+                # 6 window layers (W = 32) hold 31 of 128 tokens, 2 full layers all 128 (+W: 3 + 2 storage,
+                # +WF: 3 + 1)
+                "swa": {"swa": (6 * 31 + 2 * 128) / 1024, "swa-fusedkv-W": (3 * 31 + 2 * 128) / 1024,
+                        "swa-fusedkv-WF": (3 * 31 + 128) / 1024}}
     for name, fractions in expected.items():
         spec = load_experiment(name)
         assert spec["base"] == main_base and spec["seeds"] == [0, 1, 2]

@@ -235,8 +235,10 @@ def test_left_padded_batches_agree_between_generate_paths():
     ids = torch.randint(1, 97, (2, 11))
     mask = torch.ones_like(ids)
     ids[0, :4], mask[0, :4] = 0, 0
+    cache = KIVICache(model.config, 2, 4, 8)
+    cache.set_padding(mask)  # what fusedkv.generation.generate does: rows quantised as if alone
     with torch.no_grad():
         hf = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
-                            cache=KIVICache(model.config, 2, 4, 8))
+                            cache=cache)
     lean = generate(model, ids, 20, attention_mask=mask, cache_factory=kivi_cache_factory(2, 4, 8))
     assert torch.equal(lean.tokens, hf)

@@ -192,6 +192,22 @@ def nan_ckpt(tmp_path_factory, tiny_ckpt) -> Path:
 
 
 @pytest.fixture(scope="session")
+def overflow_ckpt(tmp_path_factory, tiny_ckpt) -> Path:
+    """The tiny checkpoint with finite weights whose logits overflow (final norm weight 3e38): passes the
+    load-time weight check, computes NaN logits, as a diverged-but-finite model does."""
+    from fusedkv import FusedKVForCausalLM
+
+    path = tmp_path_factory.mktemp("overflow-ckpt")
+    model = FusedKVForCausalLM.from_pretrained(tiny_ckpt)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3e38)
+    model.save_pretrained(path)
+    for f in tiny_ckpt.glob("tokenizer*"):
+        shutil.copy2(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
 def qwen3_src(tmp_path_factory) -> Path:
     """A tiny random Hugging Face Qwen3 checkpoint, as `fusedkv convert` takes."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

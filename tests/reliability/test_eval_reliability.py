@@ -80,9 +80,13 @@ def test_checkpoint_that_is_not_one(cli, tiny_val, bad_files, qwen3_src):
     assert_one_line_error(ev(cli, qwen3_src, tiny_val), 2, "fusedkv convert")
 
 
-def test_nan_weights_fail_instead_of_printing_nan(cli, nan_ckpt, tiny_val):
-    """Corrupted weights gave "validation loss nan" with exit 0."""
+def test_nan_weights_fail_instead_of_printing_nan(cli, nan_ckpt, overflow_ckpt, tiny_val):
+    """Corrupted weights gave "validation loss nan" with exit 0. Now a NaN weight is refused at load
+    (exit 2), and finite weights whose logits overflow fail while running (exit 1)."""
     r = ev(cli, nan_ckpt, tiny_val)
+    assert_one_line_error(r, 2, "holds non-finite weights", "model.norm.weight")
+    assert "nan" not in r.stdout
+    r = ev(cli, overflow_ckpt, tiny_val)
     assert_one_line_error(r, 1, "validation loss is nan", "not finite")
     assert "nan" not in r.stdout
 

@@ -57,8 +57,16 @@ def test_empty_prompt_and_bad_checkpoints(cli, tiny_ckpt, bad_files, qwen3_src):
 
 
 @pytest.mark.parametrize("sampling", [("--greedy",), ("--temperature", "0.8")])
-def test_nan_logits_are_an_error(cli, nan_ckpt, sampling):
-    """Was: --greedy printed tokens from NaN logits with exit 0 (sampling died in torch.multinomial)."""
-    r = cli("generate", nan_ckpt, "--max-new-tokens", "3", *sampling)
+def test_nan_logits_are_an_error(cli, overflow_ckpt, sampling):
+    """Was: --greedy printed tokens from NaN logits with exit 0 (sampling died in torch.multinomial).
+    Finite weights whose logits overflow: a failure while running (exit 1)."""
+    r = cli("generate", overflow_ckpt, "--max-new-tokens", "3", *sampling)
     assert_one_line_error(r, 1, "logits are not finite")
+    assert r.stdout == ""
+
+
+def test_nan_weights_are_refused_at_load(cli, nan_ckpt):
+    """A NaN weight (corrupt bytes) is refused when the checkpoint loads, naming the tensor (exit 2)."""
+    r = cli("generate", nan_ckpt, "--max-new-tokens", "3", "--greedy")
+    assert_one_line_error(r, 2, "holds non-finite weights", "model.norm.weight (1 of 64 values NaN or inf)")
     assert r.stdout == ""
