@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from ..data.synthetic import versioned_spec
 from ..errors import Stopped
 from ..plan import resolve_plan_choice
 from ..utils import slug, write_json_atomic
@@ -115,6 +116,8 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             done = run_dir / "result.json"
             own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
             fields = {**_merge(_merge(base, own), overrides), "seed": seed}
+            if "data" in fields:  # the MQAR format is part of the key: runs of a withdrawn format are not reused
+                fields["data"] = versioned_spec(fields["data"])
             if finished_only and any((run[k], seed) not in finished for k in ("from", "distill") if k in run):
                 if progress:  # an ancestor has not finished, so neither has this run
                     print(f"not finished: {run['name']} seed {seed}", flush=True)
