@@ -203,6 +203,16 @@ def above_floor(accuracy: float | None, pairs: int, num_samples: int, alpha: flo
     return binomial_sf(round(accuracy * n / 100.0), n, 1.0 / pairs) < alpha
 
 
+def learned(result: dict, length: int | None = None) -> bool:
+    """Whether a model has learned the MQAR lookup at `length` (default: the shortest length scored): every
+    pair count scored there is significantly above its random-copy floor (`above_floor`)."""
+    samples = result.get("num_samples", 0)
+    cells = {int(p): _get(row, length if length is not None else min(int(L) for L in result["lengths"]))
+             for p, row in result["mqar"].items()}
+    scored = {p: v for p, v in cells.items() if v is not None}
+    return bool(scored) and all(above_floor(v, p, samples) for p, v in scored.items())
+
+
 def format_retrieval(result: dict) -> str:
     """Markdown: one row per MQAR pair count and one for passkeys, one column per length, each MQAR row with
     its random-copy floor; `*` marks a cell significantly above that floor (`above_floor`)."""

@@ -61,6 +61,11 @@ def run(args) -> None:
     paired = paired_table(results, spec.get("paired"))
     if paired:
         table += "\n\nPaired differences, seed by seed (t on seeds - 1 degrees of freedom):\n\n" + paired
+    from .verdicts import experiment_claims, verdict_table
+
+    claims = experiment_claims(spec, results)  # the file's `claims:`, judged by one rule (docs/evidence.md)
+    if claims:
+        table += "\n\nVerdicts on the paper's claims:\n\n" + verdict_table(claims)
     plot_curves(results, out / "curves.png", spec.get("description", name))
     (out / "results.md").write_text(f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
     print(table)

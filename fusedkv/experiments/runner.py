@@ -226,6 +226,7 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
     score (accuracy averaged over the pair counts) per length, mean ± std over seeds, and the paired
     differences of that score (`pairs`, as for `paired_table`); then one table per run, mean over seeds."""
     from ..eval.retrieval import format_retrieval, plot_retrieval
+    from .verdicts import retrieval_floors
 
     per_run: dict[str, dict] = {}
     for name in dict.fromkeys(r["name"] for r in results):
@@ -245,6 +246,7 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
     text = f"# {title}: retrieval accuracy (%), {seeds} seed(s)\n\n"
     text += "## MQAR score: accuracy averaged over the pair counts, mean ± std over seeds\n\n"
     text += _mqar_score_table(results)
+    text += "\n\n" + retrieval_floors(results)  # the floors beside the scores, and who learned the lookup
     paired = _mqar_paired_table(results, pairs)
     if paired:
         text += ("\n\nPaired differences of the MQAR score, seed by seed, at the longest length both runs "
