@@ -11,6 +11,8 @@ by seed; its two-sided paired t test on seeds - 1 degrees of freedom gives p. Th
   word for this case; folding it into either neighbour would say more than the data);
 * **not reproduced**: the opposite direction, p < 0.05;
 * **not testable here**: the setting cannot measure the claim (the reason is given);
+* one seed gives a direction and no test: "same direction, inconclusive" or "opposite direction,
+  inconclusive", never more;
 * **beyond the paper**: the paper makes no claim about this comparison.
 
 The verdict uses the per-test p. Because many tests are run, the table also gives Holm's step-down
@@ -106,10 +108,10 @@ def verdict(mean: float | None, p: float | None, paper_sign: int | None, not_tes
         return BEYOND
     if paper_sign not in (-1, 1):
         raise ValueError(f"paper_sign={paper_sign}: the paper's direction is -1 or +1")
-    if mean is None or p is None:
-        raise ValueError("a testable claim needs a paired mean and p")
+    if mean is None:
+        raise ValueError("a testable claim needs a paired mean")
     same = mean * paper_sign > 0
-    if p < alpha:
+    if p is not None and p < alpha:  # p None: one seed, a direction without a test
         return REPRODUCED if same else NOT_REPRODUCED
     return SAME_INCONCLUSIVE if same else OPPOSITE_INCONCLUSIVE
 
@@ -138,10 +140,11 @@ def verdict_rows(claims: Sequence[Claim]) -> list[dict]:
         if c.paper == 0:
             raise ValueError(f"{c.label}: the paper's value 0 is no direction; give its sign or no claim (null)")
         sign = None if c.paper is None else (1 if c.paper > 0 else -1)
-        reason = c.not_testable or (None if t is not None or sign is None else "fewer than two seeds")
-        rows.append({"claim": c, "test": t, "p": pi, "holm": adj,
-                     "verdict": verdict(t and t.mean, pi, sign, reason),
-                     "verdict_holm": verdict(t and t.mean, adj, sign, reason), "reason": reason})
+        mean = t.mean if t is not None else (float(c.diffs[0]) if len(c.diffs) == 1 else None)
+        reason = c.not_testable or (None if mean is not None or sign is None else "not measured")
+        rows.append({"claim": c, "test": t, "mean": mean, "p": pi, "holm": adj,
+                     "verdict": verdict(mean, pi, sign, reason),
+                     "verdict_holm": verdict(mean, adj, sign, reason), "reason": reason})
     return rows
 
 
@@ -156,8 +159,8 @@ def verdict_table(claims: Sequence[Claim]) -> str:
         c, t = r["claim"], r["test"]
         k = c.digits
         paper = "no claim" if c.paper is None else f"{c.paper:+g}" + (f" ({c.source})" if c.source else "")
-        seeds = ", ".join(f"{x:+.{k}f}" for x in t.diffs) if t else "–"
-        spread = f"{t.mean:+.{k}f} ± {t.std:.{k}f}" if t else "–"
+        seeds = ", ".join(f"{float(x):+.{k}f}" for x in c.diffs) or "–"
+        spread = f"{t.mean:+.{k}f} ± {t.std:.{k}f}" if t else ("one seed, no test" if r["mean"] is not None else "–")
         tcol = f"{t.t:+.1f}" if t else "–"
         pcol = "–" if r["p"] is None else f"{r['p']:.3f}"
         hcol = "–" if r["holm"] is None else f"{r['holm']:.3f}"
@@ -240,3 +243,19 @@ def retrieval_floors(results: list[dict]) -> str:
               f"{sum(r['name'] == n for r in scored)}" for n in names]
     return ("\n".join(lines) + "\n\nSeeds that learned the lookup (every pair count at the shortest length "
             "above its random-copy floor, one-sided exact binomial test, p < 0.05): " + ", ".join(learnt) + ".")
+
+
+def claims_from_json(path) -> list[Claim]:
+    """Claims recorded in a JSON file: a list of {label, paper, source, diffs, not_testable, digits}."""
+    import json
+    from pathlib import Path
+
+    return [Claim(**entry) for entry in json.loads(Path(path).read_text())]
+
+
+if __name__ == "__main__":  # python -m fusedkv.experiments.verdicts CLAIMS.json: the verdict table of a record
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m fusedkv.experiments.verdicts CLAIMS.json")
+    print(verdict_table(claims_from_json(sys.argv[1])))

@@ -60,6 +60,8 @@ def test_the_rule_refuses_what_it_cannot_judge():
         v.verdict(0.1, 0.01, 2)
     with pytest.raises(ValueError, match="paired mean"):
         v.verdict(None, None, -1)
+    # One seed: a direction, no test, never more than inconclusive.
+    assert v.verdict(-0.2, None, -1) == v.SAME_INCONCLUSIVE and v.verdict(0.2, None, -1) == v.OPPOSITE_INCONCLUSIVE
     with pytest.raises(ValueError, match="no direction"):
         v.verdict_rows([v.Claim("a − b", 0.0, diffs=[0.1, 0.2])])
 
@@ -72,16 +74,17 @@ def test_verdict_table_applies_holm_over_the_tests_only():
         v.Claim("distil − lm", None, "", [-0.04, -0.03, -0.04]),                          # beyond
         v.Claim("lite − vanilla (MQAR)", -6.8, "Table 16", [40.0, 30.0, 20.0], not_testable="format 1"),
     ]
+    claims.append(v.Claim("reversed − lite", +0.01, "Fig. 8", [0.26]))  # one seed: no test, not in the family
     rows = v.verdict_rows(claims)
     assert [r["verdict"] for r in rows] == [v.SAME_INCONCLUSIVE, v.REPRODUCED, v.OPPOSITE_INCONCLUSIVE, v.BEYOND,
-                                           v.NOT_TESTABLE]
-    assert [r["p"] is None for r in rows] == [False, False, False, True, True]  # 3 tests in the family
+                                           v.NOT_TESTABLE, v.SAME_INCONCLUSIVE]
+    assert [r["p"] is None for r in rows] == [False, False, False, True, True, True]  # 3 tests in the family
     lite = rows[1]
     assert lite["holm"] == pytest.approx(3 * lite["p"]) and lite["verdict_holm"] == v.REPRODUCED
     table = v.verdict_table(claims)
     assert "Holm p (3 tests)" in table and "3 tests in this table" in table
     assert "| lite − vanilla (MQAR) | -6.8 (Table 16) |" in table and "not testable here (format 1)" in table
-    assert "| distil − lm | no claim |" in table
+    assert "| distil − lm | no claim |" in table and "| +0.2600 | one seed, no test |" in table
 
 
 def test_experiment_claims_measure_loss_and_mqar_with_the_floor_rule():
@@ -104,3 +107,17 @@ def test_experiment_claims_measure_loss_and_mqar_with_the_floor_rule():
     _, mqar = v.experiment_claims(spec, results)
     assert "not learned the lookup" in mqar.not_testable
     assert v.verdict_rows([mqar])[0]["verdict"] == v.NOT_TESTABLE
+
+
+def test_claims_from_a_json_record(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    record = tmp_path / "claims.json"
+    record.write_text(json.dumps([{"label": "fusedkv − vanilla", "paper": -0.02, "source": "Table 2",
+                                   "diffs": [-0.053, -0.039, -0.018]}]))
+    assert v.claims_from_json(record)[0].diffs == [-0.053, -0.039, -0.018]
+    out = subprocess.run([sys.executable, "-m", "fusedkv.experiments.verdicts", str(record)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "| fusedkv − vanilla | -0.02 (Table 2) |" in out and "same direction, inconclusive" in out
