@@ -105,8 +105,16 @@ def test_experiment_claims_measure_loss_and_mqar_with_the_floor_rule():
     # A vanilla seed at its random-copy floor (50% for 2 pairs, 25% for 4 at 64 tokens): not testable.
     results[2]["retrieval"]["mqar"] = {2: {64: 50.0, 128: 50.0}, 4: {64: 25.0, 128: 25.0}}
     _, mqar = v.experiment_claims(spec, results)
-    assert "not learned the lookup" in mqar.not_testable
+    assert "vanilla has not learned the lookup" in mqar.not_testable
     assert v.verdict_rows([mqar])[0]["verdict"] == v.NOT_TESTABLE
+    # A claim between two plans is gated on the baseline named by `gate`, not on its reference.
+    gated = {"claims": [{"pair": ["lite", "yoco"], "metric": "mqar", "paper": 25.0, "gate": "vanilla"}]}
+    results += [res("yoco", s, 4.0, 60.0) for s in range(3)]
+    (claim,) = v.experiment_claims(gated, results)
+    assert "vanilla has not learned" in claim.not_testable
+    results[2]["retrieval"]["mqar"] = {2: {64: 95.0, 128: 50.0}, 4: {64: 95.0, 128: 25.0}}
+    (claim,) = v.experiment_claims(gated, results)
+    assert claim.not_testable is None and len(claim.diffs) == 3
 
 
 def test_claims_from_a_json_record(tmp_path):
