@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
-import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -102,48 +103,13 @@ def test_score_counts_answers_and_samples(tokenizer, words):
     assert r["accuracy"] == 100.0
 
 
-class _Scripted(torch.nn.Module):
-    """A scripted MQAR predictor: after each query key of the Recall section it predicts the tokens of the
-    value `strategy` picks, as greedy decoding would emit them (the text up to the key, then the value,
-    tokenised whole); it reads only its input, never ahead. Strategies: "lookup" (the key's value),
-    "copy" (a value of the pair list at random), "eliminate" (a value of the list not seen in the Recall
-    section so far, as a model answering by elimination would), "uniform" (any two-digit number)."""
-
-    def __init__(self, tokenizer, strategy, seed=0):
-        super().__init__()
-        self.config = SimpleNamespace(max_position_embeddings=10_000)
-        self.tok, self.strategy, self.seed = tokenizer, strategy, seed
-        self.w = torch.nn.Parameter(torch.zeros(1))
-
-    def _pick(self, kv: dict, key: str, recalled: str, rng: random.Random) -> str:
-        if self.strategy == "lookup":
-            return kv[key]
-        if self.strategy == "uniform":
-            return str(rng.randrange(10, 100))
-        values = list(kv.values())
-        if self.strategy == "eliminate":
-            values = [v for v in values if v not in re.findall(r"\d+", recalled)] or values
-        return rng.choice(values)
-
-    def forward(self, input_ids, use_cache=False):
-        vocab = len(self.tok)
-        logits = torch.zeros(*input_ids.shape, vocab)
-        for r, row in enumerate(input_ids.tolist()):
-            while row and row[-1] == 0:  # right padding
-                row.pop()
-            text = self.tok.decode(row)
-            head, _, _ = text.partition("\n")
-            kv = dict(item.split(" ") for item in head.removeprefix("Pairs: ").rstrip(".").split(", "))
-            start = text.index("Recall:")
-            for m in re.finditer(r" ([a-z]+) (\d+)", text[start:]):
-                a = start + m.start(2)  # where the value after this key starts
-                rng = random.Random(f"{self.seed}:{text[:a]}")
-                guess = self._pick(kv, m.group(1), text[start:a], rng)
-                enc = self.tok(text[:a] + guess, add_special_tokens=False, return_offsets_mapping=True)
-                for t, (_, e0) in enumerate(enc["offset_mapping"]):
-                    if e0 > a and t < len(row):
-                        logits[r, t - 1, enc["input_ids"][t]] = 1.0
-        return SimpleNamespace(logits=logits)
+def _floors():
+    """scripts/mqar_floors.py: the scripted predictors (loaded from the script, defined once there)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "mqar_floors.py"
+    spec = importlib.util.spec_from_file_location("mqar_floors", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("pairs", [2, 4, 8])
@@ -153,11 +119,12 @@ def test_scripted_predictors_through_the_scorer_prove_the_floors(tokenizer, word
     answer is visible to eliminate), a uniform guess ~1/90; only lookup is above the random-copy floor.
     On the withdrawn format (each earlier gold answer in the text) the same eliminator beats 1/P: the test
     can tell the two formats apart."""
+    floors = _floors()
     samples = mqar_samples(tokenizer, pairs, 200, 40, seed=pairs, words=words)
     multi = [len(encode_with_answers(tokenizer, p)[1][0]) > 1 for s in samples for p in s.scored()]
     assert any(multi)  # values of several tokens are scored too (this BPE splits some two-digit numbers)
-    acc = {name: score_samples(_Scripted(tokenizer, name), tokenizer, samples, batch_size=16)["accuracy"]
-           for name in ("lookup", "copy", "eliminate", "uniform")}
+    acc = {name: score_samples(floors.ScriptedMQAR(tokenizer, name), tokenizer, samples, batch_size=16)["accuracy"]
+           for name in floors.STRATEGIES}
     floor = random_copy_floor(pairs)
     assert acc["lookup"] == 100.0
     assert abs(acc["copy"] - floor) < 10 and abs(acc["eliminate"] - floor) < 10
@@ -167,18 +134,10 @@ def test_scripted_predictors_through_the_scorer_prove_the_floors(tokenizer, word
     assert above_floor(acc["lookup"], pairs, n) and not above_floor(acc["copy"], pairs, n)
     assert not above_floor(acc["eliminate"], pairs, n)
     # The withdrawn format: the same samples with every gold value in its slot, scored in one text.
-    old = [TextSample("mqar", _with_golds(s), s.answers, pairs) for s in samples]
-    eliminated = score_samples(_Scripted(tokenizer, "eliminate"), tokenizer, old, batch_size=16)["accuracy"]
+    old = [TextSample("mqar", floors.with_golds(s), s.answers, pairs) for s in samples]
+    eliminated = score_samples(floors.ScriptedMQAR(tokenizer, "eliminate"), tokenizer, old, batch_size=16)["accuracy"]
     expected = 100 * sum(1 / k for k in range(1, pairs + 1)) / pairs  # 1/P, 1/(P-1), ..., 1 over the queries
     assert abs(eliminated - expected) < 10 and eliminated > floor + 15
-
-
-def _with_golds(s) -> str:
-    text, shift = s.text, 0
-    for (a, b), gold in zip(s.answers, s.golds):
-        text = text[: a + shift] + gold + text[b + shift:]
-        shift += len(gold) - (b - a)
-    return text
 
 
 def test_floors_and_the_binomial_test():
