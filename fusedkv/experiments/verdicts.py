@@ -175,6 +175,25 @@ def verdict_table(claims: Sequence[Claim]) -> str:
 
 
 # ---- claims of an experiment file ---------------------------------------------------------------------------
+def check_claims(spec: dict) -> None:
+    """The file's `claims:` checked when it is read, not after hours of training: ValueError naming the
+    entry. A pair naming runs the file does not list is allowed (a file that `extends` another with a
+    subset of its runs keeps its parent's claims; `experiment_claims` leaves those out)."""
+    for i, entry in enumerate(spec.get("claims") or []):
+        where = f"claims entry {i + 1} ({entry!r})"
+        if not isinstance(entry, dict) or not (isinstance(entry.get("pair"), list) and len(entry["pair"]) == 2):
+            raise ValueError(f"{where}: needs pair: [RUN, REFERENCE]")
+        unknown = set(entry) - {"pair", "metric", "paper", "source", "not_testable", "gate"}
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}")
+        if entry.get("metric", "val_loss") not in ("val_loss", "mqar"):
+            raise ValueError(f"{where}: metric must be val_loss or mqar")
+        paper = entry.get("paper")
+        if paper is not None and (isinstance(paper, bool) or not isinstance(paper, (int, float)) or paper == 0):
+            raise ValueError(f"{where}: paper must be the paper's nonzero difference (its sign is the claim), "
+                             "or null for no claim")
+
+
 def experiment_claims(spec: dict, results: list[dict]) -> list[Claim]:
     """The `claims:` of an experiment file, measured on `results` (a claim whose runs did not finish is
     left out). Each entry: `{pair: [RUN, REFERENCE], metric: val_loss | mqar, paper: VALUE (or null: no

@@ -129,3 +129,25 @@ def test_claims_from_a_json_record(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fusedkv.experiments.verdicts", str(record)], capture_output=True,
                          text=True, check=True).stdout
     assert "| fusedkv − vanilla | -0.02 (Table 2) |" in out and "same direction, inconclusive" in out
+
+
+@pytest.mark.parametrize("entry,msg", [
+    ({"pair": ["a"]}, "pair: \\[RUN, REFERENCE\\]"),
+    ({"pair": ["a", "b"], "metric": "ppl"}, "val_loss or mqar"),
+    ({"pair": ["a", "b"], "paper": 0}, "nonzero"),
+    ({"pair": ["a", "b"], "paper": "lower"}, "nonzero"),
+    ({"pair": ["a", "b"], "papr": -1}, "unknown key"),
+])
+def test_claims_are_checked_when_the_file_is_read(entry, msg):
+    with pytest.raises(ValueError, match=msg):
+        v.check_claims({"claims": [entry]})
+
+
+def test_the_shipped_claims_are_well_formed():
+    from fusedkv.experiments.runner import load_experiment
+
+    for name in ("main", "long", "uptrain", "retrieval", "passkey"):
+        spec = load_experiment(name)
+        v.check_claims(spec)
+        runs = {r["name"] for r in spec["runs"]}
+        assert all(set(c["pair"]) <= runs and c.get("gate", c["pair"][1]) in runs for c in spec["claims"]), name
