@@ -4,11 +4,17 @@ Tiny models score zero on long-context suites (the paper's Table 16) because not
 asks them to retrieve. This module writes retrieval *as text documents*, so the ordinary shard pipeline
 (`fusedkv.data.prepare_dataset`) tokenises them with the run's own BPE and the trainer needs no change:
 
-* **MQAR** (multi-query associative recall, Zoology: Arora et al., 2023, arXiv:2312.04927): a block of
-  key-value pairs (`Pairs: apple 37, river 82, ...`), optionally natural text in between (the *gap*, so
-  length varies independently of the number of pairs), then queries that repeat keys in another order,
-  each followed by its value (`Recall: river 82, apple 37.`). The model must produce each value after
-  its key.
+* **MQAR** (multi-query associative recall, Zoology: Arora et al., 2023, arXiv:2312.04927), as Zoology
+  defines it: a block of key-value pairs with distinct keys and distinct values (`Pairs: apple 37, river
+  82, ...`), optionally natural text in between (the *gap*, so length varies independently of the number
+  of pairs), then queries that repeat keys in another order. As in Zoology the input at every answer
+  position is a random token, not the answer: here a random value of the same width that is none of the
+  sample's values (`Recall: river 54, apple 19.`), so no earlier query's answer is visible and a later
+  query cannot be answered by elimination. Each query is scored on its own prompt, the text up to its
+  key followed by its gold value (`TextSample.scored`), which handles values of several tokens; a
+  model that copies a value of the pair list at random scores 1/P (the *random-copy floor*), one that
+  guesses a value uniformly 1/90. Format version `MQAR_FORMAT` (2); version 1 (values drawn with
+  replacement, earlier answers visible) was withdrawn (docs/evidence.md).
 * **Passkey** (Mohtashami & Jaggi, 2023; the needle-in-a-haystack test): one number hidden at a random
   depth in natural text from the built-in corpus, asked for at the end.
 * **RULER-style** tasks: the project's generators (`fusedkv.eval.ruler_tasks`), reused as they are, with
@@ -21,14 +27,16 @@ asks them to retrieve. This module writes retrieval *as text documents*, so the 
 Every sample records the character spans of the answers, so an evaluation can score exactly the answer
 tokens (`fusedkv.eval.retrieval`). Everything is deterministic in (seed, index) and offline.
 
-The mixture is a data-source spec: ``mix:builtin:FRACTION[:words=N][:tasks=A+B][:loss=all|answers]``
+The mixture is a data-source spec: ``mix:builtin:FRACTION[:words=N][:tasks=A+B][:loss=all|answers][:mqar=2]``
 (e.g. ``--data mix:builtin:0.25``) is the built-in corpus plus synthetic documents making up FRACTION of the characters,
 each about N words of filler (default 80: sized to a 128-token training context). ``tasks`` picks the
 synthetic tasks, in equal shares (default: MQAR 50%, passkey 30%, RULER-style 20%). ``loss=answers``
 trains the synthetic documents on their answer tokens only (Zoology's MQAR objective; `TargetedText`, a
 loss mask in the shards); the default ``loss=all`` trains on every token, like the corpus. Validation
 stays on the corpus's held-out works (the synthetic documents all go to training), so validation losses
-compare with corpus-only runs.
+compare with corpus-only runs. A mixture with MQAR names its format (``:mqar=2``) in its spec, so data of a
+withdrawn format is never taken for the current one: `versioned_spec` adds it to a spec that omits it
+(`fusedkv compare` keys its cached runs on that).
 """
 
 from __future__ import annotations
@@ -58,9 +66,21 @@ class TextSample:
     answers: list[tuple[int, int]] = field(default_factory=list)
     num_pairs: int = 0  # MQAR: key-value pairs; passkey: 1
     depth: float | None = None  # passkey: where the needle sits (0 = start, 1 = end)
+    # MQAR: the gold values. The text holds a random value (a distractor) at each answer span instead,
+    # so a query is scored on its own prompt (`scored`), never on text where an earlier answer shows.
+    golds: list[str] | None = None
 
     def answer_strings(self) -> list[str]:
-        return [self.text[a:b] for a, b in self.answers]
+        return list(self.golds) if self.golds is not None else [self.text[a:b] for a, b in self.answers]
+
+    def scored(self) -> list[TextSample]:
+        """The texts to score, each with its answers in place: the sample itself when its answers stand in
+        its text; for MQAR one prompt per query, the text up to that query's answer (earlier answers
+        distractors) followed by its gold value."""
+        if self.golds is None:
+            return [self]
+        return [TextSample(self.task, self.text[:a] + gold, [(a, a + len(gold))], self.num_pairs)
+                for (a, _), gold in zip(self.answers, self.golds)]
 
 
 def _keys(rng: random.Random, n: int) -> list[str]:
@@ -73,26 +93,41 @@ def _values(rng: random.Random, n: int, digits: int) -> list[str]:
     return [str(rng.randrange(10 ** (digits - 1), 10**digits)) for _ in range(n)]
 
 
+def _value_pool(digits: int) -> list[str]:
+    return [str(v) for v in range(10 ** (digits - 1), 10**digits)]
+
+
+MQAR_FORMAT = 2  # 1: values with replacement, earlier gold answers in the scored text (withdrawn)
+
+
 def mqar_sample(rng: random.Random, num_pairs: int, filler: Sequence[str] = (), num_queries: int | None = None,
                 value_digits: int = 2) -> TextSample:
-    """Zoology's MQAR in text: `num_pairs` key-value pairs, the `filler` words (the gap), then
-    `num_queries` (default all) keys in a shuffled order, each answered with its value."""
+    """Zoology's MQAR in text: `num_pairs` pairs of distinct keys and distinct values, the `filler` words
+    (the gap), then `num_queries` (default all) keys in a shuffled order. Each query is followed by a
+    distractor, a random value of the same width that is none of this sample's values (Zoology's random
+    token at the answer position); the gold values are `golds`, scored one prompt per query (`scored`)."""
     if num_pairs < 1:
         raise ValueError(f"num_pairs={num_pairs}: need at least one key-value pair")
     num_queries = num_pairs if num_queries is None else num_queries
     if not 1 <= num_queries <= num_pairs:
         raise ValueError(f"num_queries={num_queries}: must be between 1 and num_pairs={num_pairs}")
-    keys, values = _keys(rng, num_pairs), _values(rng, num_pairs, value_digits)
+    pool = _value_pool(value_digits)
+    if num_pairs >= len(pool):
+        raise ValueError(f"num_pairs={num_pairs}: needs fewer than {len(pool)} distinct {value_digits}-digit values")
+    keys, values = _keys(rng, num_pairs), rng.sample(pool, num_pairs)
     text = "Pairs: " + ", ".join(f"{k} {v}" for k, v in zip(keys, values)) + ".\n"
     if filler:
         text += " ".join(filler) + "\n"
     text += "Recall:"
+    order = rng.sample(range(num_pairs), num_queries)
+    others = sorted(set(pool) - set(values))
+    distractors = [rng.choice(others) for _ in order]
     answers = []
-    for j, i in enumerate(rng.sample(range(num_pairs), num_queries)):
+    for j, (i, d) in enumerate(zip(order, distractors)):
         text += f" {keys[i]} "
-        answers.append((len(text), len(text) + len(values[i])))
-        text += values[i] + ("," if j < num_queries - 1 else ".")
-    return TextSample("mqar", text + "\n", answers, num_pairs=num_pairs)
+        answers.append((len(text), len(text) + len(d)))
+        text += d + ("," if j < num_queries - 1 else ".")
+    return TextSample("mqar", text + "\n", answers, num_pairs=num_pairs, golds=[values[i] for i in order])
 
 
 def passkey_sample(rng: random.Random, haystack: Sequence[str], depth: float | None = None,
@@ -174,14 +209,17 @@ def filler(rng: random.Random, words: Sequence[str], n: int) -> list[str]:
 def training_sample(rng: random.Random, words: Sequence[str], length_words: int, seed: int, index: int,
                     tasks: Sequence[str] = DEFAULT_TASKS) -> TextSample:
     """One training document of a random task and size, at most about `length_words` words long: MQAR with
-    2-16 pairs and a random gap (half of them), passkeys at random depths, RULER-style tasks, repeated lists
-    of up to half that many words. `tasks` other than the default are drawn in equal shares."""
+    2-16 pairs and a random gap (half of them), one query scored, passkeys at random depths, RULER-style
+    tasks, repeated lists of up to half that many words. `tasks` other than the default are drawn in equal shares."""
     weights = DEFAULT_WEIGHTS if tuple(tasks) == DEFAULT_TASKS else None
     kind = rng.choices(tasks, weights=weights)[0]
     if kind == "mqar":
         pairs = rng.randint(2, max(2, min(16, length_words // 5)))
         gap = rng.randint(0, max(0, length_words - 4 * pairs)) if rng.random() < 0.5 else 0
-        return mqar_sample(rng, pairs, filler(rng, words, gap))
+        # One scored query per document (the last one shown; the earlier ones carry distractors): a target
+        # token is also the next input, so a document with several answers would show the earlier ones.
+        prompt = rng.choice(mqar_sample(rng, pairs, filler(rng, words, gap)).scored())
+        return TextSample("mqar", prompt.text + ".\n", prompt.answers, num_pairs=pairs)
     if kind == "passkey":
         return passkey_sample(rng, filler(rng, words, rng.randint(length_words // 4, length_words)))
     if kind == "repeat":
@@ -223,12 +261,14 @@ class MixtureSource(BuiltinSource):
             self.spec += f":tasks={'+'.join(self.tasks)}"
         if self.has_targets:
             self.spec += ":loss=answers"
+        if "mqar" in self.tasks:  # the MQAR format is part of what the data is: a new one is a new dataset
+            self.spec += f":mqar={MQAR_FORMAT}"
 
     @classmethod
     def from_spec(cls, spec: str) -> MixtureSource:
-        """`mix:builtin:0.25[:words=80][:seed=0][:tasks=mqar+repeat][:loss=answers]` -> a MixtureSource;
+        """`mix:builtin:0.25[:words=80][:seed=0][:tasks=mqar+repeat][:loss=answers][:mqar=2]` -> a MixtureSource;
         ValueError with the form otherwise."""
-        form = ("expected 'mix:builtin:FRACTION[:words=N][:seed=S][:tasks=A+B][:loss=all|answers]', "
+        form = ("expected 'mix:builtin:FRACTION[:words=N][:seed=S][:tasks=A+B][:loss=all|answers][:mqar=2]', "
                 "e.g. 'mix:builtin:0.25'")
         parts = spec[len(MIX_PREFIX):].split(":")
         if len(parts) < 2 or parts[0] != "builtin":
@@ -236,9 +276,12 @@ class MixtureSource(BuiltinSource):
         try:
             fraction = float(parts[1])
             opts = dict(p.split("=", 1) for p in parts[2:])
-            unknown = set(opts) - {"words", "seed", "tasks", "loss"}
+            unknown = set(opts) - {"words", "seed", "tasks", "loss", "mqar"}
             if unknown:
                 raise ValueError(f"unknown option(s) {sorted(unknown)}")
+            if opts.get("mqar", str(MQAR_FORMAT)) != str(MQAR_FORMAT):
+                raise ValueError(f"mqar={opts['mqar']}: only MQAR format {MQAR_FORMAT} is generated (format 1, values "
+                                 f"with replacement and earlier answers visible, was withdrawn)")
             tasks = tuple(opts["tasks"].split("+")) if "tasks" in opts else DEFAULT_TASKS
             return cls(fraction, int(opts.get("words", 80)), int(opts.get("seed", 0)), tasks, opts.get("loss", "all"))
         except ValueError as e:
@@ -272,3 +315,15 @@ class MixtureSource(BuiltinSource):
 
     def fingerprint(self) -> str:
         return f"{self.spec}:{super().fingerprint()}"
+
+
+def versioned_spec(data: str) -> str:
+    """A data spec as it names its data: a mixture with MQAR gets the MQAR format it is generated in
+    (``:mqar=2``) when it does not say it, so a cache keyed on the spec never takes runs trained on a
+    withdrawn format for this one; any other spec is returned unchanged."""
+    if not isinstance(data, str) or not data.startswith(f"{MIX_PREFIX}builtin:"):
+        return data
+    opts = dict(p.split("=", 1) for p in data.split(":")[3:] if "=" in p)
+    if "mqar" in opts or "mqar" not in opts.get("tasks", "+".join(DEFAULT_TASKS)).split("+"):
+        return data
+    return f"{data}:mqar={MQAR_FORMAT}"

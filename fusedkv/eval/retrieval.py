@@ -1,24 +1,32 @@
 """Retrieval accuracy against context length and number of key-value pairs (the paper's Table 16, at toy scale).
 
-The paper's long-context table says reconstructing K/V costs some retrieval (vanilla 49.1, Lite 42.3,
-FusedKV 42.0, YOCO 17.3 at 128k; paper Sec. 4.3, Table 16). A tiny model scores zero on RULER, so this
-module measures retrieval where it exists: on the synthetic tasks of `fusedkv.data.synthetic` that a model
-trained on the mixture `mix:builtin:F` has seen, at lengths up to (and, after RoPE-base continued
-training, beyond) its training context.
+The paper's long-context table says reconstructing K/V costs some retrieval (vanilla 49.1, Lite 42.3, FusedKV
+42.0, YOCO 17.3 RULER average at 128k after long-context training; paper App. A.7, Table 16). A tiny model
+scores zero on RULER, so this module measures retrieval where it exists: on the synthetic tasks of
+`fusedkv.data.synthetic` that a model trained on the mixture `mix:builtin:F` has seen, at lengths up to (and,
+after RoPE-base continued training, beyond) its training context.
 
 * **MQAR** grid: for each number of pairs P and length L, samples of P key-value pairs, natural filler
   from the *held-out* works up to L tokens (the gap), then P queries.
 * **Passkey** row: a 5-digit key at a random depth in an L-token haystack of held-out text.
 * **RULER-style** tasks (optional): `fusedkv.eval.ruler.run_ruler`, unchanged.
 
-Scoring: an answer counts when every one of its tokens is the model's argmax given the gold text before
-it, i.e. when greedy decoding from that point would produce exactly the answer (checked against
-`fusedkv.generation.generate` in the tests). One forward scores all the queries of a sample at once, as
-Zoology scores MQAR. Accuracy is the share of answers right (per query), in percent.
+Scoring: an answer counts when every one of its tokens is the model's argmax given the text before it,
+i.e. when greedy decoding from that point would produce exactly the answer (checked against
+`fusedkv.generation.generate` in the tests). An MQAR query is scored on its own prompt (`TextSample.scored`):
+the pairs, the gap, the earlier queries each followed by a random value (never its answer, as in Zoology),
+then the query and its gold value, so no earlier answer is visible and values of several tokens are
+teacher-forced within their own answer only. Accuracy is the share of answers right (per query), in
+percent. Floors (`floors`): a model that copies a random value of the P pairs scores 100/P (the
+*random-copy floor*; with no earlier answer visible, eliminating the values already recalled gains
+nothing), a uniform guess over the 90 two-digit values 100/90. A cell is *above the floor* when its
+count of right answers is significantly above the random-copy floor (one-sided exact binomial test,
+p < 0.05: `above_floor`).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 
@@ -91,16 +99,18 @@ def encode_with_answers(tokenizer, sample: TextSample) -> tuple[list[int], list[
 
 @torch.no_grad()
 def score_samples(model, tokenizer, samples: Sequence[TextSample], batch_size: int = 8) -> dict:
-    """Teacher-forced exact match of every answer: {"accuracy" (% answers right), "sample_accuracy"
-    (% samples with all answers right), "answers", "samples"}."""
+    """Teacher-forced exact match of every answer, each scored on its sample's prompts (`TextSample.scored`:
+    one per MQAR query): {"accuracy" (% answers right), "sample_accuracy" (% samples with all answers
+    right), "answers", "samples"}."""
     device = next(model.parameters()).device
     context = model.config.max_position_embeddings
-    encoded = [encode_with_answers(tokenizer, s) for s in samples]
+    prompts = [(i, p) for i, s in enumerate(samples) for p in s.scored()]
+    encoded = [encode_with_answers(tokenizer, p) for _, p in prompts]
     too_long = [len(ids) for ids, _ in encoded if len(ids) > context]
     if too_long:
         raise ValueError(f"a sample has {max(too_long)} tokens, more than the model context {context}; "
                          "use shorter lengths or continue training at a longer context first")
-    right = total = whole = 0
+    ok: list[list[bool]] = [[] for _ in samples]
     was_training = model.training
     model.eval()
     try:
@@ -113,14 +123,13 @@ def score_samples(model, tokenizer, samples: Sequence[TextSample], batch_size: i
                 x[r, : len(ids)] = torch.tensor(ids)
             pred = model(input_ids=x.to(device), use_cache=False).logits.argmax(-1).cpu()
             for r, (ids, spans) in enumerate(batch):
-                ok = [all(int(pred[r, t - 1]) == ids[t] for t in span) for span in spans]
-                right += sum(ok)
-                total += len(ok)
-                whole += all(ok)
+                ok[prompts[b + r][0]] += [all(int(pred[r, t - 1]) == ids[t] for t in span) for span in spans]
     finally:
         model.train(was_training)
-    return {"accuracy": 100.0 * right / max(1, total), "sample_accuracy": 100.0 * whole / max(1, len(encoded)),
-            "answers": total, "samples": len(encoded)}
+    right, total = sum(map(sum, ok)), sum(map(len, ok))
+    return {"accuracy": 100.0 * right / max(1, total),
+            "sample_accuracy": 100.0 * sum(all(o) for o in ok) / max(1, len(samples)),
+            "answers": total, "samples": len(samples)}
 
 
 def run_retrieval(model, tokenizer, lengths: Sequence[int], pairs: Sequence[int] = DEFAULT_PAIRS,
@@ -156,20 +165,82 @@ def run_retrieval(model, tokenizer, lengths: Sequence[int], pairs: Sequence[int]
     return out
 
 
+MQAR_VALUE_COUNT = 90  # two-digit values, 10-99: what a uniform guess chooses from
+PASSKEY_COUNT = 90_000  # five-digit keys
+
+
+def random_copy_floor(pairs: int) -> float:
+    """Accuracy (%) of a model that answers every query with a value of the pair list taken at random."""
+    return 100.0 / pairs
+
+
+def uniform_floor() -> float:
+    """Accuracy (%) of a uniform guess over the two-digit values."""
+    return 100.0 / MQAR_VALUE_COUNT
+
+
+def binomial_sf(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): the one-sided exact p-value of k successes in n against p."""
+    if k <= 0:
+        return 1.0
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
+            + (n - i) * math.log1p(-p) for i in range(k, n + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
+
+
+def above_floor(accuracy: float | None, pairs: int, num_samples: int, alpha: float = 0.05) -> bool | None:
+    """Whether an MQAR cell (accuracy in %, `num_samples` samples of `pairs` queries each) is significantly
+    above the random-copy floor: one-sided exact binomial test of its right answers against 1/`pairs`,
+    p < `alpha`. None for a cell not scored."""
+    if accuracy is None:
+        return None
+    n = num_samples * pairs
+    return binomial_sf(round(accuracy * n / 100.0), n, 1.0 / pairs) < alpha
+
+
+def learned(result: dict, length: int | None = None) -> bool:
+    """Whether a model has learned the MQAR lookup at `length` (default: the shortest length scored): every
+    pair count scored there is significantly above its random-copy floor (`above_floor`)."""
+    samples = result.get("num_samples", 0)
+    cells = {int(p): _get(row, length if length is not None else min(int(L) for L in result["lengths"]))
+             for p, row in result["mqar"].items()}
+    scored = {p: v for p, v in cells.items() if v is not None}
+    return bool(scored) and all(above_floor(v, p, samples) for p, v in scored.items())
+
+
 def format_retrieval(result: dict) -> str:
-    """Markdown: one row per MQAR pair count and one for passkeys, one column per length."""
+    """Markdown: one row per MQAR pair count and one for passkeys, one column per length, each MQAR row with
+    its random-copy floor; `*` marks a cell significantly above that floor (`above_floor`)."""
     lengths = result["lengths"]
+    samples = result.get("num_samples", 0)
 
-    def cell(v):
-        return "-" if v is None else f"{v:.1f}"
+    def cell(v, p=None):
+        if v is None:
+            return "-"
+        return f"{v:.1f}" + ("*" if p and samples and above_floor(v, p, samples) else "")
 
-    lines = ["| task | " + " | ".join(str(L) for L in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    head = "| task | random-copy floor | " + " | ".join(str(L) for L in lengths) + " |"
+    lines = [head, "|---|---:|" + "---:|" * len(lengths)]
     for p in result["pairs"]:
-        lines.append(f"| MQAR {p} pairs | " + " | ".join(cell(result["mqar"][p].get(L)) for L in lengths) + " |")
-    lines.append("| passkey | " + " | ".join(cell(result["passkey"].get(L)) for L in lengths) + " |")
+        row = _get(result["mqar"], p)
+        lines.append(f"| MQAR {p} pairs | {random_copy_floor(p):.1f} | "
+                     + " | ".join(cell(_get(row, L), p) for L in lengths) + " |")
+    lines.append("| passkey | 0.0 | " + " | ".join(cell(_get(result["passkey"], L)) for L in lengths) + " |")
     for task, row in (result.get("ruler") or {}).get("scores", {}).items():
-        lines.append(f"| {task} | " + " | ".join(cell(row.get(L)) for L in lengths) + " |")
-    return "\n".join(lines)
+        lines.append(f"| {task} | | " + " | ".join(cell(_get(row, L)) for L in lengths) + " |")
+    return "\n".join(lines) + (f"\n\nFloors (%): random copy of one of the P values 100/P; a uniform guess over the "
+                                f"{MQAR_VALUE_COUNT} values {uniform_floor():.1f}. `*`: above the random-copy floor "
+                                f"(one-sided exact binomial test over the {samples} x P answers, p < 0.05).")
+
+
+def _get(d: dict, key):
+    """A value stored under an int key in memory, a str key once it went through JSON."""
+    return d.get(key, d.get(str(key)))
 
 
 def plot_retrieval(results: dict[str, dict], path, title: str = "retrieval accuracy") -> str:

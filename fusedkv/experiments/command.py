@@ -46,9 +46,11 @@ def run(args) -> None:
         run_experiment,
         summary_table,
     )
+    from .verdicts import check_claims, experiment_claims, verdict_table
 
     _check_experiment_file(args.experiment)
     spec = load_experiment(args.experiment)
+    check_claims(spec)
     overrides = parse_overrides(args.overrides)
     seeds = args.seeds
     name = spec.get("name", Path(args.experiment).stem)
@@ -61,6 +63,9 @@ def run(args) -> None:
     paired = paired_table(results, spec.get("paired"))
     if paired:
         table += "\n\nPaired differences, seed by seed (t on seeds - 1 degrees of freedom):\n\n" + paired
+    claims = experiment_claims(spec, results)  # the file's `claims:`, judged by one rule (docs/evidence.md)
+    if claims:
+        table += "\n\nVerdicts on the paper's claims:\n\n" + verdict_table(claims)
     plot_curves(results, out / "curves.png", spec.get("description", name))
     (out / "results.md").write_text(f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
     print(table)

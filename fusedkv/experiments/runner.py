@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from ..data.synthetic import versioned_spec
 from ..errors import Stopped
 from ..plan import resolve_plan_choice
 from ..utils import slug, write_json_atomic
@@ -156,6 +157,8 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             done = run_dir / "result.json"
             own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
             fields = {**_merge(_merge(base, own), overrides), "seed": seed}
+            if "data" in fields:  # the MQAR format is part of the key: runs of a withdrawn format are not reused
+                fields["data"] = versioned_spec(fields["data"])
             if finished_only and any((run[k], seed) not in finished for k in ("from", "distill") if k in run):
                 if progress:  # an ancestor has not finished, so neither has this run
                     print(f"not finished: {run['name']} seed {seed}", flush=True)
@@ -299,6 +302,7 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
     score (accuracy averaged over the pair counts) per length, mean ± std over seeds, and the paired
     differences of that score (`pairs`, as for `paired_table`); then one table per run, mean over seeds."""
     from ..eval.retrieval import format_retrieval, plot_retrieval
+    from .verdicts import retrieval_floors
 
     per_run: dict[str, dict] = {}
     for name in dict.fromkeys(r["name"] for r in results):
@@ -318,6 +322,7 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
     text = f"# {title}: retrieval accuracy (%), {seeds} seed(s)\n\n"
     text += "## MQAR score: accuracy averaged over the pair counts, mean ± std over seeds\n\n"
     text += _mqar_score_table(results)
+    text += "\n\n" + retrieval_floors(results)  # the floors beside the scores, and who learned the lookup
     paired = _mqar_paired_table(results, pairs)
     if paired:
         text += ("\n\nPaired differences of the MQAR score, seed by seed, at the longest length both runs "

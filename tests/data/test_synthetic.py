@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from fusedkv.data.synthetic import (
     repeat_sample,
     ruler_sample,
     training_sample,
+    versioned_spec,
 )
 from fusedkv.eval.ruler_tasks import generate_task
 
@@ -38,6 +40,58 @@ def test_mqar_answers_are_the_values_of_the_queried_keys():
     assert s.answer_strings() == [pairs[k] for k in asked]
     assert " ".join(WORDS[:30]) in s.text  # the gap sits between pairs and queries
     assert s.text.index("Pairs:") < s.text.index(WORDS[0]) < s.text.index("Recall:")
+
+
+def _recall(text: str) -> str:
+    return text.split("Recall:", 1)[1]
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 8, 16, 40])
+def test_mqar_keys_and_values_are_distinct_and_the_text_shows_no_answer(pairs):
+    """Zoology's MQAR: distinct keys, distinct values; the input at each answer position is a random value
+    that is none of the sample's values, so the text after the pairs shows no answer at all."""
+    for seed in range(30):
+        s = mqar_sample(random.Random(seed), pairs, WORDS[:seed])
+        kv = _pairs(s.text)
+        assert len(kv) == pairs and len(set(kv.values())) == pairs  # keys (dict) and values distinct
+        assert s.golds is not None and len(s.golds) == len(s.answers) == pairs
+        asked = [q.split()[0] for q in _recall(s.text).strip(" .\n").split(", ")]
+        assert s.golds == [kv[k] for k in asked]
+        shown = [s.text[a:b] for a, b in s.answers]  # the distractors in the answer slots
+        assert all(len(d) == len(g) and d not in kv.values() for d, g in zip(shown, s.golds))
+        assert not set(re.findall(r"\d+", _recall(s.text))) & set(kv.values())
+
+
+def test_mqar_scores_each_query_on_its_own_prompt_with_no_earlier_answer_visible():
+    s = mqar_sample(random.Random(11), 6, WORDS[:20])
+    kv = _pairs(s.text)
+    prompts = s.scored()
+    assert len(prompts) == 6
+    for j, (p, gold) in enumerate(zip(prompts, s.golds)):
+        (a, b), = p.answers
+        assert p.text[a:b] == gold == p.answer_strings()[0] and p.text.endswith(gold) and p.golds is None
+        assert p.text[:a] == s.text[:a]  # the sample's own text up to this query: earlier slots hold distractors
+        before = _recall(p.text[:a])
+        assert before.count(", ") == j and not set(re.findall(r"\d+", before)) & set(kv.values())
+    # Samples whose answers stand in their text are scored as they are.
+    pk = passkey_sample(random.Random(0), WORDS[:50])
+    assert pk.scored() == [pk]
+
+
+def test_mqar_training_documents_score_one_query_with_no_earlier_answer_visible():
+    rng = random.Random(4)
+    docs = [training_sample(rng, WORDS, 40, 0, i, tasks=("mqar",)) for i in range(200)]
+    seen_earlier = 0
+    for d in docs:
+        kv = _pairs(d.text)
+        assert len(set(kv.values())) == len(kv) == d.num_pairs
+        (a, b), = d.answers  # one target per document: the last query shown
+        key = d.text[:a].split()[-1]
+        assert d.text[a:b] == kv[key] and d.text[b:] == ".\n"
+        before = _recall(d.text[:a])
+        assert not set(re.findall(r"\d+", before)) & set(kv.values())
+        seen_earlier += before.count(",")
+    assert seen_earlier > 100  # most documents show earlier queries (with distractors) before the scored one
 
 
 def test_mqar_is_deterministic_and_checks_its_arguments():
@@ -96,25 +150,28 @@ def test_training_samples_draw_only_the_chosen_tasks():
     rng = random.Random(1)
     kinds = [training_sample(rng, WORDS, 80, 0, i, tasks=("mqar", "repeat")).task for i in range(200)]
     assert set(kinds) == {"mqar", "repeat"} and 70 < kinds.count("repeat") < 130  # equal shares
-    # The default draw is the one from before `tasks` existed, document for document, so a cached mixture
-    # (same spec, same fingerprint) holds the documents a new preparation would write. The digest was
-    # computed with the generator as it was before the option (commit 0beb846).
+    # The default draw is pinned, document for document, so a cached mixture (same spec, same fingerprint)
+    # holds the documents a new preparation would write. The digest changed once, with MQAR format 2, and
+    # the spec with it (":mqar=2"): datasets of format 1 are never reused.
     rng = random.Random(2)
     texts = "\x00".join(training_sample(rng, WORDS, 80, 0, i).text for i in range(40))
-    assert hashlib.sha256(texts.encode()).hexdigest()[:16] == "f073140f9b9bc3bc"
+    assert hashlib.sha256(texts.encode()).hexdigest()[:16] == "357699556d012c60"
 
 
 def test_mixture_spec_parsing():
     src = resolve_source("mix:builtin:0.25:words=64:seed=3")
     assert isinstance(src, MixtureSource)
     assert (src.fraction, src.words, src.seed) == (0.25, 64, 3)
-    assert src.spec == "mix:builtin:0.25:words=64:seed=3"  # the default tasks leave the fingerprint as it was
+    assert src.spec == "mix:builtin:0.25:words=64:seed=3:mqar=2"  # the MQAR format is part of the data
     dense = resolve_source("mix:builtin:0.75:tasks=mqar+repeat")
-    assert dense.tasks == ("mqar", "repeat") and dense.spec.endswith(":tasks=mqar+repeat")
+    assert dense.tasks == ("mqar", "repeat") and dense.spec.endswith(":tasks=mqar+repeat:mqar=2")
+    assert resolve_source("mix:builtin:0.75:tasks=repeat:mqar=2").spec.endswith(":tasks=repeat")
+    explicit = resolve_source("mix:builtin:0.75:tasks=mqar:mqar=2")
+    assert explicit.spec == resolve_source("mix:builtin:0.75:tasks=mqar").spec
     for bad, msg in [("mix:builtin:1.5", "in \\(0, 1\\)"), ("mix:other:0.2", "built-in corpus"),
                      ("mix:builtin:x", "mix:builtin:FRACTION"), ("mix:builtin:0.2:size=3", "unknown option"),
                      ("mix:builtin:0.2:tasks=mqar+haystack", "tasks=mqar\\+repeat"),
-                     ("mix:builtin:0.2:tasks=mqar+mqar", "at most once")]:
+                     ("mix:builtin:0.2:tasks=mqar+mqar", "at most once"), ("mix:builtin:0.2:mqar=1", "withdrawn")]:
         with pytest.raises(ValueError, match=msg):
             resolve_source(bad)
 
@@ -158,7 +215,7 @@ def test_mixture_share_split_and_shards(tmp_path, small_text):
 def test_answers_only_loss_marks_exactly_the_answer_tokens(tmp_path, small_text):
     docs = [("shakespeare/a", small_text[:20_000]), ("kjv/Ruth", small_text[20_000:30_000])]
     src = _SmallMixture(docs, fraction=0.5, tasks=("mqar", "repeat"), loss="answers")
-    assert src.spec.endswith(":tasks=mqar+repeat:loss=answers") and src.has_targets
+    assert src.spec.endswith(":tasks=mqar+repeat:loss=answers:mqar=2") and src.has_targets
     named = list(src.iter_named())
     ds = prepare_dataset(src, tmp_path / "mix", vocab_size=600, num_proc=2, val_docs=["kjv/Ruth"])
     tok = ds.load_tokenizer()
@@ -177,3 +234,12 @@ def test_answers_only_loss_marks_exactly_the_answer_tokens(tmp_path, small_text)
         assert tok.decode(tokens[a:b][mask].tolist()).replace(" ", "") == answers.replace(" ", "")
         assert targets[b] == 1
     assert ds.val.targets is not None and np.asarray(ds.val.targets).all()  # the held-out work counts in full
+
+
+def test_versioned_spec_names_the_mqar_format_so_cached_runs_of_format_1_are_not_reused():
+    old = "mix:builtin:0.9:words=40:tasks=mqar+repeat:loss=answers"  # retrieval.yaml's spec of format 1
+    assert versioned_spec(old) == old + ":mqar=2" != old
+    assert versioned_spec(old + ":mqar=2") == old + ":mqar=2"
+    assert versioned_spec("mix:builtin:0.25") == "mix:builtin:0.25:mqar=2"  # the default tasks hold MQAR
+    for same in ["mix:builtin:0.5:tasks=repeat+passkey", "builtin", "/data/file.txt", None]:
+        assert versioned_spec(same) == same

@@ -59,13 +59,19 @@ def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch,
     assert [r["val_loss"] for r in again] == [res[n]["val_loss"] for n in ("teacher", "lite-lm", "lite-kd")]
     # --finished-only: the finished runs' tables, nothing trained; an unfinished run and its chain are listed.
     more = spec_file.read_text() + ("  - {name: other, plan: fusedkv}\n"
-                                    "  - {name: other-long, from: other, plan: fusedkv, seq_len: 128}\n")
+                                    "  - {name: other-long, from: other, plan: fusedkv, seq_len: 128}\n"
+                                    "claims:\n  - {pair: [lite-lm, teacher], paper: -0.016, source: Table 2}\n"
+                                    "  - {pair: [other, teacher], paper: -0.02}\n")  # other: not finished
     spec_file.write_text(more)
     report = tmp_path / "report"
     assert main(["compare", str(spec_file), "--out", str(report), "--seeds", "0,1", "--finished-only"]) == 0
     printed = capsys.readouterr().out
     assert "not finished: other seed 0" in printed and "not finished: other-long seed 1" in printed
     assert "| lite-kd | fusedkv-lite | 0.5 | 1 |" in (report / "results.md").read_text()
+    # The file's claims, judged by the rule: one seed finished, so a direction without a test.
+    verdicts = (report / "results.md").read_text().split("Verdicts on the paper's claims:")[1]
+    assert "| lite-lm − teacher | -0.016 (Table 2) |" in verdicts and "one seed, no test" in verdicts
+    assert "inconclusive" in verdicts and "other − teacher" not in verdicts and "0 tests in this table" in verdicts
     assert not list(report.glob("other*")) and len(list((tmp_path / "cache").glob("*/train"))) == 3
     assert main(["compare", str(spec_file), "--out", str(report), "--seeds", "7", "--finished-only"]) == 2
 

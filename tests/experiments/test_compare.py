@@ -86,6 +86,10 @@ def test_retrieval_report_scores_and_pairs_seed_by_seed(tmp_path):
     assert (f"| lite − vanilla @ 64 | 3 | {statistics.mean(d):+.1f} ± {statistics.stdev(d):.1f} | +10.0, +0.0, "
             f"+5.0 | {t:+.1f} | no |") in text
     assert "## lite (mean over seeds)" in text and (tmp_path / "retrieval.png").stat().st_size > 1000
+    # The floors beside the scores: 2 and 4 pairs at 64 tokens (50 and 25), 2 pairs alone at 128.
+    assert "| random copy (mean of 100/P over the pair counts scored) | 37.5 | 50.0 |" in text
+    assert "| uniform guess over the 90 values | 1.1 | 1.1 |" in text
+    assert "Seeds that learned the lookup" in text and "vanilla 0/3, lite 0/4" in text  # no sample counts given
 
 
 def retrieval_path() -> str:

@@ -54,10 +54,23 @@ def test_emergence_is_the_first_step_whose_mean_over_pairs_reaches_the_threshold
     s0.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s1.write_text(json.dumps(row("slow", 250, 100, 100)) + "\n")
     script = _script()
-    assert script.emergence(rows) == {"slow": "750", "fast": "≤ 250", "never": "> 500"}
+    assert script.emergence(rows, threshold=50) == {"slow": "750", "fast": "≤ 250", "never": "> 500"}
     assert script.emergence(rows, threshold=45) == {"slow": "500", "fast": "≤ 250", "never": "500"}
     table = script.summarise([str(s0), str(s1)], 50.0).splitlines()
     assert table[0] == "| run | s0 | s1 |" and table[2] == "| slow | 750 | ≤ 250 |"
     assert table[4] == "| never | > 500 | - |"  # a run a file does not have
     script.plot([str(s0), str(s1)], str(tmp_path / "steps.png"))
     assert (tmp_path / "steps.png").stat().st_size > 1000
+
+
+def test_emergence_by_default_is_every_pair_count_above_its_random_copy_floor():
+    def row(run, step, a2, a4, samples=30):
+        return {"run": run, "step": step, "samples": samples, "mqar": {"2": {"64": a2}, "4": {"64": a4}}}
+
+    # 30 samples: 2 pairs is 60 answers against 1/2 (40 right, 66.7%, is p ≈ 0.007; 36, 60%, p ≈ 0.08),
+    # 4 pairs 120 answers against 1/4. The format-1 threshold of 50% would call the first two steps learned.
+    rows = [row("a", 250, 60.0, 60.0), row("a", 500, 66.7, 30.0), row("a", 750, 66.7, 40.0),
+            row("b", 250, 100.0, 100.0, samples=5), row("c", 250, 50.0, 25.0)]
+    script = _script()
+    assert script.emergence(rows) == {"a": "750", "b": "≤ 250", "c": "> 250"}
+    assert script.emergence(rows, threshold=50)["a"] == "≤ 250"
