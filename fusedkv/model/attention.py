@@ -81,20 +81,29 @@ class Attention(nn.Module, DecodePackable):
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        # Gemma scales scores by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2.
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        # Gemma 2's attention logit soft-capping: SDPA and the kernels cannot apply it, so a capped layer
+        # always takes the materialized path with an explicit softmax (`_softcapped_attention`).
+        self.softcap = config.attn_logit_softcapping
         self.iterative = config.fusion_init == "iterative" and not layer.stores
         # Sliding-window layers (Qwen3 / Mistral semantics): a query at position p sees keys p - W < k <= p.
         self.window = config.sliding_window if layer.attention_type == SLIDING else None
         self.path = "auto"
         self.packed_qkv: PackedLinears | None = None  # set by `pack_for_decode` (storage layers)
         bias = config.attention_bias
+        o_bias = bias if config.attention_output_bias is None else config.attention_output_bias
         self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        # QK-norm (Qwen3, Gemma 3) or none (Llama, Mistral, Qwen2, Gemma 2): Identity keeps one forward.
+        self.qk_norm = config.use_qk_norm
+        norm = (lambda: RMSNorm(self.head_dim, config.rms_norm_eps, config.rms_norm_unit_offset)) if self.qk_norm \
+            else nn.Identity
+        self.q_norm = norm()
         if layer.stores:
             self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
             self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm()
         else:
             self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
         # Decided once, from the plan and the shapes: whether the layer's K/V carry fusion weights (the
@@ -104,8 +113,8 @@ class Attention(nn.Module, DecodePackable):
         self.weighted = fused and (layer.k_fusion != "reuse" or layer.v_fusion != "reuse")
         k_count, v_count = (len(layer.k_sources), len(layer.v_sources)) if fused else (1, 1)
         scalar = fused and "scalar" in (layer.k_fusion, layer.v_fusion)
-        self.triton_fits = not scalar and triton_decode_fits(self.head_dim, k_count, v_count)
-        self.native_fits = not scalar and cpu_attention.supports(
+        self.triton_fits = not scalar and not self.softcap and triton_decode_fits(self.head_dim, k_count, v_count)
+        self.native_fits = not scalar and not self.softcap and cpu_attention.supports(
             self.head_dim, self.num_heads, self.num_kv_heads, k_count, v_count)
         self._one_token: dict[tuple, str | None] = {}  # (device, dtype) -> "triton", "native" or None
         # Storage layers: does a later reconstruction layer read this layer's K/V (paper Sec. 2.2)?
@@ -136,7 +145,7 @@ class Attention(nn.Module, DecodePackable):
         b, t, _ = x.shape
         if self.layer.stores:
             q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], self.packed_qkv)
-            if t <= FACTORED_MAX_QUERY and q.dtype == torch.float32 and not torch.is_grad_enabled():
+            if self.qk_norm and t <= FACTORED_MAX_QUERY and q.dtype == torch.float32 and not torch.is_grad_enabled():
                 q, k = self._qk_norm_rope(q, k, cos, sin)
             else:
                 q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin)
@@ -181,11 +190,27 @@ class Attention(nn.Module, DecodePackable):
             if causal and mask is None:  # the causal flag is SDPA's; spell it out here
                 mask = torch.ones(t, k_src[0].shape[2], dtype=torch.bool, device=q.device).tril(k_src[0].shape[2] - t)
             out = factored_attention(q, k_src, k_w, v_src, v_w, mask=mask, scale=self.scale)
+        elif self.softcap:
+            k, v = fuse_sources(k_src, k_w, q.dtype), fuse_sources(v_src, v_w, q.dtype)
+            out = self._softcapped_attention(q, k, v, mask, causal)
         else:
             k, v = fuse_sources(k_src, k_w, q.dtype), fuse_sources(v_src, v_w, q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self._output(out, x)
+
+    def _softcapped_attention(self, q, k, v, mask, causal) -> torch.Tensor:
+        """Gemma 2's attention, as transformers' eager path: scores * scale, cap * tanh(scores / cap), the
+        mask, softmax in f32. Materialized only: SDPA and the kernels have no soft-capping."""
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.tanh(q @ k.transpose(-1, -2) * self.scale / self.softcap) * self.softcap
+        if causal and mask is None:
+            t, s = scores.shape[-2:]
+            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
     def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[B, H, T, D] attention output -> the output projection, in the residual stream's dtype."""
@@ -225,7 +250,7 @@ class Attention(nn.Module, DecodePackable):
         b, t, _ = q.shape
         n_q, n_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk = torch.cat((q, k), dim=-1).view(b, t, n_q + n_kv, d)
-        weight = torch.cat((self.q_norm.weight.expand(n_q, d), self.k_norm.weight.expand(n_kv, d)))
+        weight = torch.cat((self.q_norm.gain().expand(n_q, d), self.k_norm.gain().expand(n_kv, d)))
         qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True).add_(self.q_norm.eps))
         qk = qk.mul_(weight)
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, D]: broadcast over the heads
@@ -258,6 +283,8 @@ class Attention(nn.Module, DecodePackable):
         where one runs and takes this layer's sources, factored for short weighted query blocks at
         inference, SDPA otherwise (training keeps SDPA's fused kernels). The one-token kernels only take
         one query token; longer blocks use SDPA."""
+        if self.softcap:
+            return "materialized"  # soft-capping: only `_softcapped_attention` applies it
         if self.path != "auto":
             return "materialized" if self.path in ("triton", "native") and t > 1 else self.path
         if torch.is_grad_enabled() and q.requires_grad:

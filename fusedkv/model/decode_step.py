@@ -23,9 +23,10 @@ import ctypes
 
 import torch
 
+from ..config import rope_parameters_by_type
 from ..kernels import cpu_attention, cpu_gemv, native
 from .attention import Attention
-from .layers import SwiGLU, rope_cos_sin
+from .layers import SwiGLU, rope_inv_freq, rope_tables
 from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -95,6 +96,8 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return "the model is not an f32 CPU model in eval mode"
     if config.kv_lora_rank is not None or config.num_experts > 0 or config.hidden_act != "silu":
         return "MLA, MoE and activations other than SiLU run module by module"
+    if _imported_features(config):  # the C step computes the Qwen3 block only
+        return f"{_imported_features(config)} run module by module"
     if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
         return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
     if sorted(config.plan.storage_layers) != sorted(keys):
@@ -115,6 +118,18 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             return ("the weights are not f32 in the packed decode layout (fusedkv.model.packing.set_decode_layout) "
                     "or bf16 / int8 blocks of fusedkv.model.precision")
     return None
+
+
+def _imported_features(config) -> str | None:
+    """The first feature of an imported family (fusedkv/convert) the native step does not compute, or None."""
+    rope = list(rope_parameters_by_type(config).values())
+    checks = {"MLP biases": config.mlp_bias,
+              "no QK-norm": not config.use_qk_norm, "query_pre_attn_scalar": config.query_pre_attn_scalar,
+              "soft-capping": config.attn_logit_softcapping or config.final_logit_softcapping,
+              "embedding_multiplier": config.embedding_multiplier != 1.0,
+              "Gemma norms": config.rms_norm_unit_offset or config.use_post_norms,
+              "scaled or per-layer RoPE": len(rope) > 1 or rope[0].get("rope_type", "default") != "default"}
+    return next((name for name, on in checks.items() if on), None)
 
 
 class Unsupported(ValueError):
@@ -138,7 +153,7 @@ class NativeDecodeStep:
         cache_len = next(iter(keys.values())).shape[2]
         self._keep: list[torch.Tensor] = []  # every tensor a pointer in the table refers to stays alive here
         positions = torch.arange(cache_len).unsqueeze(0)
-        cos, sin = rope_cos_sin(positions, d, config.rope_theta, torch.float32)
+        cos, sin = rope_tables(positions, rope_inv_freq(config)[0], torch.float32)
         cos, sin = self._hold(cos.reshape(cache_len, d)), self._hold(sin.reshape(cache_len, d))
         layers = (_Layer * len(model.model.layers))()
         for table, layer in zip(layers, model.model.layers):
