@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from ..config import FusedKVConfig
 from ..errors import RunError, UsageError
 from ..model import FusedKVForCausalLM
+from ..model.fusion import KVFusion
 from ..plan import VANILLA
 from .families import MODEL_TYPES, family_for
 from .qwen3 import fuse_experts
@@ -91,7 +92,7 @@ def model_from_shards(shards: Iterable[dict[str, torch.Tensor]], config: FusedKV
     (transformers' names; `prepare` is the family's `prepare_state`). Each shard is copied into the model
     and dropped before the next is read, so memory is the model plus one shard. Reconstruction layers drop
     their K/V projections (and K-norm); fusion weights keep their configured initialisation."""
-    model = FusedKVForCausalLM(config)
+    model = _unfilled_model(config)
     expected = model.state_dict()
     allowed_drop = {f"model.layers.{i}.self_attn.{n}" for i in config.plan.reconstruction_layers
                     for n in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "k_norm.weight")}
@@ -102,11 +103,10 @@ def model_from_shards(shards: Iterable[dict[str, torch.Tensor]], config: FusedKV
             pending = prepare({**pending, **shard}, config, partial=True) if prepare is fuse_experts \
                 else prepare({**pending, **shard}, config)
             for name in [n for n in pending if n in expected]:
-                tensor = pending.pop(name)
-                if tensor.shape != expected[name].shape:
-                    raise ValueError(f"{origin}: {name} has shape {tuple(tensor.shape)}, config implies "
+                if pending[name].shape != expected[name].shape:
+                    raise ValueError(f"{origin}: {name} has shape {tuple(pending[name].shape)}, config implies "
                                      f"{tuple(expected[name].shape)}")
-                expected[name].copy_(tensor)
+                expected[name].copy_(pending.pop(name))  # and nothing else holds the checkpoint's tensor
                 loaded.add(name)
             del shard
         if pending and prepare is fuse_experts:
@@ -120,6 +120,20 @@ def model_from_shards(shards: Iterable[dict[str, torch.Tensor]], config: FusedKV
     missing = [k for k in expected if k not in loaded and ".fusion." not in k]
     if missing:
         raise ValueError(f"{origin}: checkpoint lacks weights {missing[:5]}")
+    for module in model.modules():  # the only weights no checkpoint holds: the paper's initialisation (Table 5)
+        if isinstance(module, KVFusion):
+            model._init_weights(module)
+    return model
+
+
+def _unfilled_model(config: FusedKVConfig) -> FusedKVForCausalLM:
+    """The model with allocated but unset weights: the checkpoint fills them, so drawing random values first
+    (as long as the import itself, for a large model) would be wasted. `model_from_shards` refuses to
+    return one with a weight left unset."""
+    with torch.device("meta"):
+        model = FusedKVForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives tied parameters separate storage
     return model
 
 
