@@ -36,6 +36,9 @@ CASES = [
     ("llama-dynamic", "LlamaForCausalLM", "LlamaConfig", dict(
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), None),
     ("llama-gelu", "LlamaForCausalLM", "LlamaConfig", dict(hidden_act="gelu_new"), None),
+    ("llama-yarn", "LlamaForCausalLM", "LlamaConfig", dict(  # YaRN: attention scaling of cos/sin != 1
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32}), None),
     ("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True), None),
     ("qwen2-window-sharded", "Qwen2ForCausalLM", "Qwen2Config", dict(
         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), "60KB"),
