@@ -27,6 +27,7 @@ from ..model import FusedKVForCausalLM
 from ..model.fusion import KVFusion
 from ..plan import VANILLA
 from .families import MODEL_TYPES, family_for
+from .family import with_plan_kv_heads
 from .qwen3 import fuse_experts
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -46,7 +47,7 @@ def fusedkv_to_plan_config(saved: dict, kv_sharing: str, origin: str = "checkpoi
               "shared_attention_types", "torch_dtype", "dtype"):
         fields.pop(k, None)
     fields.update(overrides)
-    return FusedKVConfig.from_dict({**fields, "kv_sharing": kv_sharing})
+    return FusedKVConfig.from_dict({**with_plan_kv_heads(fields, kv_sharing, overrides), "kv_sharing": kv_sharing})
 
 
 def shard_files(src: Path) -> list[Path]:
@@ -103,6 +104,7 @@ def model_from_shards(shards: Iterable[dict[str, torch.Tensor]], config: FusedKV
             pending = prepare({**pending, **shard}, config, partial=True) if prepare is fuse_experts \
                 else prepare({**pending, **shard}, config)
             for name in [n for n in pending if n in expected]:
+                pending[name] = pool_kv_heads(name, pending[name], expected[name].shape, config.head_dim)
                 if pending[name].shape != expected[name].shape:
                     raise ValueError(f"{origin}: {name} has shape {tuple(pending[name].shape)}, config implies "
                                      f"{tuple(expected[name].shape)}")
@@ -124,6 +126,19 @@ def model_from_shards(shards: Iterable[dict[str, torch.Tensor]], config: FusedKV
         if isinstance(module, KVFusion):
             model._init_weights(module)
     return model
+
+
+def pool_kv_heads(name: str, tensor: torch.Tensor, shape: torch.Size, head_dim: int) -> torch.Tensor:
+    """A K/V projection (weight or bias) with m times the KV heads the model has (a `PLAN+gqa` import of a
+    checkpoint with more KV heads): each group of m consecutive heads mean-pooled into one, the GQA
+    uptraining initialisation (Ainslie et al., 2023); query head h then reads pooled head h // (H / H_kv), the
+    group whose heads it and its neighbours read before. Other tensors are returned as they are."""
+    if not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias",
+                          "self_attn.v_proj.bias")) or tensor.shape[1:] != shape[1:] \
+            or tensor.shape[0] == shape[0] or tensor.shape[0] % shape[0]:
+        return tensor
+    heads, m = shape[0] // head_dim, tensor.shape[0] // shape[0]
+    return tensor.reshape(heads, m, head_dim, *tensor.shape[1:]).mean(1).reshape(shape).to(tensor.dtype)
 
 
 def _unfilled_model(config: FusedKVConfig) -> FusedKVForCausalLM:

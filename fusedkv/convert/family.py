@@ -48,7 +48,21 @@ class Family:
             types = " or ".join(map(repr, self.model_types))
             got = hf.get("model_type")
             raise ValueError(f"expected a {self.name} checkpoint (model_type {types}), got model_type {got!r}")
-        return FusedKVConfig(**{**self.config_fields(hf), **overrides}, kv_sharing=kv_sharing)
+        return FusedKVConfig(**with_plan_kv_heads({**self.config_fields(hf), **overrides}, kv_sharing, overrides),
+                             kv_sharing=kv_sharing)
+
+
+def with_plan_kv_heads(fields: dict, kv_sharing: str, overrides: dict) -> dict:
+    """`fields` with the KV-head count a `PLAN+gqa` choice asks for (half the query heads) where that is fewer
+    than the checkpoint has: the import then mean-pools each group of K/V heads (`core.pool_kv_heads`). A
+    checkpoint that already has at most that many keeps its own."""
+    from ..plan import CUSTOM, PLAN_NAMES, resolve_plan_choice
+
+    if kv_sharing in (*PLAN_NAMES, CUSTOM) or "num_key_value_heads" in overrides:
+        return fields
+    heads = fields["num_attention_heads"]
+    want = resolve_plan_choice(kv_sharing).num_key_value_heads(heads, fields.get("num_key_value_heads"))
+    return {**fields, "num_key_value_heads": min(want, fields.get("num_key_value_heads") or heads)}
 
 
 # ---- the field tables ------------------------------------------------------------------------------------

@@ -175,3 +175,25 @@ def test_dynamic_rope_past_max_position_embeddings(tmp_path):
         a = reference.generate(ids[:1], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
         b = ours.generate(ids[:1], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("plan", ["gqa", "fusedkv+gqa"])
+def test_gqa_on_a_multi_head_checkpoint_mean_pools_the_kv_heads(plan, tmp_path):
+    """`PLAN+gqa` asks for half the query heads as KV heads; a checkpoint with one KV head per query head gets
+    each pair of K/V heads mean-pooled (the GQA uptraining initialisation)."""
+    case = ("mha", "LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=4, attention_bias=True), None)
+    src, reference = build(case, tmp_path)
+    model = convert_checkpoint(src, tmp_path / "out", kv_sharing=plan).eval()
+    assert model.config.num_key_value_heads == 2
+    source = reference.model.layers[0].self_attn
+    for proj in ("k_proj", "v_proj"):
+        want = getattr(source, proj).weight.reshape(2, 2, 16, 64).mean(1).reshape(32, 64)
+        assert torch.allclose(getattr(model.model.layers[0].self_attn, proj).weight, want)
+        want_bias = getattr(source, proj).bias.reshape(2, 2, 16).mean(1).reshape(32)
+        assert torch.allclose(getattr(model.model.layers[0].self_attn, proj).bias, want_bias)
+    ids, mask = left_padded_batch()
+    assert generate(model, ids, 4, attention_mask=mask).tokens.shape == (2, 23)
+    # a checkpoint that already has at most half as many KV heads keeps its own
+    case = ("gqa-src", "LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=1), None)
+    src, _ = build(case, tmp_path)
+    assert convert_checkpoint(src, tmp_path / "out2", kv_sharing=plan).config.num_key_value_heads == 1
