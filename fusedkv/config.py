@@ -349,6 +349,20 @@ class FusedKVConfig(PreTrainedConfig):
              "attn_logit_softcapping, use_post_norms, rms_norm_unit_offset and query_pre_attn_scalar are not "
              "implemented with MLA (kv_lora_rank is set)")
 
+    def extra_block_features(self) -> list[str]:
+        """The imported families' fields this config sets away from the Qwen3 block (defaults): what the
+        paths that implement only that block (the native CPU decode step, the vLLM plugin) must decline."""
+        rope = list(rope_parameters_by_type(self).values())
+        on = {"mlp_bias": self.mlp_bias,
+              "attention_output_bias": self.attention_output_bias not in (None, self.attention_bias),
+              "use_qk_norm": not self.use_qk_norm, "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
+              "attn_logit_softcapping": self.attn_logit_softcapping is not None,
+              "final_logit_softcapping": self.final_logit_softcapping is not None,
+              "embedding_multiplier": self.embedding_multiplier != 1.0,
+              "rms_norm_unit_offset": self.rms_norm_unit_offset, "use_post_norms": self.use_post_norms,
+              "rope_parameters": len(rope) > 1 or rope[0].get("rope_type", "default") != "default"}
+        return [name for name, set_ in on.items() if set_]
+
     @property
     def plan(self) -> KVSharingPlan:
         """The validated plan (recomputed on access: it is cheap, and configs must stay JSON-serialisable)."""

@@ -23,7 +23,6 @@ import ctypes
 
 import torch
 
-from ..config import rope_parameters_by_type
 from ..kernels import cpu_attention, cpu_gemv, native
 from .attention import Attention
 from .layers import SwiGLU, rope_inv_freq, rope_tables
@@ -96,8 +95,9 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return "the model is not an f32 CPU model in eval mode"
     if config.kv_lora_rank is not None or config.num_experts > 0 or config.hidden_act != "silu":
         return "MLA, MoE and activations other than SiLU run module by module"
-    if _imported_features(config):  # the C step computes the Qwen3 block only
-        return f"{_imported_features(config)} run module by module"
+    features = [f for f in config.extra_block_features() if f != "attention_output_bias"]  # O bias: read as set
+    if features:  # the C step computes the Qwen3 block only
+        return f"{', '.join(features)} run module by module"
     if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
         return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
     if sorted(config.plan.storage_layers) != sorted(keys):
@@ -118,18 +118,6 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             return ("the weights are not f32 in the packed decode layout (fusedkv.model.packing.set_decode_layout) "
                     "or bf16 / int8 blocks of fusedkv.model.precision")
     return None
-
-
-def _imported_features(config) -> str | None:
-    """The first feature of an imported family (fusedkv/convert) the native step does not compute, or None."""
-    rope = list(rope_parameters_by_type(config).values())
-    checks = {"MLP biases": config.mlp_bias,
-              "no QK-norm": not config.use_qk_norm, "query_pre_attn_scalar": config.query_pre_attn_scalar,
-              "soft-capping": config.attn_logit_softcapping or config.final_logit_softcapping,
-              "embedding_multiplier": config.embedding_multiplier != 1.0,
-              "Gemma norms": config.rms_norm_unit_offset or config.use_post_norms,
-              "scaled or per-layer RoPE": len(rope) > 1 or rope[0].get("rope_type", "default") != "default"}
-    return next((name for name, on in checks.items() if on), None)
 
 
 class Unsupported(ValueError):

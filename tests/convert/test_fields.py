@@ -5,6 +5,7 @@ line naming the field, what fusedkv cannot reproduce (`UnsupportedField`); nothi
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from fusedkv.convert import FAMILIES, UnsupportedField, family_for
@@ -73,3 +74,25 @@ def test_a_window_as_long_as_the_context_is_full_attention():
 
 def test_metadata_fields_are_only_bookkeeping():
     assert not METADATA & {"hidden_act", "rope_parameters", "sliding_window", "attention_bias"}
+
+
+def test_paths_that_run_only_the_qwen3_block_decline_the_imported_features():
+    """The vLLM plugin and the native CPU decode step implement the Qwen3 block alone: an imported Llama
+    (no QK-norm, llama3 RoPE) or Gemma model is refused there by name, never run with the wrong block."""
+    from fusedkv import FusedKVForCausalLM
+    from fusedkv.model.decode_step import unsupported
+    from fusedkv.serving.plugin import check_servable
+
+    hf = transformers.LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}).to_dict()
+    config = family_for(hf).to_config(hf, "vanilla")
+    assert config.extra_block_features() == ["use_qk_norm", "rope_parameters"]
+    with pytest.raises(ValueError, match="use_qk_norm, rope_parameters: .* not served"):
+        check_servable(config)
+    model = FusedKVForCausalLM(config).eval()
+    keys = {i: torch.zeros(1, 2, 8, 16) for i in range(2)}
+    reason = unsupported(model, keys, dict(keys), 1)
+    assert reason is not None and ("use_qk_norm" in reason or "native" in reason)
+    hf = transformers.Qwen3Config(**SMALL).to_dict()
+    assert family_for(hf).to_config(hf, "vanilla").extra_block_features() == []
