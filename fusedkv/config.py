@@ -342,6 +342,8 @@ class FusedKVConfig(PreTrainedConfig):
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
             v = getattr(self, name)
             need(v is None or v > 0, f"{name}={v!r}: must be positive, or None (off)")
+        need(self.num_experts == 0 or self.hidden_act == "silu",
+             f"hidden_act={self.hidden_act!r}: the mixture-of-experts layers compute SiLU experts only")
         need(self.embedding_multiplier > 0, f"embedding_multiplier={self.embedding_multiplier!r}: must be positive")
         rope_parameters_by_type(self)  # raises ValueError naming what it cannot compute
         need(self.kv_lora_rank is None or not (self.attn_logit_softcapping or self.use_post_norms

@@ -28,6 +28,7 @@ QWEN3_MOE = FieldTable("Qwen3-MoE", "Qwen3MoeConfig", {
                                  "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
                                  "output_router_logits")},
     "use_sliding_window": Require(no, "sliding-window Qwen3-MoE checkpoints are not imported"),
+    "hidden_act": Require(lambda act: act == "silu", "fusedkv's mixture-of-experts layers compute SiLU experts only"),
     "sliding_window": Ignore("used only with use_sliding_window"),
 })
 

@@ -53,6 +53,7 @@ REFUSED = [
      "rope_parameters"),
     ("mistral", dict(hidden_act="xielu"), "hidden_act"),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act"),
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("gemma2", dict(hidden_activation="gelu_10"), "hidden_act"),
 ]
