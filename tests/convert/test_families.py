@@ -156,6 +156,12 @@ def test_a_half_cache_plan_on_top_builds_and_runs(imported):
                 assert torch.equal(layer.self_attn.k_proj.weight, reference.model.layers[i].self_attn.k_proj.weight)
         out = generate(model, ids, 4, attention_mask=mask).tokens
         assert out.shape == (2, 23) and torch.isfinite(model(ids, attention_mask=mask).logits).all()
+        # ready for continued training: finite gradients, reaching the fusion weights where the plan has any
+        model.train()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+        assert all(g.abs().sum() > 0 for n, g in grads.items() if ".fusion." in n)
 
 
 def test_dynamic_rope_past_max_position_embeddings(tmp_path):
