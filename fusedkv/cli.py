@@ -3,7 +3,7 @@
     fusedkv plans      the KV-sharing plans with their cache capacity and I/O for a model shape
     fusedkv train      train a model (default: a tiny FusedKV model on the built-in corpus)
     fusedkv generate   sample text from a checkpoint
-    fusedkv convert    import a Hugging Face Qwen3 checkpoint
+    fusedkv convert    import a Hugging Face checkpoint (Qwen3, Llama, Mistral, Qwen2, Gemma)
     fusedkv eval       validation loss, perplexity, lm-eval tasks, RULER-style long-context tasks
     fusedkv compare    train and evaluate several plans under one budget (the paper's tables)
     fusedkv bench      inference speed and memory: TTFT, TPOT, cache bytes
@@ -200,24 +200,30 @@ def _run_generate(args) -> None:
 
 
 def register_convert(sub):
-    p = sub.add_parser("convert", help="import a Hugging Face Qwen3 checkpoint",
-                       description="Convert a Qwen3 checkpoint directory (model_type qwen3) to FusedKV. With "
-                       "--kv-sharing vanilla the result gives transformers' logits; other plans drop the upper "
+    from .convert import FAMILIES
+
+    families = "; ".join(f"{f.name} ({', '.join(f.model_types)})" for f in FAMILIES)
+    p = sub.add_parser("convert", help="import a Hugging Face checkpoint (Qwen3, Llama, Mistral, Qwen2, Gemma, ...)",
+                       description=f"Convert a Hugging Face checkpoint directory (config.json + safetensors, sharded "
+                       f"or not) to FusedKV. Families (model_type): {families}; or a vanilla fusedkv model. "
+                       "With --kv-sharing vanilla the result gives transformers' logits; other plans drop the upper "
                        "layers' K/V projections and start their fusion from --fusion-init, ready for training. "
+                       "A config field fusedkv cannot reproduce exactly is refused, naming the field. "
                        "DST is written whole or not at all; a non-empty DST is replaced only with --overwrite.")
-    p.add_argument("src", type=argtypes.non_empty, help="Qwen3 checkpoint directory")
+    p.add_argument("src", type=argtypes.non_empty, help="checkpoint directory (transformers' save_pretrained layout)")
     p.add_argument("dst", type=argtypes.non_empty, help="output directory (new or empty)")
-    p.add_argument("--kv-sharing", default=VANILLA, help="plan (default vanilla; see `fusedkv plans`)")
+    p.add_argument("--kv-sharing", default=VANILLA, help="plan (default vanilla; see `fusedkv plans`), e.g. fusedkv, "
+                   "fusedkv+gqa, fusedkv+W / +WF for models with sliding-window layers")
     p.add_argument("--fusion-init", default="equivalent", choices=["equivalent", "normal", "iterative"])
     p.add_argument("--overwrite", action="store_true", help="replace DST if it already holds files")
     p.set_defaults(func=_run_convert)
 
 
 def _run_convert(args) -> None:
-    from .convert import convert_qwen3
+    from .convert import convert_checkpoint
 
-    model = convert_qwen3(args.src, args.dst, kv_sharing=args.kv_sharing, fusion_init=args.fusion_init,
-                          overwrite=args.overwrite)
+    model = convert_checkpoint(args.src, args.dst, kv_sharing=args.kv_sharing, fusion_init=args.fusion_init,
+                               overwrite=args.overwrite)
     plan = model.plan
     print(f"wrote {args.dst}: plan {args.kv_sharing}, storage layers {[i + 1 for i in plan.storage_layers]}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters")

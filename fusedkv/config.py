@@ -31,6 +31,32 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # DeepSeekMoE rou
 MAX_LAYERS = 4096
 
 
+# `hidden_act` values the MLP computes exactly as transformers' ACT2FN does (the same functions); others
+# (parametrised or clipped ones) are refused at config time.
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python",
+               "gelu_python_tanh", "gelu_accurate", "quick_gelu", "relu", "relu2", "sigmoid", "tanh")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")  # longrope's switching is not reproduced
+
+
+
+def rope_parameters_by_type(config) -> dict[str | None, dict]:
+    """{attention type: its RoPE parameters}: one entry (key None) when every layer shares one RoPE, else
+    one per attention type (Gemma 3: a separate base for the sliding layers), transformers' layout of
+    `rope_parameters`. Raises ValueError for a RoPE fusedkv does not compute."""
+    params = config.rope_parameters
+    by_type = {t: params[t] for t in (FULL, SLIDING) if t in params} or {None: params}
+    for key, p in by_type.items():
+        where = "rope_parameters" + (f"[{key!r}]" if key else "")
+        if not isinstance(p, dict) or "rope_theta" not in p:
+            raise ValueError(f"{where}={p!r}: expected a dict with rope_type and rope_theta")
+        if p.get("rope_type", "default") not in ROPE_TYPES:
+            raise ValueError(f"{where}: rope_type {p.get('rope_type')!r} is not supported; one of {ROPE_TYPES}")
+        if p.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{where}: partial_rotary_factor={p['partial_rotary_factor']} is not supported")
+    return by_type
+
+
+
 _TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict, "None": type(None)}
 
 
@@ -144,6 +170,17 @@ class FusedKVConfig(PreTrainedConfig):
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     rope_interleave: bool = False  # MLA's RoPE channels in DeepSeek's interleaved-pair layout (`model/mla.py`)
+    # ---- Imported families' features (fusedkv/convert): transformers' field names where a family has one;
+    # ---- the defaults are Qwen3's, so models and checkpoints made before these fields are unchanged.
+    mlp_bias: bool = False  # Llama: biases on the MLP projections
+    attention_output_bias: bool | None = None  # bias on o_proj; None = attention_bias (Qwen2: Q/K/V only)
+    use_qk_norm: bool = True  # RMSNorm on each query and key head before RoPE (Qwen3, Gemma 3; not Llama)
+    query_pre_attn_scalar: float | int | None = None  # Gemma: scores scaled by its -1/2 power; None = head_dim
+    attn_logit_softcapping: float | int | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | int | None = None  # Gemma 2/3: logits -> cap * tanh(logits / cap)
+    embedding_multiplier: float | int = 1.0  # Gemma: sqrt(hidden_size), in the embeddings' dtype (Granite's name)
+    rms_norm_unit_offset: bool = False  # Gemma's RMSNorm: x / rms(x) * (1 + w), weights stored around 0
+    use_post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention and MLP outputs before each residual add
 
     def __post_init__(self, **kwargs):
         _check_field_types(self)  # first: the defaults and checks below compute with these values
@@ -247,6 +284,7 @@ class FusedKVConfig(PreTrainedConfig):
         )
         self._check_moe(need)
         self._check_mla(need)
+        self._check_family_features(need)
         plan = self.plan  # builds and validates the source map
         if self.fusion_init == "iterative":
             for layer in plan.layers:
@@ -343,6 +381,35 @@ class FusedKVConfig(PreTrainedConfig):
             f"from the shared latent, so it must equal num_attention_heads={heads} (the latent replaces GQA)",
         )
 
+    def _check_family_features(self, need) -> None:
+        need(self.hidden_act in ACTIVATIONS,
+             f"hidden_act={self.hidden_act!r}: supported activations are {', '.join(ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            v = getattr(self, name)
+            need(v is None or v > 0, f"{name}={v!r}: must be positive, or None (off)")
+        need(self.num_experts == 0 or self.hidden_act == "silu",
+             f"hidden_act={self.hidden_act!r}: the mixture-of-experts layers compute SiLU experts only")
+        need(self.embedding_multiplier > 0, f"embedding_multiplier={self.embedding_multiplier!r}: must be positive")
+        rope_parameters_by_type(self)  # raises ValueError naming what it cannot compute
+        need(self.kv_lora_rank is None or not (self.attn_logit_softcapping or self.use_post_norms
+                                               or self.rms_norm_unit_offset or self.query_pre_attn_scalar),
+             "attn_logit_softcapping, use_post_norms, rms_norm_unit_offset and query_pre_attn_scalar are not "
+             "implemented with MLA (kv_lora_rank is set)")
+
+    def extra_block_features(self) -> list[str]:
+        """The imported families' fields this config sets away from the Qwen3 block (defaults): what the
+        paths that implement only that block (the native CPU decode step, the vLLM plugin) must decline."""
+        rope = list(rope_parameters_by_type(self).values())
+        on = {"mlp_bias": self.mlp_bias,
+              "attention_output_bias": self.attention_output_bias not in (None, self.attention_bias),
+              "use_qk_norm": not self.use_qk_norm, "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
+              "attn_logit_softcapping": self.attn_logit_softcapping is not None,
+              "final_logit_softcapping": self.final_logit_softcapping is not None,
+              "embedding_multiplier": self.embedding_multiplier != 1.0,
+              "rms_norm_unit_offset": self.rms_norm_unit_offset, "use_post_norms": self.use_post_norms,
+              "rope_parameters": len(rope) > 1 or rope[0].get("rope_type", "default") != "default"}
+        return [name for name, set_ in on.items() if set_]
+
     @property
     def plan(self) -> KVSharingPlan:
         """The validated plan (recomputed on access: it is cheap, and configs must stay JSON-serialisable)."""
@@ -352,7 +419,9 @@ class FusedKVConfig(PreTrainedConfig):
 
     @property
     def rope_theta(self) -> float:
-        return float(self.rope_parameters["rope_theta"])
+        """The RoPE base (of the full-attention layers where each attention type has its own RoPE)."""
+        params = self.rope_parameters
+        return float(params[FULL]["rope_theta"] if FULL in params else params["rope_theta"])
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 2, context: int | None = None) -> float:
         """Bytes of KV cache one token occupies, per sequence (2 * L * H_kv * D for vanilla, paper Table 1).

@@ -8,15 +8,19 @@ continued training (the paper trains from scratch; a converted model must be tra
   core.py      read the checkpoint, copy the weights, write the result atomically
   family.py    what a family is (`Family`), and `UnsupportedField`
   families.py  the list of families, and `family_for(config)`
-  qwen3.py     Qwen3 and Qwen3-MoE
-  deepseek.py  DeepSeek-V3 and DeepSeek-V2 (MLA, DeepSeekMoE)
+  qwen3.py     Qwen3 and Qwen3-MoE          llama.py    Llama 2 / 3 / 3.x
+  mistral.py   Mistral                      qwen2.py    Qwen2 / Qwen2.5
+  gemma.py     Gemma 2 and Gemma 3 (text)   deepseek.py DeepSeek-V3 and DeepSeek-V2 (MLA, DeepSeekMoE)
 """
 
 from .core import (
+    convert_checkpoint,
     convert_qwen3,
     from_qwen3_state,
     fusedkv_to_plan_config,
     load_state_dict,
+    model_from_shards,
+    model_from_state,
 )
 from .families import FAMILIES, MODEL_TYPES, family_for
 from .family import Family, UnsupportedField
@@ -30,5 +34,6 @@ def qwen3_to_fusedkv_config(qwen3: dict, kv_sharing: str, **overrides):
     return _QWEN3.to_config(qwen3, kv_sharing, **overrides)
 
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "Family", "QWEN3_MODEL_TYPES", "UnsupportedField", "convert_qwen3",
-           "family_for", "from_qwen3_state", "fusedkv_to_plan_config", "load_state_dict", "qwen3_to_fusedkv_config"]
+__all__ = ["FAMILIES", "MODEL_TYPES", "Family", "QWEN3_MODEL_TYPES", "UnsupportedField", "convert_checkpoint",
+           "convert_qwen3", "family_for", "from_qwen3_state", "fusedkv_to_plan_config", "load_state_dict",
+           "model_from_shards", "model_from_state", "qwen3_to_fusedkv_config"]

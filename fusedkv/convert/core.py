@@ -1,7 +1,8 @@
-"""The family-independent part of import: read the checkpoint, copy the weights, write the result atomically.
+"""The family-independent part of import: read the checkpoint shard by shard, copy the weights, write the
+result atomically.
 
-FusedKV's module names are transformers' (Qwen3's), so a family's `prepare_state` maps its tensors onto
-them; reconstruction layers drop their K/V projections and K-norm. A vanilla *fusedkv* checkpoint
+FusedKV's module names are transformers' (Qwen3's, Llama's), so a family's `prepare_state` maps its tensors
+onto them; reconstruction layers drop their K/V projections and K-norm. A vanilla *fusedkv* checkpoint
 (model_type fusedkv, e.g. `fusedkv train --plan vanilla`'s final model) converts the same way to any
 other plan: the uptraining path (`fusedkv.train.distill`).
 """
@@ -10,16 +11,21 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..checkpoints import check_destination, check_finite_model, write_directory_atomically
 from ..config import FusedKVConfig
+from ..errors import UsageError
 from ..model import FusedKVForCausalLM
+from ..model.fusion import KVFusion
 from ..plan import VANILLA
-from .families import family_for
+from .families import MODEL_TYPES, family_for
+from .family import with_plan_kv_heads
 from .qwen3 import fuse_experts
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -29,7 +35,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def fusedkv_to_plan_config(saved: dict, kv_sharing: str, origin: str = "checkpoint", **overrides) -> FusedKVConfig:
     """The config of a fusedkv model with every layer's K/V (plan vanilla, any KV-head count) under another
     plan: same shape, the upper layers' K/V projections dropped. FusedKV keeps Qwen3's weight names, so
-    the weights then load as a Qwen3 checkpoint's do (`from_qwen3_state`)."""
+    the weights then load as a Qwen3 checkpoint's do (`model_from_state`)."""
     source = FusedKVConfig.from_dict({k: v for k, v in saved.items() if k not in ("model_type", "architectures")})
     if source.kv_sharing != VANILLA:
         raise ValueError(f"{origin} is a {source.kv_sharing!r} model: only a vanilla (full-cache) fusedkv model can "
@@ -39,71 +45,149 @@ def fusedkv_to_plan_config(saved: dict, kv_sharing: str, origin: str = "checkpoi
               "shared_attention_types", "torch_dtype", "dtype"):
         fields.pop(k, None)
     fields.update(overrides)
-    return FusedKVConfig.from_dict({**fields, "kv_sharing": kv_sharing})
+    return FusedKVConfig.from_dict({**with_plan_kv_heads(fields, kv_sharing, overrides), "kv_sharing": kv_sharing})
 
 
-def load_state_dict(src: Path) -> dict[str, torch.Tensor]:
+def shard_files(src: Path) -> list[Path]:
+    """The checkpoint's safetensors files, in the index's order when it has one."""
     index = src / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise UsageError(f"{index} is not a safetensors index (no readable weight_map): {e}") from e
         files = [src / s for s in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UsageError(f"{src}: the index names shards that are not there: {', '.join(missing[:3])}")
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{src} has no *.safetensors weights to convert")
+    return files
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors; a truncated or corrupt file is a one-line error naming it."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{path} is not a complete safetensors file ({first}); it may be truncated: "
+                         "download or save it again") from e
+
+
+def load_state_dict(src: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint directory `src` at once (conversion itself streams shards instead)."""
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    for f in shard_files(Path(src)):
+        state.update(read_shard(f))
     return state
 
 
-def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, origin: str = "state dict"):
-    """A FusedKV model of `config` holding the Qwen3 weights `state` (reconstruction layers drop their
-    K/V projections; fusion weights keep their configured initialisation)."""
-    state = fuse_experts(dict(state), config)
-    if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied checkpoints store one copy
-    model = FusedKVForCausalLM(config)
+def model_from_shards(shards: Iterable[dict[str, torch.Tensor]], config: FusedKVConfig, prepare=fuse_experts,
+                      origin: str = "state dict") -> FusedKVForCausalLM:
+    """A FusedKV model of `config` holding the checkpoint tensors that `shards` yields one shard at a time
+    (transformers' names; `prepare` is the family's `prepare_state`). Each shard is copied into the model
+    and dropped before the next is read, so memory is the model plus one shard. Reconstruction layers drop
+    their K/V projections (and K-norm); fusion weights keep their configured initialisation."""
+    model = _unfilled_model(config)
     expected = model.state_dict()
     allowed_drop = {f"model.layers.{i}.self_attn.{n}" for i in config.plan.reconstruction_layers
                     for n in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "k_norm.weight",
                               "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight")}
-    unexpected = [k for k in state if k not in expected and k not in allowed_drop]
+    loaded: set[str] = set()
+    pending: dict[str, torch.Tensor] = {}  # tensors that wait for the rest of their group (MoE experts)
+    with torch.no_grad():
+        for shard in shards:
+            pending = prepare({**pending, **shard}, config, partial=True)
+            for name in [n for n in pending if n in expected]:
+                pending[name] = pool_kv_heads(name, pending[name], expected[name].shape, config.head_dim)
+                if pending[name].shape != expected[name].shape:
+                    raise ValueError(f"{origin}: {name} has shape {tuple(pending[name].shape)}, config implies "
+                                     f"{tuple(expected[name].shape)}")
+                expected[name].copy_(pending.pop(name))  # and nothing else holds the checkpoint's tensor
+                loaded.add(name)
+            del shard
+        if pending:
+            pending = prepare(pending, config, partial=False)  # raises naming what a group lacks
+        if "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
+            expected["lm_head.weight"].copy_(expected["model.embed_tokens.weight"])  # tied: stored once
+            loaded.add("lm_head.weight")
+    unexpected = [k for k in pending if k not in allowed_drop]
     if unexpected:
-        raise ValueError(f"{origin}: weights that a Qwen3 model of this config should not have: {unexpected[:5]}")
-    for k, v in state.items():
-        if k in expected and v.shape != expected[k].shape:
-            raise ValueError(f"{origin}: {k} has shape {tuple(v.shape)}, config implies {tuple(expected[k].shape)}")
-    missing = model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False).missing_keys
-    not_fusion = [k for k in missing if ".fusion." not in k]
-    if not_fusion:
-        raise ValueError(f"{origin}: checkpoint lacks weights {not_fusion[:5]}")
+        raise ValueError(f"{origin}: weights that a model of this config should not have: {unexpected[:5]}")
+    missing = [k for k in expected if k not in loaded and ".fusion." not in k]
+    if missing:
+        raise ValueError(f"{origin}: checkpoint lacks weights {missing[:5]}")
+    for module in model.modules():  # the only weights no checkpoint holds: the paper's initialisation (Table 5)
+        if isinstance(module, KVFusion):
+            model._init_weights(module)
     return model
 
 
-def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None = None, overwrite: bool = False,
-                  **overrides) -> FusedKVForCausalLM:
-    """Convert the Qwen3 checkpoint directory `src` into a FusedKV checkpoint at `dst`; returns the model.
+def pool_kv_heads(name: str, tensor: torch.Tensor, shape: torch.Size, head_dim: int) -> torch.Tensor:
+    """A K/V projection (weight or bias) with m times the KV heads the model has (a `PLAN+gqa` import of a
+    checkpoint with more KV heads): each group of m consecutive heads mean-pooled into one, the GQA
+    uptraining initialisation (Ainslie et al., 2023); query head h then reads pooled head h // (H / H_kv), the
+    group whose heads it and its neighbours read before. Other tensors are returned as they are."""
+    if not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias",
+                          "self_attn.v_proj.bias")) or tensor.shape[1:] != shape[1:] \
+            or tensor.shape[0] == shape[0] or tensor.shape[0] % shape[0]:
+        return tensor
+    heads, m = shape[0] // head_dim, tensor.shape[0] // shape[0]
+    return tensor.reshape(heads, m, head_dim, *tensor.shape[1:]).mean(1).reshape(shape).to(tensor.dtype)
+
+
+def _unfilled_model(config: FusedKVConfig) -> FusedKVForCausalLM:
+    """The model with allocated but unset weights: the checkpoint fills them, so drawing random values first
+    (as long as the import itself, for a large model) would be wasted. `model_from_shards` refuses to
+    return one with a weight left unset."""
+    with torch.device("meta"):
+        model = FusedKVForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives tied parameters separate storage
+    return model
+
+
+def model_from_state(state: dict[str, torch.Tensor], config: FusedKVConfig, prepare=fuse_experts,
+                     origin: str = "state dict") -> FusedKVForCausalLM:
+    """A FusedKV model of `config` holding the transformers-named weights `state` (see `model_from_shards`)."""
+    return model_from_shards([dict(state)], config, prepare, origin)
+
+
+def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, origin: str = "state dict"):
+    """`model_from_state` for Qwen3 / Qwen3-MoE / fusedkv weights (the name older code uses)."""
+    return model_from_state(state, config, fuse_experts, origin)
+
+
+def convert_checkpoint(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None = None,
+                       overwrite: bool = False, **overrides) -> FusedKVForCausalLM:
+    """Convert the checkpoint directory `src` (any family of `families.py`, or a vanilla fusedkv model) into
+    a FusedKV checkpoint at `dst`; returns the model.
 
     `dst` is written whole or not at all: into a temporary directory beside it, renamed into place at the
     end, so a failed conversion (bad weights, a full disk, Ctrl-C) leaves `dst` as it was. A `dst` that
-    already holds files is replaced only with `overwrite=True`."""
+    already holds files is replaced only with `overwrite=True`. The weights are read one shard at a time."""
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, source=src)
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
-        raise ValueError(f"{src} has no config.json; pass a Hugging Face Qwen3 checkpoint directory")
-    source_config = json.loads(cfg_file.read_text())
-    family = None
+        raise ValueError(f"{src} has no config.json; pass a Hugging Face checkpoint directory "
+                         f"(model_type {', '.join(MODEL_TYPES)})")
+    try:
+        source_config = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise UsageError(f"{cfg_file} is not valid JSON: {e}") from e
     if source_config.get("model_type") == FusedKVConfig.model_type:  # a fusedkv vanilla model: uptraining
         config = fusedkv_to_plan_config(source_config, kv_sharing, origin=str(src), **overrides)
+        prepare = fuse_experts
     else:
         family = family_for(source_config)
         config = family.to_config(source_config, kv_sharing, **overrides)
-    state = load_state_dict(src)
-    if family is not None:
-        state = family.prepare_state(state, config)  # the family's names and layouts -> fusedkv's
-    model = from_qwen3_state(state, config, origin=str(src))
+        prepare = family.prepare_state
+    files = shard_files(src)
+    model = model_from_shards((read_shard(f) for f in files), config, prepare, origin=str(src))
     check_finite_model(model, str(src))  # NaN/inf weights would convert into a model that computes NaN
     if dtype is not None:
         model = model.to(dtype)
@@ -116,3 +200,6 @@ def convert_qwen3(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None
 
     write_directory_atomically(dst, write, overwrite)
     return model
+
+
+convert_qwen3 = convert_checkpoint  # the name older code and tests use

@@ -122,7 +122,8 @@ def deepseek_config_fields(hf: dict) -> dict:
     return fields
 
 
-def deepseek_state(state: dict[str, torch.Tensor], config: FusedKVConfig) -> dict[str, torch.Tensor]:
+def deepseek_state(state: dict[str, torch.Tensor], config: FusedKVConfig, partial: bool = False
+                   ) -> dict[str, torch.Tensor]:
     """Drop the multi-token-prediction layers beyond num_hidden_layers; stack per-expert weights."""
     layers = config.num_hidden_layers
 
@@ -130,8 +131,8 @@ def deepseek_state(state: dict[str, torch.Tensor], config: FusedKVConfig) -> dic
         parts = name.split(".")
         return not (name.startswith("model.layers.") and int(parts[2]) >= layers)
 
-    return fuse_experts({k: v for k, v in state.items() if main_model(k)}, config)
+    return fuse_experts({k: v for k, v in state.items() if main_model(k)}, config, partial)
 
 
 FAMILY = Family(name="DeepSeek", model_types=(V3, V2), config_fields=deepseek_config_fields,
-                prepare_state=deepseek_state)
+                prepare_state=deepseek_state, transformers_class="DeepseekV3ForCausalLM, DeepseekV2ForCausalLM")

@@ -25,7 +25,7 @@ import torch
 
 from ..kernels import cpu_attention, cpu_gemv, native
 from ..model.attention import Attention
-from ..model.layers import SwiGLU, rope_cos_sin
+from ..model.layers import SwiGLU, rope_inv_freq, rope_tables
 from .packing import decode_products
 from .precision import ReducedLinear
 
@@ -94,8 +94,9 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return "the model is not an f32 CPU model in eval mode"
     if config.kv_lora_rank is not None or config.num_experts > 0 or config.hidden_act != "silu":
         return "MLA, MoE and activations other than SiLU run module by module"
-    if config.rope_parameters.get("rope_type", "default") != "default":
-        return "scaled RoPE (rope_parameters.rope_type) runs module by module"
+    features = [f for f in config.extra_block_features() if f != "attention_output_bias"]  # O bias: read as set
+    if features:  # the C step computes the Qwen3 block only
+        return f"{', '.join(features)} run module by module"
     if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
         return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
     if sorted(config.plan.storage_layers) != sorted(keys):
@@ -142,7 +143,7 @@ class NativeDecodeStep:
         cache_len = next(iter(keys.values())).shape[2]
         self._keep: list[torch.Tensor] = []  # every tensor a pointer in the table refers to stays alive here
         positions = torch.arange(cache_len).unsqueeze(0)
-        cos, sin = rope_cos_sin(positions, d, config.rope_theta, torch.float32)
+        cos, sin = rope_tables(positions, rope_inv_freq(config)[0], torch.float32)
         cos, sin = self._hold(cos.reshape(cache_len, d)), self._hold(sin.reshape(cache_len, d))
         layers = (_Layer * len(model.model.layers))()
         for table, layer in zip(layers, model.model.layers):

@@ -119,6 +119,11 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
 
 def _attention_backend(attn: Attention, facts: LayerFacts, path: str, cpu: bool, triton: bool, native_ok: bool):
     scale, gqa = attn.scale, attn.num_heads != attn.num_kv_heads
+    if attn.softcap:  # soft-capped scores (Gemma 2): only the model's own implementation applies the cap
+        if path not in ("auto", "materialized"):
+            raise ValueError(f"layer {attn.layer.index + 1} soft-caps its attention scores "
+                             f"(attn_logit_softcapping); only the 'materialized' path applies the cap")
+        return None
     if path == "materialized":
         return Materialized(scale, gqa, cpu)
     if path == "factored":

@@ -73,8 +73,9 @@ class ReferenceAttention:
       * `storage_kv(q, k, v)` -> (k, v): what a storage layer attends over and hands to the layers
         reading it, from its cache's K/V (an implementation may widen a 16-bit cache once, here)."""
 
-    def __init__(self, scale: float, gqa: bool):
+    def __init__(self, scale: float, gqa: bool, softcap: float | None = None):
         self.scale, self.gqa = scale, gqa
+        self.softcap = softcap  # Gemma 2's attention logit soft-capping, applied only here
 
     def widens(self, t: int) -> bool:
         """Whether a block of `t` queries over a 16-bit cache attends in f32: never here (the engine's may)."""
@@ -91,8 +92,23 @@ class ReferenceAttention:
     def attend(self, q, sources: KVSources, mask, causal: bool) -> torch.Tensor:
         k = fuse_sources(sources.keys, sources.key_weights, q.dtype)
         v = fuse_sources(sources.values, sources.value_weights, q.dtype)
+        if self.softcap:
+            return self._softcapped(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=self.scale, enable_gqa=self.gqa)
+
+    def _softcapped(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        """Gemma 2's attention, as transformers' eager path: scores * scale, cap * tanh(scores / cap), the
+        mask, softmax in f32. SDPA and the engine's kernels have no soft-capping, so only this applies it."""
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.tanh(q @ k.transpose(-1, -2) * self.scale / self.softcap) * self.softcap
+        if causal and mask is None:
+            t, s = scores.shape[-2:]
+            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class Attention(nn.Module):
@@ -101,19 +117,28 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        # Gemma scales scores by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2.
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        # Gemma 2's attention logit soft-capping: SDPA and the engine's kernels cannot apply it, so a capped
+        # layer always attends with the model's own implementation (`ReferenceAttention`, explicit softmax).
+        self.softcap = config.attn_logit_softcapping
         # Sliding-window layers (Qwen3 / Mistral semantics): a query at position p sees keys p - W < k <= p.
         self.window = config.sliding_window if layer.attention_type == SLIDING else None
         # The engine's seam (`fusedkv.engine.packing` / `precision`): Q|K|V as one product, or None.
         self.packed_qkv = None
         bias = config.attention_bias
+        o_bias = bias if config.attention_output_bias is None else config.attention_output_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        # QK-norm (Qwen3, Gemma 3) or none (Llama, Mistral, Qwen2, Gemma 2): Identity keeps one forward.
+        self.qk_norm = config.use_qk_norm
+        norm = (lambda: RMSNorm(self.head_dim, config.rms_norm_eps, config.rms_norm_unit_offset)) if self.qk_norm \
+            else nn.Identity
+        self.q_norm = norm()
         if layer.stores:
             self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
             self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm()
         else:
             self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
         # Storage layers: does a later reconstruction layer read this layer's K/V (paper Sec. 2.2)?
@@ -124,7 +149,8 @@ class Attention(nn.Module):
     def use(self, implementation=None) -> None:
         """Attend with `implementation` from now on (`fusedkv.engine.select_runtime` calls this once per
         layer); None restores the model's own `ReferenceAttention`."""
-        self.attend = implementation or ReferenceAttention(self.scale, self.num_heads != self.num_kv_heads)
+        self.attend = implementation or ReferenceAttention(self.scale, self.num_heads != self.num_kv_heads,
+                                                           self.softcap)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -137,7 +163,7 @@ class Attention(nn.Module):
                 q, k, v = self.packed_qkv(x)
             else:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            if t <= SHORT_QUERY and q.dtype == torch.float32 and not torch.is_grad_enabled():
+            if self.qk_norm and t <= SHORT_QUERY and q.dtype == torch.float32 and not torch.is_grad_enabled():
                 q, k = self._qk_norm_rope(q, k, cos, sin)
             else:
                 q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin)
@@ -173,7 +199,7 @@ class Attention(nn.Module):
         b, t, _ = q.shape
         n_q, n_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk = torch.cat((q, k), dim=-1).view(b, t, n_q + n_kv, d)
-        weight = torch.cat((self.q_norm.weight.expand(n_q, d), self.k_norm.weight.expand(n_kv, d)))
+        weight = torch.cat((self.q_norm.gain().expand(n_q, d), self.k_norm.gain().expand(n_kv, d)))
         qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True).add_(self.q_norm.eps))
         qk = qk.mul_(weight)
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, D]: broadcast over the heads

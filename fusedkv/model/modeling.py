@@ -23,7 +23,7 @@ from transformers.modeling_outputs import (
     MoeModelOutputWithPast,
 )
 
-from ..config import FusedKVConfig
+from ..config import FusedKVConfig, rope_parameters_by_type
 from ..plan import SLIDING
 from .attention import Attention, KVState
 from .fusion import KVFusion
@@ -39,18 +39,27 @@ class DecoderLayer(nn.Module):
         # DeepSeek-V2/V3 multi-head latent attention when kv_lora_rank is set, else Qwen3 attention.
         self.self_attn = MLA(config, layer_kv) if config.kv_lora_rank is not None else Attention(config, layer_kv)
         self.sparse = is_sparse_layer(config, layer_kv.index)  # Qwen3-MoE: SparseMoE or the dense MLP
-        self.mlp = SparseMoE(config) if self.sparse else SwiGLU(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoE(config) if self.sparse else SwiGLU(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()  # the norm before the MLP (Gemma's pre_feedforward_layernorm)
+        # Gemma 2/3 also normalise each block's output before the residual add (use_post_norms).
+        self.post_norms = config.use_post_norms
+        if self.post_norms:
+            self.post_attention_output_layernorm = norm()  # Gemma's post_attention_layernorm
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x, cos, sin, mask, kv: KVState, router: RouterRecord | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        out = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        x = x + (self.post_attention_output_layernorm(out) if self.post_norms else out)
         if not self.sparse:
-            return x + self.mlp(self.post_attention_layernorm(x))
-        out, logits = self.mlp(self.post_attention_layernorm(x))
-        if router is not None:
-            router.logits.append(logits)
-        return x + out
+            out = self.mlp(self.post_attention_layernorm(x))
+        else:
+            out, logits = self.mlp(self.post_attention_layernorm(x))
+            if router is not None:
+                router.logits.append(logits)
+        return x + (self.post_feedforward_layernorm(out) if self.post_norms else out)
 
 
 class FusedKVPreTrainedModel(PreTrainedModel):
@@ -72,7 +81,7 @@ class FusedKVPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.Embedding):
             hf_init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
-            hf_init.ones_(module.weight)
+            (hf_init.zeros_ if module.unit_offset else hf_init.ones_)(module.weight)  # a gain of 1 either way
         elif isinstance(module, Experts):
             hf_init.normal_(module.gate_up_proj, mean=0.0, std=std)
             hf_init.normal_(module.down_proj, mean=0.0, std=std)
@@ -94,7 +103,13 @@ class FusedKVModel(FusedKVPreTrainedModel):
         self.plan = config.plan
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, layer_kv) for layer_kv in self.plan.layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
+        # One RoPE for every layer, or one per attention type (Gemma 3's local base); dynamic NTK recomputes
+        # its frequencies from the positions of each forward, as transformers does.
+        self.rope_types = tuple(rope_parameters_by_type(config))
+        self.rope_keys = [t.attention_type if t.attention_type in self.rope_types else self.rope_types[0]
+                          for t in self.plan.layers]
+        self.dynamic_rope = any(p.get("rope_type") == "dynamic" for p in rope_parameters_by_type(config).values())
         if config.fusion_init == "iterative":
             self._link_iterative_chains()
         self.gradient_checkpointing = False
@@ -135,13 +150,18 @@ class FusedKVModel(FusedKVPreTrainedModel):
             cache = past_key_values  # transformers-4 name
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None:
+            x = self.embed_tokens(input_ids)
+            if self.config.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden_size) rounded to the dtype first
+                x = x * torch.tensor(float(self.config.embedding_multiplier)).to(x.dtype)
+        else:
+            x = inputs_embeds
         batch, q_len = x.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None and not self.training:
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0
-        if past + q_len > self.config.max_position_embeddings:
+        if past + q_len > self.config.max_position_embeddings and not self.dynamic_rope:
             raise ValueError(
                 f"the input is {past + q_len} tokens long ({past} cached + {q_len} new) but the model's "
                 f"max_position_embeddings is {self.config.max_position_embeddings}; shorten the prompt or the "
@@ -158,7 +178,7 @@ class FusedKVModel(FusedKVPreTrainedModel):
         else:
             causal = False
             mask, position_ids = _mask_and_positions(attention_mask, position_ids, batch, past, q_len, x.device)
-        cos, sin = rope_tables(position_ids, *rope_inv_freq(self.config), x.dtype)
+        rope = self._rope_tables(position_ids, x.dtype)
         kv = KVState(cache=cache, causal=causal, padding_mask=attention_mask)
         if self.config.sliding_window and SLIDING in self.config.layer_types:
             kv.window_mask = _window_mask(mask, causal, past, q_len, self.config.sliding_window, x.device)
@@ -166,11 +186,13 @@ class FusedKVModel(FusedKVPreTrainedModel):
         hidden_states = (x,) if output_hidden_states else None
         for i, layer in enumerate(self.layers):
             if i == skip_from:
-                x, cos, sin = x[:, -keep_last:], cos[:, :, -keep_last:], sin[:, :, -keep_last:]
+                x = x[:, -keep_last:]
+                rope = {t: (c[:, :, -keep_last:], s[:, :, -keep_last:]) for t, (c, s) in rope.items()}
                 mask = mask[:, :, -keep_last:] if mask is not None else None
                 if kv.window_mask is not None:
                     kv.window_mask = kv.window_mask[:, :, -keep_last:]
                 kv.causal = False  # only the last row(s) remain
+            cos, sin = rope[self.rope_keys[i]]
             if self.gradient_checkpointing and self.training:
                 x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, mask, kv, router)
             else:
@@ -185,6 +207,16 @@ class FusedKVModel(FusedKVPreTrainedModel):
                                           hidden_states=hidden_states, router_logits=tuple(router.logits))
         return BaseModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None,
                                        hidden_states=hidden_states)
+
+
+    def _rope_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
+        """{attention type (None: all layers): (cos, sin)} for these positions."""
+        seq_len = int(position_ids.max()) + 1 if self.dynamic_rope else None
+        tables = {}
+        for layer_type in self.rope_types:
+            inv_freq, scaling = rope_inv_freq(self.config, layer_type, seq_len)
+            tables[layer_type] = rope_tables(position_ids, inv_freq, dtype, scaling)
+        return tables
 
 
 def _window_mask(mask, causal, past, q_len, window, device):
@@ -306,6 +338,9 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
         else:
             h = h[:, logits_to_keep]
         logits = self.lm_head(h)
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma 2/3
+            logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
             # transformers convention: labels are the input ids; the shift happens here.

@@ -46,6 +46,10 @@ def check_servable(config) -> None:
         raise ValueError("layer_types: sliding-window layers are not served by the vLLM plugin yet")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: the FusedKV model uses SwiGLU (silu)")
+    features = getattr(config, "extra_block_features", list)()  # imported families (fusedkv convert)
+    if features:
+        raise ValueError(f"{', '.join(features)}: models with these fields (imported Llama / Mistral / Qwen2 / "
+                         "Gemma blocks) are not served by the vLLM plugin yet")
 
 
 _registered = False

@@ -1,0 +1,19 @@
+"""Llama 2 / 3 / 3.1 / 3.2 (transformers' `LlamaForCausalLM`).
+
+The weights keep their names (FusedKV's modules are named as Llama's and Qwen3's). What differs from
+Qwen3 is configuration: no QK-norm; `attention_bias` on Q/K/V/O; `mlp_bias`; RoPE scaling of type
+llama3, linear or dynamic (through `rope_parameters`, which transformers builds from `rope_scaling`).
+"""
+
+from __future__ import annotations
+
+from .family import SHAPE, Copy, Family, FieldTable, Ignore
+
+LLAMA = FieldTable("Llama", "LlamaConfig", {
+    **SHAPE,
+    "attention_bias": Copy(),
+    "mlp_bias": Copy(),
+    "pretraining_tp": Ignore("transformers' Llama no longer splits its projections by it: the same function"),
+}, fixed=lambda cfg: {"use_qk_norm": False})
+
+FAMILY = Family(name="Llama", model_types=("llama",), config_fields=LLAMA.read, transformers_class="LlamaForCausalLM")

@@ -1,0 +1,99 @@
+"""The guard of every import: each family reads every field of its transformers config and refuses, with one
+line naming the field, what fusedkv cannot reproduce (`UnsupportedField`); nothing is imported approximately.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from fusedkv.convert import FAMILIES, UnsupportedField, family_for
+from fusedkv.convert.family import METADATA, FieldTable
+from fusedkv.convert.gemma import GEMMA2, GEMMA3
+from fusedkv.convert.llama import LLAMA
+from fusedkv.convert.mistral import MISTRAL
+from fusedkv.convert.qwen2 import QWEN2
+from fusedkv.convert.qwen3 import QWEN3, QWEN3_MOE
+
+TABLES = [QWEN3, QWEN3_MOE, LLAMA, MISTRAL, QWEN2, GEMMA2, GEMMA3]
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("table", TABLES, ids=[t.config_class for t in TABLES])
+def test_the_table_covers_every_field_of_the_transformers_config(table: FieldTable):
+    """A field transformers adds to the family's config fails here until the table says what it does."""
+    fields = set(getattr(transformers, table.config_class)().to_dict())
+    assert fields - table.known() == set()
+
+
+@pytest.mark.parametrize("table", TABLES, ids=[t.config_class for t in TABLES])
+def test_the_default_config_of_each_family_imports(table: FieldTable):
+    cls = getattr(transformers, table.config_class)
+    hf = cls(**SMALL).to_dict()
+    config = family_for(hf).to_config(hf, "vanilla")
+    assert config.num_hidden_layers == 2 and config.hidden_act in ("silu", "gelu_pytorch_tanh")
+
+
+def test_every_family_is_listed_with_a_transformers_class():
+    for family in FAMILIES:
+        assert family.transformers_class and family.model_types
+
+
+REFUSED = [
+    ("llama", dict(hidden_act="gelu_10"), "hidden_act"),
+    ("llama", dict(hidden_act="prelu"), "hidden_act"),
+    ("llama", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                    "long_factor": [1.0] * 8, "original_max_position_embeddings": 32}),
+     "rope_parameters"),
+    ("llama", dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    ("llama", dict(some_future_switch=True), "some_future_switch"),
+    ("qwen2", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "rope_parameters"),
+    ("mistral", dict(hidden_act="xielu"), "hidden_act"),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma2", dict(hidden_activation="gelu_10"), "hidden_act"),
+]
+
+
+@pytest.mark.parametrize("model_type,fields,named", REFUSED, ids=[f"{r[0]}-{r[2]}" for r in REFUSED])
+def test_a_field_fusedkv_cannot_reproduce_is_refused_naming_it(model_type, fields, named):
+    hf = {"model_type": model_type, **SMALL, **fields}
+    with pytest.raises(UnsupportedField, match=f"^config field {named}") as e:
+        family_for(hf).to_config(hf, "vanilla")
+    assert e.value.field == named and "\n" not in str(e.value)
+
+
+def test_a_window_as_long_as_the_context_is_full_attention():
+    hf = {"model_type": "mistral", **SMALL, "sliding_window": 64}
+    config = family_for(hf).to_config(hf, "vanilla")
+    assert config.layer_types == ["full_attention"] * 2 and config.sliding_window is None
+
+
+def test_metadata_fields_are_only_bookkeeping():
+    assert not METADATA & {"hidden_act", "rope_parameters", "sliding_window", "attention_bias"}
+
+
+def test_paths_that_run_only_the_qwen3_block_decline_the_imported_features():
+    """The vLLM plugin and the native CPU decode step implement the Qwen3 block alone: an imported Llama
+    (no QK-norm, llama3 RoPE) or Gemma model is refused there by name, never run with the wrong block."""
+    from fusedkv import FusedKVForCausalLM
+    from fusedkv.engine.native_step import unsupported
+    from fusedkv.serving.plugin import check_servable
+
+    hf = transformers.LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}).to_dict()
+    config = family_for(hf).to_config(hf, "vanilla")
+    assert config.extra_block_features() == ["use_qk_norm", "rope_parameters"]
+    with pytest.raises(ValueError, match="use_qk_norm, rope_parameters: .* not served"):
+        check_servable(config)
+    model = FusedKVForCausalLM(config).eval()
+    keys = {i: torch.zeros(1, 2, 8, 16) for i in range(2)}
+    reason = unsupported(model, keys, dict(keys), 1)
+    assert reason is not None and ("use_qk_norm" in reason or "native" in reason)
+    hf = transformers.Qwen3Config(**SMALL).to_dict()
+    assert family_for(hf).to_config(hf, "vanilla").extra_block_features() == []
