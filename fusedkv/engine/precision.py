@@ -130,7 +130,7 @@ def int8_activation_dtype() -> torch.dtype:
 class ReducedLinear(nn.Module):
     """`y = x W^T + b` with W stored in 16 bits, int8 with per-output-channel scales, or int4 with f16 scales
     per output and group of 32 inputs (`quantize_int4`; the layout of `cpu_gemv.to_int4_blocks`, outputs
-    padded to whole blocks of 16: `weight` uint8 [blocks, groups, 16, 16], `scale` f16 [blocks, groups, 16]).
+    padded to whole blocks of 16: `weight` uint8 [blocks, groups, 8, 32], `scale` f16 [blocks, groups, 16]).
 
     `x` and `y` keep the caller's dtype; only the product's operands are rounded. The weight is a
     row-major [out, in] buffer (every kernel used reads it so); `weight` may be a row slice of a

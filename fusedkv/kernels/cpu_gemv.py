@@ -128,18 +128,20 @@ GROUP = 32  # input channels per int4 scale (llama.cpp's Q4_0 block)
 
 def to_int4_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 levels q [out, in] (int8 holding -8..7) and f16 group scales [out, ceil(in / 32)] -> the layout of
-    `gemv_int4_blocks`: (uint8 [ceil(out / 16), groups, 16 pairs, 16 bytes], f16 [ceil(out / 16), groups, 16]).
-    Each pair-row is the 32 elements of the bf16 block layout (`to_blocks`), stored as nibbles q + 8: byte k =
-    element k | element k + 16 << 4. Inputs are padded to whole groups and outputs to whole blocks with zeros."""
+    `gemv_int4_blocks`: (uint8 [ceil(out / 16), groups, 8, 32], f16 [ceil(out / 16), groups, 16]). The 16
+    pair-rows of a group (the 32 elements each of the bf16 block layout, `to_blocks`) are stored as nibbles
+    q + 8, two pair-rows per 32 bytes: byte k = element k of pair 2c | element k of pair 2c + 1 << 4. Inputs
+    are padded to whole groups and outputs to whole blocks with zeros."""
     out_features, in_features = q.shape
     groups, blocks = -(-in_features // GROUP), -(-out_features // BLOCK)
     levels = torch.zeros(blocks * BLOCK, groups * GROUP, dtype=torch.int16)
     levels[:out_features, :in_features] = q
     scales = torch.zeros(blocks * BLOCK, groups, dtype=torch.float16)
     scales[:out_features] = scale
-    # [out, in] -> [blocks, groups, 16 pairs, 16 outputs, 2]: the bf16 pair order within each group
-    e = (levels + 8).reshape(blocks, BLOCK, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4).reshape(-1, 32)
-    packed = (e[:, :16] | (e[:, 16:] << 4)).to(torch.uint8).reshape(blocks, groups, GROUP // 2, 16)
+    # [out, in] -> [blocks, groups, 8 pair couples, 2 pairs, 16 outputs, 2]: the bf16 pair order within a group
+    e = (levels + 8).reshape(blocks, BLOCK, groups, GROUP // 4, 2, 2).permute(0, 2, 3, 4, 1, 5)
+    e = e.reshape(blocks, groups, GROUP // 4, 2, 32)
+    packed = (e[:, :, :, 0] | (e[:, :, :, 1] << 4)).to(torch.uint8)
     return packed.contiguous(), scales.reshape(blocks, BLOCK, groups).transpose(1, 2).contiguous()
 
 
@@ -147,10 +149,10 @@ def from_int4_blocks(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.
     """The inverse of `to_int4_blocks`, padding kept: (int8 levels [16 blocks, 32 groups], f16 scales
     [16 blocks, groups])."""
     blocks, groups = packed.shape[:2]
-    b = packed.reshape(-1, 16).to(torch.int16)
-    e = torch.cat([b & 15, b >> 4], dim=1) - 8  # [blocks * groups * 16 pairs, 32 elements]
-    q = e.reshape(blocks, groups, GROUP // 2, BLOCK, 2).permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK, groups * GROUP)
-    return q.to(torch.int8), scales.transpose(1, 2).reshape(blocks * BLOCK, groups)
+    b = packed.to(torch.int16)
+    e = torch.stack([b & 15, b >> 4], dim=3) - 8  # [blocks, groups, 8, 2 pairs, 32 elements]
+    q = e.reshape(blocks, groups, GROUP // 4, 2, BLOCK, 2).permute(0, 4, 1, 2, 3, 5)
+    return q.reshape(blocks * BLOCK, groups * GROUP).to(torch.int8), scales.transpose(1, 2).reshape(-1, groups)
 
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int,
