@@ -261,7 +261,7 @@ class ReducedGroup:
 
 def _dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W = scale (.) q in f32 (exact: an f16 scale times a level -8..7), [out, in] as q."""
-    return (q.float().reshape(q.shape[0], scale.shape[1], -1) * scale.float()[..., None]).reshape(q.shape)
+    return (q.reshape(q.shape[0], scale.shape[1], -1) * scale.float()[..., None]).reshape(q.shape)
 
 
 def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], ReducedGroup]:

@@ -149,10 +149,11 @@ def from_int4_blocks(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.
     """The inverse of `to_int4_blocks`, padding kept: (int8 levels [16 blocks, 32 groups], f16 scales
     [16 blocks, groups])."""
     blocks, groups = packed.shape[:2]
-    b = packed.to(torch.int16)
-    e = torch.stack([b & 15, b >> 4], dim=3) - 8  # [blocks, groups, 8, 2 pairs, 32 elements]
+    # in bytes throughout (prefill runs this for every product): nibbles, then one permuting copy
+    e = torch.stack([packed & 15, packed >> 4], dim=3)  # [blocks, groups, 8, 2 pairs, 32 elements], q + 8
     q = e.reshape(blocks, groups, GROUP // 4, 2, BLOCK, 2).permute(0, 4, 1, 2, 3, 5)
-    return q.reshape(blocks * BLOCK, groups * GROUP).to(torch.int8), scales.transpose(1, 2).reshape(-1, groups)
+    q = q.reshape(blocks * BLOCK, groups * GROUP).view(torch.int8) - 8
+    return q, scales.transpose(1, 2).reshape(-1, groups)
 
 
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int,
