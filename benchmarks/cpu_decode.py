@@ -7,10 +7,11 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
     python benchmarks/cpu_decode.py --llamacpp-src ~/.cache/fusedkv/llama_cpp_python-0.3.36.tar.gz
     python benchmarks/cpu_decode.py --kernels          # one-step weight products per format and row count
     python benchmarks/cpu_decode.py --attention --prompt-lens 2048,16384   # the native attention per cache kind
-    python benchmarks/cpu_decode.py --quality RUN/final   # logits vs f32 and perplexity per precision
+    python benchmarks/cpu_decode.py --quality RUN/final --weights float32,bfloat16,int8,int4 --kv float32
+                                                       # logits vs f32 and perplexity per precision
     python benchmarks/cpu_decode.py --overhead --kv float32  # one step's CPU time: products, rest, floor
 
-Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8 weights; f32 or 16-bit cache), and
+Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8, int4 weights; f32 or 16-bit cache), and
 `llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
 when llama-cpp-python is installed and its source distribution is given (`fusedkv.bench.llamacpp`).
 fusedkv rows decode as `fusedkv.generation.generate` does by default (the native step where it covers
@@ -36,11 +37,11 @@ import torch
 from fusedkv.bench.inference import HF, BenchShape, build_models
 from fusedkv.cache import StaticKVCache
 from fusedkv.engine import select_runtime
-from fusedkv.engine.precision import half_dtype, reduce_precision, weight_format, weight_nbytes
+from fusedkv.engine.precision import half_dtype, kv_dtype_for, reduce_precision, weight_format, weight_nbytes
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
 
-SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8"}
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8", "int4": "int4"}
 
 
 # ---- fusedkv rows ------------------------------------------------------------------------------------
@@ -189,10 +190,10 @@ def _one(name, ours, runners, ids, new_tokens):
 
 def peer_of(name: str) -> list[str]:
     """The llama.cpp rows a fusedkv row is compared with: same weight kind (16-bit -> f16, int8 ->
-    q8_0) and same KV width."""
+    q8_0, int4 -> q4_0: not among the rows the converter writes yet, so int4 has no ratio) and same KV width."""
     w = name.split(" w=")[1].split()[0]
     kv = name.split(" kv=")[1].split()[0]
-    ty = {"f32": "f32", "bf16": "f16", "f16": "f16", "int8": "q8_0"}[w]
+    ty = {"f32": "f32", "bf16": "f16", "f16": "f16", "int8": "q8_0", "int4": "q4_0"}[w]
     return [f"llama.cpp w={ty} kv={'f32' if kv == 'f32' else 'f16'}"]
 
 
@@ -234,7 +235,7 @@ def kernel_table(threads: int, rows_list: list[int], repeats: int) -> str:
     shapes = [(3 * h, h), (h, h), (2 * i, h), (h, i)] * s.num_hidden_layers + [(s.vocab_size, h)]
     linears = [nn.Linear(k, n, bias=False) for n, k in shapes]
     mods = {"f32": [_col(m) for m in linears]}
-    for fmt in ("bfloat16", "float16", "int8"):
+    for fmt in ("bfloat16", "float16", "int8", "int4"):
         mods[SHORT[fmt]] = [ReducedLinear.from_linears([m], fmt) for m in linears]
     nbytes = {k: sum(m.weight.numel() * m.weight.element_size() for m in ms) for k, ms in mods.items()}
     steps = {k: (lambda xs, ms=ms: [m(xs[m.in_features]) for m in ms]) for k, ms in mods.items()}
@@ -444,8 +445,8 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
 
 
 # ---- quality -----------------------------------------------------------------------------------------
-def quality_table(checkpoint: str, windows: int) -> str:
-    """Per precision (weights x KV): on held-out windows of the built-in corpus, (1) full-forward
+def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[torch.dtype]) -> str:
+    """Per precision (`weights` x `kvs`): on held-out windows of the built-in corpus, (1) full-forward
     perplexity, (2) teacher-forced decode through the cache: max |logit - f32 logit|, top-1 agreement
     with the f32 full forward, and the perplexity of the decoded logits."""
     import math
@@ -461,16 +462,17 @@ def quality_table(checkpoint: str, windows: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         shard = prepare_dataset("builtin", tmp, tokenizer=checkpoint).val
         batches = list(iter_eval_batches(shard, ctx, 1, max_batches=windows))
-    configs = [(w, kv) for w in ("float32", "bfloat16", "float16", "int8")
-               for kv in (torch.float32, torch.bfloat16, torch.float16)]
-    models = {w: ref if w == "float32" else reduce_precision(_copy(ref), w) for w in dict(configs)}
+    configs = [(w, kv) for w in weights for kv in kvs]
+    models = {w: ref if w == "float32" else reduce_precision(_copy(ref), w) for w in weights}
     for model in models.values():
         select_runtime(model)  # decode through the engine's attention implementations, as generate() does
     lines = [f"{checkpoint} (plan {ref.config.kv_sharing}), {len(batches)} held-out windows of {ctx} tokens",
-             "| weights | KV | full-forward ppl | decode ppl | decode max abs logit diff vs f32 | top-1 agreement |",
-             "|---|---|---|---|---|---|"]
+             "| weights | KV | full-forward ppl | decode ppl | decode ppl vs f32 | decode max abs logit diff vs f32 | "
+             "top-1 agreement |", "|---|---|---|---|---|---|---|"]
     with torch.inference_mode():
         refs = [ref(ids).logits for ids, _ in batches]
+        ref_ppl = math.exp(sum(F.cross_entropy(r[0], y[0], reduction="sum").item() for r, (_, y) in zip(refs, batches))
+                           / sum(y.numel() for _, y in batches))
         for w, kv in configs:
             model = models[w]
             nll_full = nll_dec = n = agree = 0
@@ -486,7 +488,8 @@ def quality_table(checkpoint: str, windows: int) -> str:
                 agree += (dec.argmax(-1) == ref_logits[0].argmax(-1)).sum().item()
                 n += labels.numel()
             lines.append(f"| {SHORT[w]} | {SHORT[str(kv).removeprefix('torch.')]} | {math.exp(nll_full / n):.3f} | "
-                         f"{math.exp(nll_dec / n):.3f} | {worst:.4f} | {agree / n:.4f} |")
+                         f"{math.exp(nll_dec / n):.3f} | {100 * (math.exp(nll_dec / n) / ref_ppl - 1):+.2f}% | "
+                         f"{worst:.4f} | {agree / n:.4f} |")
     return "\n".join(lines)
 
 
@@ -512,7 +515,9 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="print the native attention table instead "
                     "(--threads, --prompt-lens as the context lengths, --repeats)")
     ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
-    ap.add_argument("--quality", metavar="CHECKPOINT", help="print the quality table for a trained checkpoint")
+    ap.add_argument("--quality", metavar="CHECKPOINT", help="print the quality table for a trained checkpoint "
+                    "(weight formats from --weights, e.g. float32,bfloat16,float16,int8,int4; KV kinds from --kv, "
+                    "e.g. float32,bfloat16,float16)")
     ap.add_argument("--windows", type=int, default=16, help="--quality: held-out windows")
     ap.add_argument("--overhead", action="store_true", help="print where one decode step's CPU time goes (weight "
                     "products, the rest, its dispatch floor; 1 thread, batch 1; --plans, --weights, --prompt-lens, "
@@ -532,7 +537,8 @@ def main() -> None:
             print(kernel_table(t, [int(r) for r in args.rows.split(",")], args.repeats))
         return
     if args.quality:
-        print(quality_table(args.quality, args.windows))
+        kvs = [kv_dtype_for(k) for k in args.kv.split(",")]
+        print(quality_table(args.quality, args.windows, [weight_format(w) for w in args.weights.split(",")], kvs))
         return
     import os
 

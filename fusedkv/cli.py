@@ -123,8 +123,9 @@ def _add_generate(sub):
     p.add_argument("--dtype", default="float32", choices=precisions,
                    help="weights and KV cache (default float32); half = bfloat16 where the processor has bf16 "
                    "arithmetic, else float16. On CPU activations stay float32 (fusedkv.engine.precision)")
-    p.add_argument("--weights", default=None, choices=[*precisions, "int8"],
-                   help="weight storage instead of --dtype's; int8 = weight-only, one scale per output channel (CPU)")
+    p.add_argument("--weights", default=None, choices=[*precisions, "int8", "int4"],
+                   help="weight storage instead of --dtype's (CPU, weight-only): int8 = one scale per output channel, "
+                   "int4 = one f16 scale per 32 weights (llama.cpp's Q4_0 rule)")
     p.add_argument("--kv-dtype", default=None, choices=precisions, help="KV cache dtype instead of --dtype's")
     p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
                    help="KIVI 2/4-bit KV cache (fusedkv.quant): keys per channel, values per token, recent ones exact")

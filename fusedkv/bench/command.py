@@ -53,8 +53,8 @@ def register(sub) -> None:
                    help="KIVI residual length R (default 128)")
     p.add_argument("--precisions", default="",
                    help="extra rows per plan with reduced-precision weights and KV cache on CPU, comma-separated "
-                   "WEIGHTS/KV (weights float32, bfloat16, float16, half, int8; KV float32, bfloat16, float16, half), "
-                   "e.g. float32/half,half/half,int8/half; benchmarks/cpu_decode.py adds llama.cpp next to them")
+                   "WEIGHTS/KV (weights float32, bfloat16, float16, half, int8, int4; KV float32, bfloat16, float16, "
+                   "half), e.g. float32/half,half/half,int8/half; benchmarks/cpu_decode.py adds llama.cpp next to them")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=argtypes.int_range(1, 1024), default=None,

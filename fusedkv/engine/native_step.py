@@ -10,10 +10,10 @@ layer, the final norm and the LM head. The arithmetic is the modules' own (stora
 post-RoPE K/V into the cache; reconstruction layers attend over their sources with the fusion weights
 moved onto the query and output, paper Sec. 2.5), checked against the model's forward by the tests.
 
-It covers what the fast CPU path is for: weights f32 in the packed decode layout, or bf16 / int8 in the
-block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16); batch <= 4; full attention over
-1-2 K / V sources with per-channel weights or plain reuse (every plan of `fusedkv.plan`); dense SwiGLU
-MLPs. `unsupported` names the first thing it does not cover, and the caller then keeps the
+It covers what the fast CPU path is for: weights f32 in the packed decode layout, bf16 / int8 in the
+block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16), or int4 blocks (any); batch
+<= 4; full attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of
+`fusedkv.plan`); dense SwiGLU MLPs. `unsupported` names the first thing it does not cover, and the caller then keeps the
 module-by-module step, which runs everything (MoE, MLA, sliding windows, f16 weights).
 """
 
@@ -31,7 +31,7 @@ from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 MAX_HEAD_DIM = 512  # the C step's per-head buffers
-W_F32, W_BF16_BLOCKS, W_INT8_BLOCKS = 0, 1, 2  # the weight layouts of `Product` in cpu_decode_step.c
+W_F32, W_BF16_BLOCKS, W_INT8_BLOCKS, W_INT4_BLOCKS = 0, 1, 2, 3  # the weight layouts of `Product` in cpu_decode_step.c
 
 
 class _Product(ctypes.Structure):  # `Product` in cpu_decode_step.c, field for field
@@ -54,13 +54,20 @@ class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
 
 def _product(module) -> _Product | None:
     """The native description of one product (a projection, or a packed group of them), or None when its
-    weight is in no layout the native products read: f32 in the decode layout, or bf16 / int8 blocks."""
+    weight is in no layout the native products read: f32 in the decode layout, bf16 / int8 blocks, or int4
+    blocks whose outputs are whole blocks (the step lays the outputs of one product side by side)."""
     weight, bias = module.weight, module.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if isinstance(module, ReducedLinear):
         if not module.blocked:
             return None
+        if module.fmt == "int4":
+            if module.out_features != weight.shape[0] * cpu_gemv.BLOCK:
+                return None
+            return _Product(W_INT4_BLOCKS, module.in_features, weight.shape[1] * cpu_gemv.GROUP, module.out_features,
+                            weight.data_ptr(), weight.stride(0), module.scale.data_ptr(),
+                            None if bias is None else bias.data_ptr())
         fmt = W_INT8_BLOCKS if module.fmt == "int8" else W_BF16_BLOCKS
         scale = module.scale.data_ptr() if fmt == W_INT8_BLOCKS else None
         return _Product(fmt, module.in_features, 2 * weight.shape[1], module.out_features, weight.data_ptr(),
@@ -118,7 +125,7 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             return f"layer {kv.index + 1}: a window, scalar weights or more than two sources"
         if _products(layer) is None:
             return ("the weights are not f32 in the packed decode layout (fusedkv.engine.packing.set_decode_layout) "
-                    "or bf16 / int8 blocks of fusedkv.engine.precision")
+                    "or bf16 / int8 blocks or int4 blocks of fusedkv.engine.precision")
     return None
 
 

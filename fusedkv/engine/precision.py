@@ -1,4 +1,4 @@
-"""Reduced-precision weights for CPU decoding: 16-bit and int8 weight-only projections.
+"""Reduced-precision weights for CPU decoding: 16-bit, int8 and int4 weight-only projections.
 
 At batch 1 a decode step streams every projection weight once, so its time is roughly weight bytes
 divided by memory bandwidth: 16-bit weights halve it and int8 quarters it (plus one scale per output
@@ -17,10 +17,14 @@ by `benchmarks/cpu_decode.py --kernels`):
     route is the slower of the two); `int8` runs `torch.ops.aten._weight_int8pack_mm`, the kernel behind
     PyTorch's / torchao's int8 weight-only CPU path, with the activation dtype it runs fastest with here
     (`int8_activation_dtype`).
+  * `int4` (any processor the native kernels build for): llama.cpp's Q4_0 rule (`quantize_int4`: 32 input
+    channels per f16 scale, levels -8..7, 4.5 bits per weight) in the blocks of
+    `fusedkv.kernels.cpu_gemv.linear_int4`, widened to bf16 by a table look-up where AVX-512 BF16 is
+    present, else multiplied in f32 by a vectorised loop; many rows dequantise it like int8.
   * int8 is symmetric per-output-channel quantisation (scale = max |w| / 127 per row of W), weight-only:
     activations are rounded to the kernel's 16-bit kind, never quantised.
   * Many rows (prefill, large batches): on a processor with bf16 arithmetic, bf16 and int8 weights run
-    oneDNN's bf16 GEMM (int8 dequantised to bf16 first), about twice as fast as the f32 GEMM; f16
+    oneDNN's bf16 GEMM (int8 / int4 dequantised to bf16 first), about twice as fast as the f32 GEMM; f16
     weights (and everything elsewhere) are dequantised to the activation dtype for its GEMM.
 
 Which 16-bit kind a processor should use is decided once, from /proc/cpuinfo: bf16 where it has
@@ -44,10 +48,10 @@ from ..kernels import cpu_gemv
 from ..utils import cpu_flags
 from .packing import projection_groups, unpack_weights
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Up to this many input rows a product runs the reduced-precision GEMV kernel (`ReducedLinear`).
-GEMV_MAX_ROWS = {"bfloat16": 2, "float16": 8, "int8": 16}
+GEMV_MAX_ROWS = {"bfloat16": 2, "float16": 8, "int8": 16, "int4": cpu_gemv.BLOCK_MAX_ROWS}
 
 
 def native_bf16() -> bool:
@@ -63,7 +67,7 @@ def half_dtype() -> torch.dtype:
 def weight_format(name: str) -> str:
     """Normalise a user's weight-format name ("f32", "bf16", "fp16", "half", "int8", ...)."""
     aliases = {"f32": "float32", "fp32": "float32", "float": "float32", "bf16": "bfloat16", "f16": "float16",
-               "fp16": "float16", "half": str(half_dtype()).removeprefix("torch."), "q8": "int8"}
+               "fp16": "float16", "half": str(half_dtype()).removeprefix("torch."), "q8": "int8", "q4": "int4"}
     fmt = aliases.get(name, name)
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {name!r}: choose one of {', '.join(WEIGHT_FORMATS)} (or half, bf16, f16)")
@@ -76,6 +80,25 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale
+
+
+def quantize_int4(weight: torch.Tensor, group: int = cpu_gemv.GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-wise int4, llama.cpp's Q4_0 rule: per group of `group` input channels the weight of
+    largest magnitude m maps to level -8 (scale d = -m / 8, rounded to f16 first so that the stored scale is
+    the one used), the others to round(w / d) clamped to -8..7. Returns (q int8 [out, in], f16 d [out, groups]).
+    No zero point: trained projection weights are centred on zero, and without one each group costs one
+    multiply-add in the kernel and 4.5 bits per weight (Q4_0's size)."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    groups = -(-in_features // group)
+    padded = torch.zeros(out_features, groups * group)
+    padded[:, :in_features] = w
+    g = padded.reshape(out_features, groups, group)
+    m = g.gather(2, g.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    scale = (m / -8).half()
+    inverse = torch.where(scale == 0, 0.0, 1.0 / scale.float())
+    q = torch.round(g * inverse[..., None]).clamp_(-8, 7).to(torch.int8)
+    return q.reshape(out_features, -1)[:, :in_features].contiguous(), scale
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,7 +128,9 @@ def int8_activation_dtype() -> torch.dtype:
 
 
 class ReducedLinear(nn.Module):
-    """`y = x W^T + b` with W stored in 16 bits, or int8 with per-output-channel scales.
+    """`y = x W^T + b` with W stored in 16 bits, int8 with per-output-channel scales, or int4 with f16 scales
+    per output and group of 32 inputs (`quantize_int4`; the layout of `cpu_gemv.to_int4_blocks`, outputs
+    padded to whole blocks of 16: `weight` uint8 [blocks, groups, 8, 32], `scale` f16 [blocks, groups, 16]).
 
     `x` and `y` keep the caller's dtype; only the product's operands are rounded. The weight is a
     row-major [out, in] buffer (every kernel used reads it so); `weight` may be a row slice of a
@@ -117,13 +142,13 @@ class ReducedLinear(nn.Module):
     of the activation dtype, so prefill is no slower than in f32."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str,
-                 in_features: int | None = None):
+                 in_features: int | None = None, out_features: int | None = None):
         super().__init__()
         self.fmt = fmt
-        # A 4-D weight is bf16 or int8 in the native kernels' block layout (`cpu_gemv.to_blocks`).
+        # A 4-D weight is bf16, int8 or int4 in the native kernels' block layout (`cpu_gemv.to_blocks`).
         self.blocked = weight.dim() == 4
         if self.blocked:
-            self.out_features, self.in_features = weight.shape[0] * cpu_gemv.BLOCK, in_features
+            self.out_features, self.in_features = out_features or weight.shape[0] * cpu_gemv.BLOCK, in_features
         else:
             self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight, persistent=False)
@@ -146,6 +171,14 @@ class ReducedLinear(nn.Module):
             raise ValueError("grouped projections must all have a bias or none")
         blocks = (fmt in ("bfloat16", "int8") and cpu_gemv.bf16_blocks_available()
                   and all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears))  # slices stay whole blocks
+        if fmt == "int4":
+            # Every int4 product is a block product (outputs padded to whole blocks), except a slice of a group
+            # member whose outputs are not whole blocks: that group keeps its dequantised weight in f32.
+            q, scale = quantize_int4(weight)
+            if len(linears) == 1 or all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears):
+                packed, scales = cpu_gemv.to_int4_blocks(q, scale)
+                return cls(packed, scales, bias, fmt, in_features=weight.shape[1], out_features=weight.shape[0])
+            return cls(_dequantize_int4(q, scale), None, bias, fmt)
         if fmt == "int8":
             q, scale = quantize_int8(weight)
             if blocks:
@@ -161,10 +194,18 @@ class ReducedLinear(nn.Module):
         scale = None if self.scale is None else self.scale[start:stop]
         if self.blocked:
             block = cpu_gemv.BLOCK
-            return ReducedLinear(self.weight[start // block:stop // block], scale, bias, self.fmt, self.in_features)
+            if self.fmt == "int4":  # group scales are stored per block, as the levels
+                scale = self.scale[start // block:stop // block]
+            return ReducedLinear(self.weight[start // block:stop // block], scale, bias, self.fmt, self.in_features,
+                                 stop - start)
         return ReducedLinear(self.weight[start:stop], scale, bias, self.fmt)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == "int4":
+            if not self.blocked:
+                return self.weight.to(dtype)
+            weight = _dequantize_int4(*cpu_gemv.from_int4_blocks(self.weight, self.scale))
+            return weight[:self.out_features, :self.in_features].to(dtype)
         weight = cpu_gemv.from_blocks(self.weight, self.in_features) if self.blocked else self.weight
         if self.fmt == "int8":
             return weight.to(dtype) * self.scale.to(dtype)[:, None]
@@ -182,6 +223,11 @@ class ReducedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "int4":  # x rounded to bf16 (by the kernel), times the exact dequantised weight
+            y = cpu_gemv.linear_int4(x.float(), self.weight, self.scale, self.in_features) if self.blocked else None
+            if y is None:
+                return F.linear(x.to(torch.bfloat16).float(), self.dequantized(torch.float32))
+            return y[:, :self.out_features]
         if self.blocked:  # the native kernel rounds x to bf16 itself
             y = cpu_gemv.linear_blocks(x.float(), self.weight, self.in_features, self.scale)
             return y if y is not None else F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16))
@@ -211,6 +257,11 @@ class ReducedGroup:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear(x).split(self.sizes, dim=-1)
+
+
+def _dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W = scale (.) q in f32 (exact: an f16 scale times a level -8..7), [out, in] as q."""
+    return (q.reshape(q.shape[0], scale.shape[1], -1) * scale.float()[..., None]).reshape(q.shape)
 
 
 def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], ReducedGroup]:
@@ -278,8 +329,8 @@ def weight_nbytes(model: nn.Module) -> int:
 def kv_dtype_for(name: str) -> torch.dtype:
     """A KV cache dtype from a user's name: float32, bfloat16, float16, or half (this processor's)."""
     fmt = weight_format(name)
-    if fmt == "int8":
-        raise ValueError("an int8 KV cache is not implemented; use float32, bfloat16, float16 or half")
+    if fmt in ("int8", "int4"):
+        raise ValueError(f"an {fmt} KV cache is not implemented; use float32, bfloat16, float16 or half")
     return torch.float32 if fmt == "float32" else _DTYPES[fmt]
 
 
@@ -292,12 +343,12 @@ def apply_precision(model: nn.Module, dtype: str = "float32", weights: str | Non
     kv = kv_dtype_for(kv_dtype or dtype)
     fmt = weight_format(weights or dtype)
     if next(model.parameters()).device.type != "cpu":
-        if fmt == "int8":
-            raise ValueError("--weights int8 is a CPU decode path; on a GPU use --dtype bfloat16")
+        if fmt in ("int8", "int4"):
+            raise ValueError(f"--weights {fmt} is a CPU decode path; on a GPU use --dtype bfloat16")
         model.to(torch.float32 if fmt == "float32" else _DTYPES[fmt])
         return kv
     reduce_precision(model, fmt)
     return kv
 
 
-SHORT_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8"}
+SHORT_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8", "int4": "int4"}

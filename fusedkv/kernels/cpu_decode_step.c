@@ -16,8 +16,8 @@
  * The caller (fusedkv/engine/native_step.py) fills one `StepLayer` per layer once, with pointers to the
  * model's weights and to the static cache's buffers, and checks that the model is one this step covers;
  * it does the embedding, final norm and LM head itself. Each weight is a `Product` in one of the layouts
- * the native products read: f32 in the decode layout (W^T stored [in, out]), or bf16 / int8 blocks
- * (cpu_gemv.c, processors with AVX-512 BF16), whose input the step rounds to bf16 itself.
+ * the native products read: f32 in the decode layout (W^T stored [in, out]), bf16 / int8 blocks
+ * (cpu_gemv.c, processors with AVX-512 BF16) or int4 blocks (any), whose input the step rounds to bf16 itself.
  * RoPE tables [positions, D] come precomputed (the model's own `rope_cos_sin`), so they match exactly.
  */
 #include <stdint.h>
@@ -27,12 +27,13 @@
 
 enum { MAX_ROWS = 4 };
 
-enum { W_F32 = 0, W_BF16_BLOCKS = 1, W_INT8_BLOCKS = 2 };
+enum { W_F32 = 0, W_BF16_BLOCKS = 1, W_INT8_BLOCKS = 2, W_INT4_BLOCKS = 3 };
 
 typedef struct {
-    int fmt, in, in_padded, out;       /* blocks pair the input channels: in_padded = in rounded up to even */
+    int fmt, in, in_padded, out;       /* blocks pair the input channels: in_padded = in rounded up to even
+                                          (int4: to whole groups of 32) */
     const void* w; long ld;            /* f32: W^T [in, out], ld floats per row; blocks: elements per block */
-    const float* scale;                /* int8: [out] */
+    const void* scale;                 /* int8: f32 [out]; int4: f16 [out / 16, in_padded / 32, 16] */
     const float* bias;                 /* [out] or NULL */
 } Product;
 
@@ -107,7 +108,11 @@ static int product(const Product* p, const float* x, int rows, float* y, uint16_
     if (p->fmt == W_BF16_BLOCKS)
         return gemv_bf16_blocks(xb, rows, p->in_padded, (const uint16_t*)p->w, p->ld, NULL, p->bias, y, p->out,
                                 threads);
-    return gemv_int8_blocks(xb, rows, p->in_padded, (const int8_t*)p->w, p->ld, p->scale, p->bias, y, p->out, threads);
+    if (p->fmt == W_INT4_BLOCKS)
+        return gemv_int4_blocks(xb, rows, p->in_padded, (const uint8_t*)p->w, p->ld, (const uint16_t*)p->scale,
+                                p->bias, y, p->out, threads);
+    return gemv_int8_blocks(xb, rows, p->in_padded, (const int8_t*)p->w, p->ld, (const float*)p->scale, p->bias, y,
+                            p->out, threads);
 }
 
 static void store(void* dst, long at, const float* src, int n, int kind) {

@@ -158,3 +158,116 @@ int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long
     return 1;
 }
 #endif
+
+/* int4 weights, group-wise (llama.cpp's Q4_0 unit: 32 input channels per group, one f16 scale per output and
+ * group, signed levels -8..7, no zero point): W[j, i] = scale[j, i / 32] * q[j, i]. The block layout of the
+ * bf16 / int8 kernels, with each block's pair-rows grouped and stored as unsigned nibbles q + 8, two pair-rows
+ * per 32 bytes: wb[blk, g, c, k] (bytes) = element k of pair 2c (low nibble) | element k of pair 2c + 1 (high
+ * nibble), where element k = 2 j + ch of a pair-row is output j of the block at channel 32 g + 2 p + ch, as
+ * in the bf16 layout. 256 bytes per group; scales sg[blk, g, j] (f16), the groups of a block contiguous. `in`
+ * is a multiple of 32 (the caller pads channels with zero weights and zero inputs); x given in bf16 as for
+ * the others.
+ *
+ * y[j] = sum_g scale[j, g] * sum_{i in g} x_bf16[i] q[j, i], accumulated in f32: each group's sum is exact up
+ * to f32 rounding (products of a bf16 and a small integer), then scaled and added. With AVX-512 BF16, 32 bytes
+ * (two pair-rows) are widened to 16-bit lanes once; the low nibbles, and the lanes shifted right by 4, index a
+ * 32-entry table of the levels in bf16 (vpermw reads 5 index bits: the table repeats every 16, so the bit
+ * above the nibble does not matter), and the bf16 pairs are multiplied as in the bf16 kernel. Elsewhere (AVX2)
+ * the portable loop below, which the compiler vectorises over the 32 bytes, computes the same sums with f32
+ * multiply-adds. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+__attribute__((unused)) static void int4_block_portable(const uint16_t* x, int rows, int in, const uint8_t* w,
+                                                        const uint16_t* sg, float* y, long ldy) {
+    const int groups = in / 32;
+    for (int r = 0; r < rows; r++) {
+        const uint16_t* xr = x + (long)r * in;
+        float total[32] = {0};
+        for (int g = 0; g < groups; g++) {
+            float acc[32] = {0};
+            for (int c = 0; c < 8; c++) {
+                const uint8_t* b = w + ((long)g * 8 + c) * 32;
+                const uint16_t* xc = xr + 32 * g + 4 * c;
+                const float xa[2] = {bf16_to_f32(xc[0]), bf16_to_f32(xc[1])};
+                const float xb[2] = {bf16_to_f32(xc[2]), bf16_to_f32(xc[3])};
+#pragma omp simd
+                for (int k = 0; k < 32; k++)
+                    acc[k] += xa[k & 1] * (float)((b[k] & 15) - 8) + xb[k & 1] * (float)((b[k] >> 4) - 8);
+            }
+            const _Float16* s = (const _Float16*)sg + (long)g * 16;
+#pragma omp simd
+            for (int k = 0; k < 32; k++) total[k] += acc[k] * (float)s[k >> 1];
+        }
+        for (int j = 0; j < 16; j++) y[(long)r * ldy + j] = total[2 * j] + total[2 * j + 1];
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+static void int4_block_avx512(const uint16_t* x, int rows, int in, const uint8_t* w, const uint16_t* sg,
+                              float* y, long ldy, __m512i levels) {
+    const int groups = in / 32;
+    for (int r0 = 0; r0 < rows; r0 += MAX_BLOCK_ROWS) {
+        const int nr = rows - r0 < MAX_BLOCK_ROWS ? rows - r0 : MAX_BLOCK_ROWS;
+        const uint16_t* xr0 = x + (long)r0 * in;
+        __m512 total[MAX_BLOCK_ROWS];
+        for (int r = 0; r < nr; r++) total[r] = _mm512_setzero_ps();
+        for (int g = 0; g < groups; g++) {
+            __m512 acc[MAX_BLOCK_ROWS][2];
+            for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            const uint8_t* wg = w + (long)g * 256;
+            for (int c = 0; c < 8; c++) {
+                const __m512i lanes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wg + 32 * c)));
+                const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(lanes, levels);
+                const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(lanes, 4), levels);
+                for (int r = 0; r < nr; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, xr0 + (long)r * in + 32 * g + 4 * c, 4);
+                    memcpy(&x1, xr0 + (long)r * in + 32 * g + 4 * c + 2, 4);
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(x0), w0);
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(x1), w1);
+                }
+            }
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sg + (long)g * 16)));
+            for (int r = 0; r < nr; r++) total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][0], acc[r][1]), s, total[r]);
+        }
+        for (int r = 0; r < nr; r++) _mm512_storeu_ps(y + (long)(r0 + r) * ldy, total[r]);
+    }
+}
+#endif
+
+int gemv_int4_blocks(const uint16_t* x, int rows, int in, const uint8_t* wb, long block_stride, const uint16_t* scale,
+                     const float* bias, float* y, int out, int threads) {
+    if (out % 16 || in % 32 || rows < 1) return 1;
+    const int blocks = out / 16;
+    const long scale_stride = (long)(in / 32) * 16;  /* f16 scales per block */
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+    uint16_t table[32];
+    for (int i = 0; i < 32; i++) {
+        const float level = (float)(i % 16 - 8);
+        uint32_t u;
+        memcpy(&u, &level, 4);
+        table[i] = (uint16_t)(u >> 16);  /* exact: small integers have 8-bit mantissas */
+    }
+    const __m512i levels = _mm512_loadu_si512(table);
+#endif
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (blocks > 1 && threads > 1)")
+    for (int blk = 0; blk < blocks; blk++) {
+        const uint8_t* w = wb + (long)blk * block_stride;
+        const uint16_t* sg = scale + (long)blk * scale_stride;
+        float* yb = y + 16 * (long)blk;
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+        int4_block_avx512(x, rows, in, w, sg, yb, out, levels);
+#else
+        int4_block_portable(x, rows, in, w, sg, yb, out);
+#endif
+        if (bias)
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < 16; j++) yb[(long)r * out + j] += bias[16 * blk + j];
+    }
+    return 0;
+}

@@ -121,3 +121,62 @@ def linear_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int, scale
     kernel(xb.data_ptr(), rows, padded, blocks.data_ptr(), blocks.stride(0), scale.data_ptr() if int8 else None,
            None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads())
     return y
+
+
+GROUP = 32  # input channels per int4 scale (llama.cpp's Q4_0 block)
+
+
+def to_int4_blocks(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 levels q [out, in] (int8 holding -8..7) and f16 group scales [out, ceil(in / 32)] -> the layout of
+    `gemv_int4_blocks`: (uint8 [ceil(out / 16), groups, 8, 32], f16 [ceil(out / 16), groups, 16]). The 16
+    pair-rows of a group (the 32 elements each of the bf16 block layout, `to_blocks`) are stored as nibbles
+    q + 8, two pair-rows per 32 bytes: byte k = element k of pair 2c | element k of pair 2c + 1 << 4. Inputs
+    are padded to whole groups and outputs to whole blocks with zeros."""
+    out_features, in_features = q.shape
+    groups, blocks = -(-in_features // GROUP), -(-out_features // BLOCK)
+    levels = torch.zeros(blocks * BLOCK, groups * GROUP, dtype=torch.int16)
+    levels[:out_features, :in_features] = q
+    scales = torch.zeros(blocks * BLOCK, groups, dtype=torch.float16)
+    scales[:out_features] = scale
+    # [out, in] -> [blocks, groups, 8 pair couples, 2 pairs, 16 outputs, 2]: the bf16 pair order within a group
+    e = (levels + 8).reshape(blocks, BLOCK, groups, GROUP // 4, 2, 2).permute(0, 2, 3, 4, 1, 5)
+    e = e.reshape(blocks, groups, GROUP // 4, 2, 32)
+    packed = (e[:, :, :, 0] | (e[:, :, :, 1] << 4)).to(torch.uint8)
+    return packed.contiguous(), scales.reshape(blocks, BLOCK, groups).transpose(1, 2).contiguous()
+
+
+def from_int4_blocks(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `to_int4_blocks`, padding kept: (int8 levels [16 blocks, 32 groups], f16 scales
+    [16 blocks, groups])."""
+    blocks, groups = packed.shape[:2]
+    # in bytes throughout (prefill runs this for every product): nibbles, then one permuting copy
+    e = torch.stack([packed & 15, packed >> 4], dim=3)  # [blocks, groups, 8, 2 pairs, 32 elements], q + 8
+    q = e.reshape(blocks, groups, GROUP // 4, 2, BLOCK, 2).permute(0, 4, 1, 2, 3, 5)
+    q = q.reshape(blocks * BLOCK, groups * GROUP).view(torch.int8) - 8
+    return q, scales.transpose(1, 2).reshape(-1, groups)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`x_bf16 W^T` in f32 for a few rows, W = scale (.) q from `to_int4_blocks` (all its padded outputs,
+    16 per block; `packed` / `scales` may be the same slice of blocks). None where it does not apply (native
+    kernels not built, more than `BLOCK_MAX_ROWS` rows, autograd, not f32 on CPU). Any processor the kernels
+    build for: AVX-512 BF16 dot products where present, else a vectorised f32 loop."""
+    rows = _rows(x, in_features, bias, BLOCK_MAX_ROWS)
+    lib = native.library() if rows and packed.shape[0] else None
+    # the kernel steps through the scales block by block, groups * 16 apart
+    if (lib is None or not packed[0].is_contiguous() or not scales[0].is_contiguous()
+            or scales.shape[0] > 1 and scales.stride(0) != packed.shape[1] * BLOCK):
+        return None
+    padded = packed.shape[1] * GROUP
+    xb = x.reshape(rows, in_features).to(torch.bfloat16)
+    if padded != in_features:
+        xb = torch.cat([xb, xb.new_zeros(rows, padded - in_features)], dim=1)
+    xb = xb.contiguous()
+    out_features = packed.shape[0] * BLOCK
+    if bias is not None and bias.numel() != out_features:
+        return None
+    y = torch.empty(*x.shape[:-1], out_features)
+    lib.gemv_int4_blocks(xb.data_ptr(), rows, padded, packed.data_ptr(), packed.stride(0), scales.data_ptr(),
+                         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads())
+    return y

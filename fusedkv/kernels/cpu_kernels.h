@@ -16,6 +16,8 @@ int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, lo
                      const float* bias, float* y, int out, int threads);
 int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long block_stride, const float* scale,
                      const float* bias, float* y, int out, int threads);
+int gemv_int4_blocks(const uint16_t* x, int rows, int in, const uint8_t* wb, long block_stride, const uint16_t* scale,
+                     const float* bias, float* y, int out, int threads);
 
 /* cpu_decode_attention.c */
 int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len, float scale, int kind,

@@ -32,6 +32,7 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "gemv_f32": ([P, I, I, P, L, P, P, I, I], None),
     "gemv_bf16_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
     "gemv_int8_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
+    "gemv_int4_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
     "has_bf16_blocks": ([], I),
     "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
     "decode_step": ([P, P, P, L, I], I),

@@ -12,6 +12,7 @@ from fusedkv.engine.precision import (
     ReducedLinear,
     half_dtype,
     int8_activation_dtype,
+    quantize_int4,
     quantize_int8,
     reduce_precision,
     weight_format,
@@ -106,6 +107,46 @@ def test_int8_quantization_is_per_channel_and_round_to_nearest():
     assert bool((err <= scale[:, None] / 2 + 1e-7).all())
 
 
+def test_int4_quantization_follows_q4_0():
+    """Groups of 32 inputs, one f16 scale each: the largest-magnitude weight of a group is level -8 exactly,
+    the others round to nearest (within half a step, or clamped to +7), a zero group stays zero."""
+    w = torch.randn(6, 70) * torch.logspace(-3, 1, 6)[:, None]
+    w[0, 32:64] = 0
+    q, scale = quantize_int4(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (6, 3)
+    assert q.min() == -8 and q.max() <= 7 and not q[0, 32:64].any()
+    d = scale.float().repeat_interleave(32, 1)[:, :70]
+    err = (q.float() * d - w).abs()
+    assert bool(((err <= d.abs() / 2 + 1e-6 * w.abs() + 1e-12) | (q == 7)).all())
+    g = w.reshape(6, -1)[:, :64].reshape(6, 2, 32)
+    top = g.abs().argmax(-1, keepdim=True)
+    assert (q[:, :64].reshape(6, 2, 32).gather(2, top)[scale[:, :2, None] != 0] == -8).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 40])
+@pytest.mark.parametrize("out_features", [40, 48])
+def test_int4_reduced_linear_routes_match_the_dequantized_product(rows, out_features):
+    """int4: the block kernel (<= 16 rows), the GEMM over the dequantised weight (more), a slice of a group;
+    outputs that are not whole blocks (an LM head) are padded in storage and cut from the result."""
+    lin = torch.nn.Linear(70, out_features)
+    red = ReducedLinear.from_linears([lin], "int4")
+    assert red.blocked and red.weight.dtype == torch.uint8 and red.out_features == out_features
+    q, scale = quantize_int4(lin.weight)
+    w = q.double() * scale.double().repeat_interleave(32, 1)[:, :70]
+    torch.testing.assert_close(red.dequantized(torch.float64), w)
+    x = torch.randn(rows, 70)
+    with torch.no_grad():
+        ref = x.bfloat16().double() @ w.T + lin.bias.double()
+        out = red(x)
+        assert out.shape == (rows, out_features)
+        assert (out.double() - ref).abs().max() < (1e-4 if rows <= 16 else 2e-2) * ref.abs().max()
+        if out_features == 48:
+            part = red.slice(16, 32)
+            assert (part(x).double() - ref[:, 16:32]).abs().max() < (1e-4 if rows <= 16 else 2e-2) * ref.abs().max()
+    big = ReducedLinear.from_linears([torch.nn.Linear(512, 256, bias=False)], "int4")
+    assert weight_nbytes(torch.nn.Sequential(big)) == 512 * 256 // 2 + 512 // 32 * 256 * 2  # 4.5 bits per weight
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 40])
 def test_every_kernel_route_matches_the_dequantized_product(fmt, rows):
@@ -137,8 +178,9 @@ def test_formats_and_errors():
     assert weight_format("bf16") == "bfloat16" and weight_format("q8") == "int8"
     assert weight_format("half") == str(half_dtype()).removeprefix("torch.")
     assert int8_activation_dtype() in (torch.bfloat16, torch.float16, torch.float32)
+    assert weight_format("q4") == "int4"
     with pytest.raises(ValueError, match="choose one of"):
-        weight_format("int4")
+        weight_format("int3")
     model = tiny_model("vanilla")
     assert reduce_precision(model, "float32") is model
     reduce_precision(model, "bfloat16")

@@ -229,3 +229,67 @@ def test_int8_reduced_linear_uses_the_blocks():
         part = reduced.slice(16, 32)
         assert (part(x).double() - ref[:, 16:32]).abs().max() < 1e-4
         torch.testing.assert_close(reduced.dequantized(torch.float32), q.float() * scale[:, None])
+
+
+def _int4(out_features: int, in_features: int, seed: int):
+    from fusedkv.engine.precision import quantize_int4
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * torch.logspace(-2, 0, in_features)  # scales differ
+    q, scale = quantize_int4(w)
+    w_deq = (q.double() * scale.double().repeat_interleave(cpu_gemv.GROUP, 1)[:, :in_features])  # exact in f64
+    return q, scale, w_deq
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16])
+@pytest.mark.parametrize("out_features,in_features", [(16, 3), (48, 31), (32, 32), (40, 33), (16, 63), (64, 65),
+                                                      (96, 95), (256, 512)])
+def test_int4_blocks_match_the_float64_product(rows, out_features, in_features, threads):
+    """int4 blocks compute sum_g scale_g (x_bf16 . q_g) in f32: against float64 over the same integers, scales
+    and rounded input, every group boundary (31-33, 63-65 inputs), outputs not whole blocks (padded), 1-16
+    rows, with a bias, and an output slice of blocks with its scales."""
+    q, scale, w = _int4(out_features, in_features, out_features * in_features + rows)
+    packed, scales = cpu_gemv.to_int4_blocks(q, scale)
+    q2, s2 = cpu_gemv.from_int4_blocks(packed, scales)  # the layout round-trips, padding zero
+    assert torch.equal(q2[:out_features, :in_features], q) and torch.equal(s2[:out_features], scale)
+    assert not q2[out_features:].any() and not q2[:, in_features:].any()
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    xd = x.bfloat16().double()
+    ref = xd @ w.T
+    tol = 1e-6 * (xd.abs() @ w.abs().T).max().item() + 1e-30  # f32 accumulation of exact products
+    bias = torch.randn(packed.shape[0] * cpu_gemv.BLOCK)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_gemv.linear_int4(x, packed, scales, in_features, bias)
+        assert (got[:, :out_features].double() - ref - bias[:out_features].double()).abs().max() <= tol
+        assert torch.equal(got[:, out_features:], bias[out_features:].expand(rows, -1))  # padded outputs: 0 + bias
+        if out_features >= 48:
+            part = cpu_gemv.linear_int4(x, packed[1:3], scales[1:3], in_features)
+            assert (part.double() - ref[:, 16:48]).abs().max() <= tol
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_native
+@pytest.mark.parametrize("in_features", [33, 96])
+def test_int4_every_channel_lands_in_its_group(in_features):
+    """x = e_i picks column i of W exactly (1 * level * f16 scale is exact in f32): every channel of every
+    group, and every nibble position of the packing, is where the layout says."""
+    q, scale, w = _int4(48, in_features, 7)
+    packed, scales = cpu_gemv.to_int4_blocks(q, scale)
+    eye = torch.eye(in_features)
+    cols = torch.cat([cpu_gemv.linear_int4(eye[i:i + 16], packed, scales, in_features)
+                      for i in range(0, in_features, 16)])
+    assert torch.equal(cols.double(), w.T)
+
+
+@needs_native
+def test_int4_declines_what_it_does_not_cover():
+    q, scale, _ = _int4(32, 40, 1)
+    packed, scales = cpu_gemv.to_int4_blocks(q, scale)
+    assert cpu_gemv.linear_int4(torch.randn(17, 40), packed, scales, 40) is None  # more rows than the kernel takes
+    assert cpu_gemv.linear_int4(torch.randn(2, 40).double(), packed, scales, 40) is None  # not f32
+    assert cpu_gemv.linear_int4(torch.randn(2, 40), packed, scales.transpose(0, 1), 40) is None  # scales re-laid

@@ -1,5 +1,6 @@
 """The native kernels built as for a processor with AVX2 only (no AVX-512, no AVX-512 BF16), on this machine:
-processors of this kind come with or without AVX-512, and `-march=native` picks for the one it builds on.
+processors of this kind come with or without AVX-512, and `-march=native` picks for the one it builds on
+(int4 products take their portable loop there).
 A compiler wrapper turns `-march=native` into `-march=x86-64-v3` (AVX2 + FMA); in a fresh process with its own
 cache, the library must report no bf16 blocks, and the f32 kernels and the native decode step must still
 match the model's own forward."""
@@ -41,6 +42,19 @@ CHECK = textwrap.dedent("""
         assert err < 2e-5, (plan, float(err))
         prompt = ids[:, :5]
         assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
+    # int4 blocks run everywhere: here the portable loop, against float64 over the same integers and rounded x
+    from fusedkv.engine.precision import quantize_int4, reduce_precision
+    from fusedkv.kernels import cpu_gemv
+    for out_f, in_f in ((16, 3), (48, 33), (96, 95)):
+        q, s = quantize_int4(torch.randn(out_f, in_f))
+        packed, scales = cpu_gemv.to_int4_blocks(q, s)
+        x = torch.randn(5, in_f).bfloat16().double()
+        w = q.double() * s.double().repeat_interleave(32, 1)[:, :in_f]
+        err = (cpu_gemv.linear_int4(x.float(), packed, scales, in_f).double() - x @ w.T).abs().max()
+        assert err <= 1e-6 * (x.abs() @ w.abs().T).max(), (out_f, in_f, float(err))
+    model = reduce_precision(tiny_model("fusedkv"), "int4")
+    prompt = ids[:, :5]
+    assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
     print("ok")
 """)
 
