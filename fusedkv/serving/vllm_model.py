@@ -48,6 +48,19 @@ from .paged import CrossLayerAttention
 from .plugin import check_servable
 
 
+def check_backend_runs(config) -> None:
+    """Refuse, while the model loads, a head size the CPU attention backend would refuse only at the first
+    request (for users of `vllm serve`; `fusedkv serve` checks before starting vLLM)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if config.head_dim not in sizes:
+            raise ValueError(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes {sizes} only")
+
+
 def attention_layer_name(prefix: str, index: int) -> str:
     return f"{prefix}.layers.{index}.self_attn.attn"
 
@@ -178,6 +191,7 @@ class FusedKVModel(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_servable(config)
+        check_backend_runs(config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise ValueError("the FusedKV vLLM plugin runs on one device (tensor and pipeline parallel size 1)")
@@ -260,7 +274,13 @@ class FusedKVForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        # NaN logits would be sampled as some token and answered with HTTP 200 and empty text: fail
+        # instead (vLLM answers 500 and stops; `fusedkv serve` exits 1 naming this line).
+        if logits is not None and not torch.isfinite(logits).all():
+            raise FloatingPointError("the model produced non-finite logits (NaN or Inf): its weights or activations "
+                                     "overflow in this dtype; check the checkpoint, or serve it in float32")
+        return logits
 
     # ---- checkpoint loading -----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
