@@ -37,10 +37,8 @@ DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 # Used when a checkpoint has no chat template (models trained by `fusedkv train` have none): a plain
 # transcript, "Role: text" paragraphs, ending in "Assistant:" for the model to continue.
 DEFAULT_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}Assistant:{% endif -%}"
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
 # vLLM options that `fusedkv serve` sets from its own flags (vLLM name -> fusedkv flag).
