@@ -17,10 +17,13 @@ Two ways to evaluate it, chosen once per layer from its plan entry:
     own CPU attention op, called with the K source's key cache and each V source's value cache (the op
     takes them as separate arguments), on the query times a_s; the outputs are summed with weights
     b_s. Lite is one op call over (K^n, V^1): no copies at all.
-  * two or more K sources (FusedKV, dense fusion): softmax needs one score matrix over all K sources,
-    which no single call of the op computes, so the blocks of each sequence are gathered into
-    contiguous tensors and `fusedkv.kernels.reference.factored_attention` runs on them (decode steps
-    batched, prefill chunks per sequence). Correct and simple; it copies the gathered blocks.
+  * two K sources (FusedKV, the iterative variant): softmax needs one score matrix over the SUM of the
+    sources' scores, which no call of the op computes (nor per-source calls merged by log-sum-exp: those
+    are separate softmaxes). The native kernel `cpu_paged_attention.c` reads every source's blocks in
+    place through the block table, decode rows and prefill chunks in one call (`native_paged_attention`).
+  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, AMX's
+    packed bf16 blocks): the blocks of each sequence are gathered into contiguous tensors and
+    `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
 
 The CPU backend stores blocks in its own layout (the "vec" ISA keeps each key block transposed,
 [head_dim, block]); `block_layout` learns the layout from the backend's own cache-write op instead of
