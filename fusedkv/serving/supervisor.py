@@ -92,13 +92,17 @@ class Server:
 
     def reason(self) -> str:
         """The root cause among vLLM's last lines: the first exception line that is not one of the wrappers
-        that only point back at it ("EngineDeadError: ... see stack trace above")."""
+        that only point back at it ("EngineDeadError: ... see stack trace above"); else its last line (an
+        argument error, say)."""
         found = []
         for line in self.tail:
             text = _LOG_HEADER.sub("", _PREFIX.sub("", line.strip()))
             if _EXCEPTION.match(text) and not re.search(r"stack trace|EngineDeadError", text):
                 found.append(text)
-        return found[0] if found else "no error line in its output (see above)"
+        if found:
+            return found[0]
+        last = [_LOG_HEADER.sub("", _PREFIX.sub("", line.strip())) for line in self.tail if line.strip()]
+        return last[-1] if last else "it printed nothing"
 
     # ---- signals ------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:

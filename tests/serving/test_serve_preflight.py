@@ -114,3 +114,26 @@ def test_cpu_limits_are_the_installed_vllms(vllm_python):
     head_sizes, block_sizes = json.loads(out.strip().splitlines()[-1])
     assert tuple(head_sizes) == preflight.CPU_HEAD_SIZES
     assert block_sizes == [preflight.CPU_BLOCK_MULTIPLE]
+
+
+def test_the_reason_a_server_died_is_the_root_cause_in_vllms_output():
+    """Lines as vLLM 0.32 printed them when its CPU attention refused head_dim 16 at the first request."""
+    from fusedkv.serving.supervisor import Server
+
+    server = Server([], {}, "", None)
+    for line in [
+        "(Worker pid=12019) ERROR 12-01 15:50:24 [multiproc_executor.py:1063] Traceback (most recent call last):",
+        "(Worker pid=12019) ERROR 12-01 15:50:24 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU "
+        "attention configuration: head_dim=16 isa=2 kv_cache_idx=0",
+        "(EngineCore pid=11225) ERROR 12-01 15:50:24 [core.py:1512] RuntimeError: Worker failed with error "
+        "'Unsupported CPU attention configuration', please check the stack trace above for the root cause",
+        "(APIServer pid=10112) ERROR 12-01 15:50:24 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "INFO:     Shutting down",
+    ]:
+        server.tail.append(line)
+    assert server.reason() == ("RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 "
+                               "kv_cache_idx=0")
+    server.tail.clear()
+    server.tail.extend(["usage: api_server.py [-h] ...", "api_server.py: error: unrecognized arguments: --bogus"])
+    assert server.reason() == "api_server.py: error: unrecognized arguments: --bogus"
