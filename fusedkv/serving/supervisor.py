@@ -32,12 +32,11 @@ from ..errors import EXIT_INTERRUPTED, EXIT_OK, RunError
 
 STOP_GRACE_S = 20  # SIGTERM to SIGKILL
 
-# Runs as `python -c WATCHDOG FD PGID`: reads the pipe until the supervisor writes "done" or dies (EOF).
+# Runs as `python -c WATCHDOG FD PGID GRACE_S`: reads the pipe until the supervisor writes "done" or dies (EOF).
 WATCHDOG = """
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 fd, pgid = int(sys.argv[1]), int(sys.argv[2])
-data = b""
 while True:
     chunk = os.read(fd, 16)
     if not chunk or chunk == b"done":
