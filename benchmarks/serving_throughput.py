@@ -4,21 +4,22 @@ Three checkpoints with the same random weights where their parameters coincide (
 fusedkv; head_dim 64) are served by vLLM's offline engine with the fusedkv plugin, each with the same
 --kv-cache-memory, on many concurrent long requests. The budget is small enough that vanilla cannot
 hold every request at once (memory-bound): the half plans fit twice the sequences in flight, which is
-the throughput they can gain. Reported per plan: vLLM's cache blocks and maximum concurrency (as vLLM
-logs it, for max-model-len tokens per request), requests/s and generated tokens/s; ratios to vanilla
-from one process with the plans interleaved over --rounds rounds (medians).
+the throughput they can gain.
 
-Prefill skipping: long prompts with one new token each, Lite and FusedKV with and without vLLM's
---kv-sharing-fast-prefill (the layers after the last storage layer run on the sampled positions only).
+How it is timed (the same for every table): one engine per plan, kept alive, each warmed up on the
+same batch shape; then --rounds rounds (at least 5), round r running the engines in an order rotated
+by r. Every round gives a ratio to vanilla of that same round; the table prints each round's ratio and
+their median, and the JSON (--out) keeps every per-round time.
 
-Then single-stream decode, same weights: vLLM (one request), the project's own loop
-(`fusedkv.generation.generate`, static half-size cache) and transformers' `generate`, tokens/s over
-prompt + new tokens (one thread each).
+Then single-stream decode, same weights: vLLM (one request; its engines interleaved as above), the
+project's own loop (`fusedkv.generation.generate`) and transformers' `generate`, each warmed up, the
+plan x engine pairs rotated per round (one thread each). With --prefill-skipping, also long prompts with
+one new token, Lite and FusedKV with and without vLLM's --kv-sharing-fast-prefill.
 
 vLLM runs in its own environment (scripts/install-vllm.sh), this script in the project's:
 
-    python benchmarks/serving_throughput.py                          # ~10 minutes on 2 shared cores
-    python benchmarks/serving_throughput.py --requests 32 --rounds 1 # quicker
+    OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --out docs/serving_throughput.json
+    OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --requests 16 --prompt-len 64 --new-tokens 64
 """
 
 from __future__ import annotations
@@ -68,25 +69,35 @@ def vllm_run(vllm_python: str, models: list[Path], prompts: list[list[int]], wor
     return json.loads(out.read_text())
 
 
+def rotated(items: list, r: int) -> list:
+    return items[r % len(items):] + items[:r % len(items)]
+
+
+def ratio_rows(plans, times: dict[str, list[float]], work: dict[str, float]) -> list[dict]:
+    """Per plan: per-round rate (work / seconds), per-round ratio to vanilla's same round, medians."""
+    rows = []
+    for plan in plans:
+        rates = [work[plan] / t for t in times[plan]]
+        ratios = [work[plan] / t / (work["vanilla"] / tv) for t, tv in zip(times[plan], times["vanilla"])]
+        rows.append({"plan": plan, "rounds_s": times[plan], "rate_per_round": rates,
+                     "median_rate": statistics.median(rates), "ratio_per_round": ratios,
+                     "median_ratio": statistics.median(ratios)})
+    return rows
+
+
 def throughput(vllm_python, ckpts, args, work) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(2, args.vocab, (args.requests, args.prompt_len), generator=g).tolist()
-    order = [p for _ in range(args.rounds) for p in PLANS]
-    results = vllm_run(vllm_python, [ckpts[p] for p in order], prompts, work, "--max-new-tokens",
+    results = vllm_run(vllm_python, [ckpts[p] for p in PLANS], prompts, work, "--max-new-tokens",
                        str(args.new_tokens), "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs",
-                       str(args.requests), "--dtype", "float32")
-    rows = []
-    for plan in PLANS:
-        runs = [r for p, r in zip(order, results) if p == plan]
-        elapsed = statistics.median(r["elapsed_s"] for r in runs)
-        rows.append({"plan": plan, "num_blocks": runs[0]["num_blocks"], "kv_cache_tokens": runs[0]["kv_cache_tokens"],
-                     "max_concurrency": runs[0]["max_concurrency"], "elapsed_s": elapsed,
-                     "requests_per_s": args.requests / elapsed,
-                     "tokens_per_s": runs[0]["generated_tokens"] / elapsed,
-                     "rounds_s": [r["elapsed_s"] for r in runs]})
-    base = rows[0]
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+                       str(args.requests), "--dtype", "float32", "--rounds", str(args.rounds))
+    by_plan = dict(zip(PLANS, results))
+    rows = ratio_rows(PLANS, {p: r["elapsed_s"] for p, r in by_plan.items()},
+                      {p: r["generated_tokens"] for p, r in by_plan.items()})
+    for row in rows:
+        r = by_plan[row["plan"]]
+        row.update(num_blocks=r["num_blocks"], kv_cache_tokens=r["kv_cache_tokens"],
+                   max_concurrency=r["max_concurrency"])
     return rows
 
 
@@ -96,19 +107,20 @@ def prefill_skipping(vllm_python, ckpts, args, work) -> list[dict]:
     prompts = torch.randint(2, args.vocab, (args.prefill_requests, args.prompt_len + args.new_tokens - 1),
                             generator=g).tolist()
     plans = [p for p in PLANS if p != "vanilla"]
-    order = [p for _ in range(args.rounds) for p in plans]
     timed = {}
     for mode, extra in (("full", ()), ("skipping", ("--fast-prefill",))):
-        runs = vllm_run(vllm_python, [ckpts[p] for p in order], prompts, work, "--max-new-tokens", "1",
-                        "--kv-cache-memory", str(4 * args.kv_cache_memory), "--dtype", "float32", *extra)
-        for plan in plans:
-            timed[plan, mode] = statistics.median(r["elapsed_s"] for p, r in zip(order, runs) if p == plan)
+        runs = vllm_run(vllm_python, [ckpts[p] for p in plans], prompts, work, "--max-new-tokens", "1",
+                        "--kv-cache-memory", str(4 * args.kv_cache_memory), "--dtype", "float32",
+                        "--rounds", str(args.rounds), *extra)
+        for plan, r in zip(plans, runs):
+            timed[plan, mode] = r["elapsed_s"]
     return [{"plan": p, "full_s": timed[p, "full"], "skipping_s": timed[p, "skipping"],
-             "speedup": timed[p, "full"] / timed[p, "skipping"]} for p in plans]
+             "median_speedup": statistics.median(f / s for f, s in zip(timed[p, "full"], timed[p, "skipping"]))}
+            for p in plans]
 
 
 @torch.inference_mode()
-def single_stream(vllm_python, ckpts, args, work) -> list[dict]:
+def single_stream(vllm_python, ckpts, args, work) -> dict:
     from transformers import AutoModelForCausalLM
 
     import fusedkv  # noqa: F401  (registers the model with transformers)
@@ -118,24 +130,42 @@ def single_stream(vllm_python, ckpts, args, work) -> list[dict]:
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(2, args.vocab, (1, args.single_prompt_len), generator=g)
     n = args.single_new_tokens
-    vllm = vllm_run(vllm_python, [ckpts[p] for p in PLANS], prompt.tolist(), work, "--max-new-tokens", str(n),
-                    "--kv-cache-memory", str(args.kv_cache_memory), "--dtype", "float32")
+    vllm = dict(zip(PLANS, vllm_run(vllm_python, [ckpts[p] for p in PLANS], prompt.tolist(), work,
+                                    "--max-new-tokens", str(n), "--kv-cache-memory", str(args.kv_cache_memory),
+                                    "--dtype", "float32", "--rounds", str(args.rounds))))
+    # The project's loop (packed for batch 1) and transformers' generate (a fresh, unpacked model).
+    engines = {}
+    for plan in PLANS:
+        packed = AutoModelForCausalLM.from_pretrained(ckpts[plan]).eval()
+        engines[plan, "fusedkv_loop"] = lambda m=packed, k=None: generate(m, prompt, k or n, weight_layout="auto")
+        plain = AutoModelForCausalLM.from_pretrained(ckpts[plan]).eval()
+        engines[plan, "transformers"] = lambda m=plain, k=None: m.generate(
+            prompt, max_new_tokens=k or n, min_new_tokens=k or n, do_sample=False)
+    tokens = {}
+    for key, run in engines.items():  # warm-up (and the packed layout); the tokens to compare
+        out = run(k=n)
+        tokens[key] = (out.tokens if hasattr(out, "tokens") else out)[0, prompt.shape[1]:].tolist()
+    times = {key: [] for key in engines}
+    for r in range(args.rounds):
+        for key in rotated(list(engines), r):
+            t = time.perf_counter()
+            engines[key]()
+            times[key].append(time.perf_counter() - t)
     rows = []
-    for plan, v in zip(PLANS, vllm):
-        model = AutoModelForCausalLM.from_pretrained(ckpts[plan]).eval()
-        generate(model, prompt, 4, weight_layout="auto")  # warm-up, and the batch-1 layout
-        t = time.perf_counter()
-        ours = generate(model, prompt, n, weight_layout="auto")
-        t_ours = time.perf_counter() - t
-        model = AutoModelForCausalLM.from_pretrained(ckpts[plan]).eval()  # fresh, unpacked
-        model.generate(prompt, max_new_tokens=4, do_sample=False)
-        t = time.perf_counter()
-        hf = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        t_hf = time.perf_counter() - t
-        same = v["rows"][0]["tokens"] == ours.tokens[0, prompt.shape[1]:].tolist() == hf[0, prompt.shape[1]:].tolist()
-        rows.append({"plan": plan, "vllm_tok_s": n / v["elapsed_s"], "fusedkv_loop_tok_s": n / t_ours,
-                     "transformers_generate_tok_s": n / t_hf, "same_tokens": same})
-    return rows
+    for plan in PLANS:
+        row = {"plan": plan, "same_tokens": vllm[plan]["rows"][0]["tokens"] == tokens[plan, "fusedkv_loop"]
+               == tokens[plan, "transformers"]}
+        for name, secs in (("vllm", vllm[plan]["elapsed_s"]), ("fusedkv_loop", times[plan, "fusedkv_loop"]),
+                           ("transformers", times[plan, "transformers"])):
+            row[name + "_tok_s_per_round"] = [n / s for s in secs]
+            row[name + "_tok_s"] = statistics.median(n / s for s in secs)
+        rows.append(row)
+    vllm_ratios = ratio_rows(PLANS, {p: vllm[p]["elapsed_s"] for p in PLANS}, {p: n for p in PLANS})
+    return {"rows": rows, "vllm_vs_vanilla": vllm_ratios}
+
+
+def fmt_rounds(xs) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
 
 
 def main() -> None:
@@ -143,18 +173,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256, help="hidden size; heads = hidden / 64, head_dim 64")
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes (default: room for 8 vanilla sequences of prompt + new tokens)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per engine, order rotated (at least 5)")
+    p.add_argument("--prefill-skipping", action="store_true", help="also time vLLM's --kv-sharing-fast-prefill")
     p.add_argument("--prefill-requests", type=int, default=16)
     p.add_argument("--single-prompt-len", type=int, default=32)
     p.add_argument("--single-new-tokens", type=int, default=128)
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
+    if args.rounds < 5:
+        p.error("--rounds must be at least 5: a median of fewer rotated rounds is not one to report")
     from fusedkv.serving.command import check_vllm_environment, find_vllm_python
 
     vllm_python = find_vllm_python(args.vllm_python)
@@ -162,35 +195,41 @@ def main() -> None:
     if args.kv_cache_memory is None:  # fp32 K and V per layer per token, 8 full-length vanilla sequences
         per_token = 2 * args.layers * args.hidden * 4
         args.kv_cache_memory = 8 * (args.prompt_len + args.new_tokens) * per_token
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpts = write_checkpoints(work / "ckpts", args)
         tp = throughput(vllm_python, ckpts, args, work)
-        pf = prefill_skipping(vllm_python, ckpts, args, work)
+        pf = prefill_skipping(vllm_python, ckpts, args, work) if args.prefill_skipping else None
         ss = single_stream(vllm_python, ckpts, args, work)
-    print(f"## vLLM serving throughput (measured on a shared 2-core CPU machine; ratios from one interleaved run)\n\n"
+    load = (load, os.getloadavg())
+    print(f"## vLLM serving throughput at a fixed KV budget\n\nMeasured on a shared 2-core CPU machine (load "
+          f"average {load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end): absolute figures are rough. "
           f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), KV-cache memory "
           f"{args.kv_cache_memory / 2**20:.1f} MiB, {args.layers} layers, hidden {args.hidden}, head_dim 64, fp32, "
-          f"eager, {args.rounds} round(s), median\n")
-    print("| plan | cache blocks | max concurrency (vLLM) | requests/s | tokens/s | vs vanilla |")
-    print("|---|---|---|---|---|---|")
+          f"eager; every engine warmed up, {args.rounds} rounds in rotated order, ratios to vanilla's same round\n")
+    print("| plan | cache blocks | max concurrency (vLLM) | generated tokens/s (median) | vs vanilla per round | "
+          "median |\n|---|---|---|---|---|---|")
     for r in tp:
-        print(f"| {r['plan']} | {r['num_blocks']} | {r['max_concurrency']:.2f} | {r['requests_per_s']:.2f} | "
-              f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x |")
-    print(f"\n## Prefill skipping ({args.prefill_requests} prompts of {args.prompt_len + args.new_tokens - 1} tokens, "
-          "1 new token each; vLLM --kv-sharing-fast-prefill)\n")
-    print("| plan | full prefill (s) | upper layers on sampled positions only (s) | speed-up |\n|---|---|---|---|")
-    for r in pf:
-        print(f"| {r['plan']} | {r['full_s']:.2f} | {r['skipping_s']:.2f} | {r['speedup']:.2f}x |")
+        print(f"| {r['plan']} | {r['num_blocks']} | {r['max_concurrency']:.2f} | {r['median_rate']:.0f} | "
+              f"{fmt_rounds(r['ratio_per_round'])} | {r['median_ratio']:.2f}x |")
+    if pf:
+        print(f"\n## Prefill skipping ({args.prefill_requests} prompts of {args.prompt_len + args.new_tokens - 1} "
+              "tokens, 1 new token each; vLLM --kv-sharing-fast-prefill)\n")
+        print("| plan | full prefill per round (s) | skipping per round (s) | median speed-up |\n|---|---|---|---|")
+        for r in pf:
+            print(f"| {r['plan']} | {fmt_rounds(r['full_s'])} | {fmt_rounds(r['skipping_s'])} | "
+                  f"{r['median_speedup']:.2f}x |")
     print(f"\n## Single-stream decode ({args.single_prompt_len}-token prompt, {args.single_new_tokens} new tokens, "
-          "1 thread, tokens/s including prefill)\n")
-    print("| plan | vLLM | fusedkv loop | transformers generate | same tokens |\n|---|---|---|---|---|")
-    for r in ss:
-        print(f"| {r['plan']} | {r['vllm_tok_s']:.0f} | {r['fusedkv_loop_tok_s']:.0f} | "
-              f"{r['transformers_generate_tok_s']:.0f} | {r['same_tokens']} |")
+          f"1 thread, tokens/s including prefill, median of {args.rounds} rounds)\n")
+    print("| plan | vLLM | vLLM vs vanilla per round | median | fusedkv loop | transformers generate | same tokens |"
+          "\n|---|---|---|---|---|---|---|")
+    for r, v in zip(ss["rows"], ss["vllm_vs_vanilla"]):
+        print(f"| {r['plan']} | {r['vllm_tok_s']:.0f} | {fmt_rounds(v['ratio_per_round'])} | {v['median_ratio']:.2f}x "
+              f"| {r['fusedkv_loop_tok_s']:.0f} | {r['transformers_tok_s']:.0f} | {r['same_tokens']} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "throughput": tp, "prefill_skipping": pf,
-                                              "single_stream": ss}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "load_average": load, "throughput": tp,
+                                              "prefill_skipping": pf, "single_stream": ss}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

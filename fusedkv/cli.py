@@ -265,7 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The `fusedkv` command; returns the exit status (see `fusedkv.errors`)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = None
+    if "--" in argv:  # a command that runs another program (serve) takes what follows `--` as its arguments
+        cut = argv.index("--")
+        head, _ = parser.parse_known_args(argv[:cut])
+        if getattr(head, "pass_through", None):
+            argv, rest = argv[:cut], argv[cut + 1:]
     args, unknown = parser.parse_known_args(argv)
+    if rest is not None:
+        setattr(args, args.pass_through, rest)
+    elif getattr(args, "pass_through", None):
+        setattr(args, args.pass_through, [])
     if unknown:  # reported by the subcommand's parser, so the message names the command
         parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):

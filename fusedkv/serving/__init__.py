@@ -8,9 +8,12 @@ vLLM lives in its own environment (it pins an older transformers than the projec
   * `vllm_model`: the model written with vLLM's layers. Storage layers own cache blocks; every other
     layer is a vLLM `Attention` with `kv_sharing_target_layer_name`, so it is given no blocks.
   * `paged`: attention of reconstruction layers that read two layers' paged caches (Lite, FusedKV,
-    custom source maps), through vLLM's own CPU attention op where the math allows it.
+    custom source maps): vLLM's own CPU attention op for one K source, the native block-table kernel
+    (`fusedkv/kernels/cpu_paged_attention.c`) for two, both over the blocks in place.
   * `command`: `fusedkv serve`, run from the project's environment; it checks the checkpoint and starts
     vLLM's OpenAI-compatible server with the vLLM environment's Python.
+  * `preflight`: what `fusedkv serve` refuses before vLLM starts (head/block sizes, address, options).
+  * `supervisor`: the hold on vLLM's processes (group, watchdog, exit status, the ready line).
   * `offline`: runs checkpoints through vLLM's offline engine and prints JSON (tests, benchmarks).
 
 Only `command` is imported by the `fusedkv` CLI; nothing here imports vLLM at package import time.

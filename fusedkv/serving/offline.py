@@ -11,6 +11,10 @@ inputs). For every checkpoint: greedy tokens, the log-probability of each prompt
 first, vLLM's cache capacity (blocks, tokens, max concurrency) and, with --timed, the wall time.
 The checkpoints run one after another in this process (in-process engine, eager mode), so a
 comparison of many plans pays vLLM's start-up once per checkpoint, not once per process.
+
+For benchmarks, `--rounds N` keeps one engine per checkpoint alive, warms each up (a short generate
+of the same shape), then times N rounds; round r runs the engines in an order rotated by r, so drift of
+a busy machine falls on every engine alike. `elapsed_s` is then the list of per-round seconds.
 """
 
 from __future__ import annotations
@@ -30,18 +34,56 @@ def engine_kwargs(args) -> dict:
                 enable_prefix_caching=False, skip_tokenizer_init=True, kv_sharing_fast_prefill=args.fast_prefill)
 
 
-def run_one(model: str, prompts: list[list[int]], args) -> dict:
-    from vllm import LLM, SamplingParams
+def sampling(args, max_tokens: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens or args.max_new_tokens, ignore_eos=True,
+                          prompt_logprobs=0 if args.prompt_logprobs else None, detokenize=False)
+
+
+def timed_generate(llm, prompts: list[list[int]], params) -> tuple[list, float]:
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, **engine_kwargs(args))
-    cache = llm.llm_engine.vllm_config.cache_config
-    hf_config = llm.llm_engine.vllm_config.model_config.hf_config
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True,
-                            prompt_logprobs=0 if args.prompt_logprobs else None, detokenize=False)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    return outputs, time.perf_counter() - start
+
+
+def run_one(model: str, prompts: list[list[int]], args) -> dict:
+    from vllm import LLM
+
+    llm = LLM(model=model, **engine_kwargs(args))
+    outputs, elapsed = timed_generate(llm, prompts, sampling(args))
+    result = describe(llm, model, prompts, outputs, args)
+    result["elapsed_s"] = elapsed
+    del llm
+    gc.collect()
+    return result
+
+
+def run_rounds(models: list[str], prompts: list[list[int]], args) -> list[dict]:
+    """One engine per model, each warmed up, then `args.rounds` timed rounds in rotated order."""
+    from vllm import LLM
+
+    engines = [LLM(model=m, **engine_kwargs(args)) for m in models]
+    for llm in engines:  # warm-up: the same batch shape, a few tokens
+        timed_generate(llm, prompts, sampling(args, max_tokens=min(8, args.max_new_tokens)))
+    elapsed: list[list[float]] = [[] for _ in models]
+    outputs: list = [None] * len(models)
+    for r in range(args.rounds):
+        for i in (r % len(models) + j for j in range(len(models))):
+            i %= len(models)
+            outputs[i], seconds = timed_generate(engines[i], prompts, sampling(args))
+            elapsed[i].append(seconds)
+    results = []
+    for model, llm, out, times in zip(models, engines, outputs, elapsed):
+        results.append({**describe(llm, model, prompts, out, args), "elapsed_s": times})
+    return results
+
+
+def describe(llm, model: str, prompts: list[list[int]], outputs, args) -> dict:
+    cache = llm.llm_engine.vllm_config.cache_config
+    hf_config = llm.llm_engine.vllm_config.model_config.hf_config
     rows = []
     for prompt, out in zip(prompts, outputs):
         row = {"tokens": list(out.outputs[0].token_ids)}
@@ -53,9 +95,7 @@ def run_one(model: str, prompts: list[list[int]], args) -> dict:
               "storage_layers": list(hf_config.plan.storage_layers),
               "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": cache.kv_cache_size_tokens, "max_concurrency": cache.kv_cache_max_concurrency,
-              "elapsed_s": elapsed, "generated_tokens": sum(len(r["tokens"]) for r in rows)}
-    del llm
-    gc.collect()
+              "generated_tokens": sum(len(r["tokens"]) for r in rows)}
     return result
 
 
@@ -75,13 +115,18 @@ def main(argv=None) -> int:
     p.add_argument("--fast-prefill", action="store_true",
                    help="vLLM's kv_sharing_fast_prefill: layers without a cache skip all but the sampled positions")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="benchmark: keep an engine per model, warm each up, time this many rotated rounds")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
     # One process, engine in it: cheaper start-up per checkpoint, and results come back directly.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with open(args.prompts) as f:
         prompts = json.load(f)
-    results = [run_one(m, prompts, args) for m in args.models]
+    if args.rounds:
+        results = run_rounds(args.models, prompts, args)
+    else:
+        results = [run_one(m, prompts, args) for m in args.models]
     text = json.dumps(results)
     if args.out == "-":
         sys.stdout.write(text + "\n")

@@ -17,10 +17,13 @@ Two ways to evaluate it, chosen once per layer from its plan entry:
     own CPU attention op, called with the K source's key cache and each V source's value cache (the op
     takes them as separate arguments), on the query times a_s; the outputs are summed with weights
     b_s. Lite is one op call over (K^n, V^1): no copies at all.
-  * two or more K sources (FusedKV, dense fusion): softmax needs one score matrix over all K sources,
-    which no single call of the op computes, so the blocks of each sequence are gathered into
-    contiguous tensors and `fusedkv.kernels.reference.factored_attention` runs on them (decode steps
-    batched, prefill chunks per sequence). Correct and simple; it copies the gathered blocks.
+  * two K sources (FusedKV, the iterative variant): softmax needs one score matrix over the SUM of the
+    sources' scores, which no call of the op computes (nor per-source calls merged by log-sum-exp: those
+    are separate softmaxes). The native kernel `cpu_paged_attention.c` reads every source's blocks in
+    place through the block table, decode rows and prefill chunks in one call (`native_paged_attention`).
+  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, AMX's
+    packed bf16 blocks): the blocks of each sequence are gathered into contiguous tensors and
+    `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
 
 The CPU backend stores blocks in its own layout (the "vec" ISA keeps each key block transposed,
 [head_dim, block]); `block_layout` learns the layout from the backend's own cache-write op instead of
@@ -101,6 +104,69 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Te
         return x.permute(1, 0, 2, 4, 3).reshape(r, h, n * bs, d)
     x = cache[blocks.reshape(-1)].reshape(r * n, h, bs * d).index_select(-1, layout)
     return x.view(r, n, h, bs, d).permute(0, 2, 1, 3, 4).reshape(r, h, n * bs, d)
+
+
+# ---- CPU: the native kernel over the blocks in place --------------------------------------------------
+NATIVE_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # fusedkv.kernels.cpu_attention.KINDS, those it reads
+
+
+def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int):
+    """For each query token of a vLLM batch: its request (block-table row) and how many keys it sees
+    (a prefill chunk's token i of t, in a sequence of s, sees s - t + i + 1). None if the batch's
+    query lengths do not add up to `num_tokens`."""
+    num_reqs = query_start_loc.shape[0] - 1
+    starts = query_start_loc.to(torch.long)
+    q_lens = starts[1:] - starts[:-1]
+    row_seq = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    if row_seq.numel() != num_tokens:
+        return None
+    pos = torch.arange(num_tokens) - starts[:-1][row_seq]
+    row_len = seq_lens[:num_reqs].to(torch.long)[row_seq] - q_lens[row_seq] + pos + 1
+    return row_seq.to(torch.int32).contiguous(), row_len.to(torch.int32).contiguous()
+
+
+def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: list, values: list[torch.Tensor],
+                           v_weights: list, rows, block_table: torch.Tensor, scale: float, key_transposed: bool,
+                           out: torch.Tensor) -> bool:
+    """`cpu_paged_attention.c` over vLLM's CPU caches in place: q [T, H_q, D], caches [num_blocks, H_kv, bs, D]
+    (the backend's split views), `rows` from `query_rows`; writes `out` [T, H_q, D]. False (nothing
+    written) where the kernel does not apply: no native build, a dtype or stride it does not read."""
+    from ..kernels import native
+
+    kind = NATIVE_KINDS.get(keys[0].dtype)
+    sources = [*keys, *values]
+    if (kind is None or rows is None or not native.available() or len(keys) > 2 or len(values) > 2
+            or any(c.dtype != keys[0].dtype or c.stride() != keys[0].stride() for c in sources)
+            or keys[0].stride(3) != 1 or keys[0].stride(2) != keys[0].shape[3]
+            or block_table.dtype != torch.int32 or block_table.stride(1) != 1):
+        return False
+    t, h_q, d = q.shape
+    h_kv, bs = keys[0].shape[1], keys[0].shape[2]
+
+    def weights(ws):
+        ws = [None if w is None else w.to(torch.float32).contiguous() for w in ws]
+        ptrs = [None if w is None else w.data_ptr() for w in ws] + [None]
+        return ws, ptrs[0], ptrs[1] if len(ws) > 1 else None
+
+    kw, ka0, ka1 = weights(k_weights)
+    vw, vb0, vb1 = weights(v_weights)
+    if any(w is not None and w.numel() != h_kv * d for w in kw + vw):
+        return False
+    qf = q.to(torch.float32).contiguous()
+    of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(t, h_q, d)
+    row_seq, row_len = rows
+    status = native.library().paged_attention(
+        qf.data_ptr(), t, h_q, h_kv, d, scale, kind, row_seq.data_ptr(), row_len.data_ptr(), block_table.data_ptr(),
+        block_table.stride(0), bs, keys[0].stride(0), keys[0].stride(1), int(key_transposed),
+        len(keys), keys[0].data_ptr(), keys[-1].data_ptr(), ka0, ka1, d,
+        len(values), values[0].data_ptr(), values[-1].data_ptr(), vb0, vb1, d,
+        of.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"native paged attention failed (status {status}: "
+                           f"{'bad argument' if status == 1 else 'out of memory'})")
+    if of is not out:
+        out.copy_(of)
+    return True
 
 
 # ---- GPU backends: caches [num_blocks, block_size, H_kv, D] --------------------------------------------
@@ -258,7 +324,8 @@ class CrossLayerAttention:
         t = attn_metadata.num_actual_tokens
         q, out = query[:t], output[:t]
         if self.gathered:
-            self._gathered(layer, q, keys, k_weights, values, v_weights, attn_metadata, out)
+            if not self._native(layer, q, keys, k_weights, values, v_weights, attn_metadata, out):
+                self._gathered(layer, q, keys, k_weights, values, v_weights, attn_metadata, out)
         else:
             self._with_cpu_op(layer, q, keys[0], k_weights[0], values, v_weights, attn_metadata, out)
         return output
@@ -311,7 +378,16 @@ class CrossLayerAttention:
             else:
                 out.add_(target)
 
-    # ---- several K sources: gather each sequence's blocks, factored attention -------------------
+    # ---- several K sources: the native kernel over the blocks in place -----------------------------
+    def _native(self, layer, q, keys, k_weights, values, v_weights, meta, out) -> bool:
+        key_layout, value_layout = block_layout(layer.isa, keys[0].dtype, keys[0].shape[2], keys[0].shape[3])
+        if value_layout is not None or key_layout not in (None, TRANSPOSED):
+            return False  # a layout the kernel does not read (AMX's packed bf16 blocks): gathered
+        rows = query_rows(meta.query_start_loc, meta.seq_lens, q.shape[0])
+        return native_paged_attention(q, keys, k_weights, values, v_weights, rows, meta.block_table,
+                                      self.base.scale, key_layout == TRANSPOSED, out)
+
+    # ---- fallback: gather each sequence's blocks, factored attention -----------------------------
     def _gathered(self, layer, q, keys, k_weights, values, v_weights, meta, out):
         block_size, head_dim = keys[0].shape[2], keys[0].shape[3]
         key_layout, value_layout = block_layout(layer.isa, keys[0].dtype, block_size, head_dim)

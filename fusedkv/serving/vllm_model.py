@@ -15,8 +15,10 @@ The iterative fusion variant (paper Sec. 3.4: K^i = c_i (.) K^{i-1} + f_i (.) K^
 K^n) is linear in its two sources, so its chain is unrolled once after loading into per-layer
 two-source weights and served like FusedKV.
 
-Imports only `fusedkv.config` / `fusedkv.plan` / `fusedkv.kernels.reference` from the project: this
-module runs under vLLM's transformers, where the project's HF model does not.
+Imports from the project only what runs under vLLM's transformers (where the project's HF model does
+not): `fusedkv.config`, `fusedkv.plan`, the fusion module `fusedkv.model.fusion.KVFusion` (the same
+parameters and expansion as the transformers model's, so checkpoints load by name) and the reference
+kernels.
 """
 
 from __future__ import annotations
@@ -43,9 +45,23 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
+from ..model.fusion import KVFusion
 from ..plan import LayerKV
 from .paged import CrossLayerAttention
 from .plugin import check_servable
+
+
+def check_backend_runs(config) -> None:
+    """Refuse, while the model loads, a head size the CPU attention backend would refuse only at the first
+    request (for users of `vllm serve`; `fusedkv serve` checks before starting vLLM)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if config.head_dim not in sizes:
+            raise ValueError(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes {sizes} only")
 
 
 def attention_layer_name(prefix: str, index: int) -> str:
@@ -67,7 +83,10 @@ class FusedKVAttention(nn.Module):
         else:
             self.q_proj = ColumnParallelLinear(config.hidden_size, self.q_size, bias=bias, quant_config=quant_config,
                                                prefix=f"{prefix}.q_proj")
-            self.fusion = FusionWeights(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
+            # The model's own fusion module (its parameter names are the checkpoint's); the weights the
+            # attention reads are expanded from it once after loading (`served`).
+            self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
+            self.served: tuple[list, list] = ([None] * len(layer.k_sources), [None] * len(layer.v_sources))
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=bias, quant_config=quant_config,
                                         prefix=f"{prefix}.o_proj")
@@ -83,7 +102,7 @@ class FusedKVAttention(nn.Module):
         if not layer.stores and not plain_reuse:
             self.attn.impl = CrossLayerAttention(
                 self.attn.impl, [attention_layer_name(model_prefix, s) for s in layer.k_sources],
-                [attention_layer_name(model_prefix, s) for s in layer.v_sources], self.fusion.served)
+                [attention_layer_name(model_prefix, s) for s in layer.v_sources], lambda: self.served)
 
     def _heads_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         by_head = x.view(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)
@@ -101,39 +120,6 @@ class FusedKVAttention(nn.Module):
             out = self.attn(q, None, None)
         out, _ = self.o_proj(out)
         return out
-
-
-class FusionWeights(nn.Module):
-    """The checkpoint's fusion parameters (`fusedkv.model.fusion.KVFusion` names and shapes) and the
-    per-source [H_kv, D] weights the attention uses (`served`), expanded once after loading."""
-
-    def __init__(self, layer: LayerKV, num_kv_heads: int, head_dim: int, tie_rope_pairs: bool):
-        super().__init__()
-        self.layer, self.num_kv_heads, self.head_dim, self.tie = layer, num_kv_heads, head_dim, tie_rope_pairs
-        self.k_weight = self._make(layer.k_fusion, len(layer.k_sources), head_dim // 2 if tie_rope_pairs else head_dim)
-        self.v_weight = self._make(layer.v_fusion, len(layer.v_sources), head_dim)
-        self.k_served: list[torch.Tensor | None] = [None] * len(layer.k_sources)
-        self.v_served: list[torch.Tensor | None] = [None] * len(layer.v_sources)
-
-    def _make(self, mode: str, num_sources: int, width: int) -> nn.Parameter | None:
-        if mode == "reuse":
-            return None
-        shape = (num_sources, self.num_kv_heads, width) if mode == "channel" else (num_sources,)
-        return nn.Parameter(torch.ones(shape), requires_grad=False)
-
-    def expanded(self, w: nn.Parameter | None, key: bool) -> list[torch.Tensor | None]:
-        """One [H_kv, D] tensor per source; key weights repeat over each RoPE pair (j, j + D/2)."""
-        if w is None:
-            return [None]
-        if w.dim() == 1:
-            return [x.expand(self.num_kv_heads, self.head_dim) for x in w.detach()]
-        w = w.detach()
-        if key and self.tie:
-            w = torch.cat((w, w), dim=-1)
-        return list(w.unbind(0))
-
-    def served(self):
-        return self.k_served, self.v_served
 
 
 class DecoderLayer(nn.Module):
@@ -178,6 +164,7 @@ class FusedKVModel(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_servable(config)
+        check_backend_runs(config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise ValueError("the FusedKV vLLM plugin runs on one device (tensor and pipeline parallel size 1)")
@@ -260,7 +247,13 @@ class FusedKVForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        # NaN logits would be sampled as some token and answered with HTTP 200 and empty text: fail
+        # instead (vLLM answers 500 and stops; `fusedkv serve` exits 1 naming this line).
+        if logits is not None and not torch.isfinite(logits).all():
+            raise FloatingPointError("the model produced non-finite logits (NaN or Inf): its weights or activations "
+                                     "overflow in this dtype; check the checkpoint, or serve it in float32")
+        return logits
 
     # ---- checkpoint loading -----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -304,8 +297,7 @@ class FusedKVForCausalLM(nn.Module):
             attn = decoder.self_attn
             if attn.layer.stores:
                 continue
-            fusion = attn.fusion
-            k, v = fusion.expanded(fusion.k_weight, key=True), fusion.expanded(fusion.v_weight, key=False)
+            k, v = attn.fusion.key_weights(), attn.fusion.value_weights()
             if self.config.fusion_init == "iterative":
                 # K^i = f_i K^1 + c_i K^{i-1}, K^{i-1} = A K^1 + B K^n  =>  (f_i + c_i A) K^1 + (c_i B) K^n.
                 chain = attn.layer.k_sources
@@ -315,8 +307,8 @@ class FusedKVForCausalLM(nn.Module):
                 av, bv = v[0] + v[1] * av, v[1] * bv
                 carried[chain] = ((ak, bk), (av, bv))
                 k, v = [ak, bk], [av, bv]
-            fusion.k_served[:] = [None if w is None else w.contiguous() for w in k]
-            fusion.v_served[:] = [None if w is None else w.contiguous() for w in v]
+            attn.served = ([None if w is None else w.detach().contiguous() for w in k],
+                           [None if w is None else w.detach().contiguous() for w in v])
 
 
 def _join(prefix: str, name: str) -> str:

@@ -1,9 +1,13 @@
 """`fusedkv serve`: vLLM's OpenAI-compatible server on 127.0.0.1 with the plugin, end to end.
 
-One server for the module (a FusedKV checkpoint, eager mode). Concurrent requests must return what
-sequential ones do (and what the transformers model generates); SIGTERM must stop the server and
-every process it started. Bad checkpoints must fail before vLLM starts, with `fusedkv generate`'s
-messages.
+One server for the module (a FusedKV checkpoint, eager mode, the default dtype, a vLLM flag passed after
+`--` behind fusedkv's own options). Its outputs must be the transformers model's (the default dtype is
+the checkpoint's float32), concurrent requests must return what sequential ones do, chat completions
+must work on a checkpoint saved without a chat template, and SIGTERM must stop every process it
+started. Further servers: one whose logits overflow (HTTP 500, then `fusedkv serve` exits 1 naming the
+cause), one whose supervisor is killed with SIGKILL (nothing of vLLM survives), one interrupted during
+start-up (exit 130, no traceback). Bad checkpoints must fail before vLLM starts, with `fusedkv
+generate`'s messages. Request loops are bounded by time.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import pytest
 from conftest import REPO, vllm_env
 
 STARTUP_TIMEOUT_S = 600  # first start on a busy 2-core machine includes vLLM's model inspection
+API_KEY = "fusedkv-test-key"
 
 
 def free_port() -> int:
@@ -36,46 +41,80 @@ def fusedkv_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           timeout=120, **kwargs)
 
 
-def post(port: int, path: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+def post(port: int, path: str, body: dict, key: str | None = API_KEY) -> dict:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
 
-def session_pids(pgid: int) -> list[int]:
-    """Live processes of the process group the server was started in (its own session)."""
+def vllm_group(proc: subprocess.Popen) -> int | None:
+    """The process group of the vLLM server `fusedkv serve` started (its API server's pid), or None."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, ppid, args = line.split(None, 2)
+        if int(ppid) == proc.pid and "vllm.entrypoints" in args:
+            return int(pid)
+    return None
+
+
+def group_pids(pgid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
     return [int(pid) for pid, group, stat in (line.split() for line in out.splitlines())
             if int(group) == pgid and not stat.startswith("Z")]
 
 
-@pytest.fixture(scope="module")
-def server(vllm_python, checkpoints, tmp_path_factory):
+def wait_until(predicate, timeout: float, step: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def start_server(vllm_python: str, model, log, *extra: str, wait: bool = True) -> dict:
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    model = str(checkpoints["fusedkv"])
-    cmd = [sys.executable, "-m", "fusedkv.cli", "serve", model, "--port", str(port), "--enforce-eager",
-           "--block-size", "32", "--kv-cache-memory", "64M", "--max-num-seqs", "32", "--dtype", "float32",
-           "--vllm-python", vllm_python]
+    cmd = [sys.executable, "-m", "fusedkv.cli", "serve", str(model), "--port", str(port), "--enforce-eager",
+           "--block-size", "32", "--kv-cache-memory", "64M", "--max-num-seqs", "32", "--vllm-python", vllm_python,
+           *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=vllm_env(), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not come up (exit {proc.poll()}):\n{log.read_text()[-6000:]}")
-        time.sleep(2)
-    yield {"proc": proc, "port": port, "model": model, "log": log}
-    if proc.poll() is None:  # a failed test left it running
+    server = {"proc": proc, "port": port, "model": str(model), "log": log}
+    if wait:
+        wait_until(lambda: healthy(port) or proc.poll() is not None, STARTUP_TIMEOUT_S, 2)
+    if wait and not healthy(port):
+        stop(server)
+        pytest.fail(f"the server did not come up (exit {proc.poll()}):\n{log.read_text()[-6000:]}")
+    return server
+
+
+def stop(server) -> None:
+    """Leave nothing behind, whatever a failed test did."""
+    proc = server["proc"]
+    group = vllm_group(proc)
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
+    if group is not None and group_pids(group):
+        os.killpg(group, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, checkpoints, tmp_path_factory):
+    # vLLM's --api-key after `--`, behind fusedkv's own options: pass-through in any argument order.
+    s = start_server(vllm_python, checkpoints["fusedkv"], tmp_path_factory.mktemp("server") / "server.log",
+                     "--", "--api-key", API_KEY)
+    yield s
+    stop(s)
 
 
 def complete(server, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:
@@ -84,20 +123,35 @@ def complete(server, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:
     return post(server["port"], "/v1/completions", body)["choices"][0]["token_ids"]
 
 
-def test_serves_on_localhost_and_lists_the_model(server):
-    with urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/v1/models", timeout=30) as r:
+def test_serves_on_localhost_with_the_passed_through_api_key(server):
+    request = urllib.request.Request(f"http://127.0.0.1:{server['port']}/v1/models",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
         models = json.loads(r.read())
     assert [m["id"] for m in models["data"]] == [server["model"]]
+    with pytest.raises(urllib.error.HTTPError) as e:  # vLLM got `-- --api-key`: no key, no answer
+        urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/v1/models", timeout=30)
+    assert e.value.code == 401
     assert "on http://127.0.0.1:" in server["log"].read_text()  # bound to the loopback address by default
 
 
-def test_text_completion_matches_transformers(server, references):
-    row = references["fusedkv"]["rows"][1]
-    body = {"model": server["model"], "prompt": row["prompt"], "max_tokens": 24, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True}
-    choice = post(server["port"], "/v1/completions", body)["choices"][0]
-    assert choice["prompt_token_ids"] == row["prompt_ids"]  # vLLM tokenises with the checkpoint's tokenizer
-    assert choice["token_ids"] == row["tokens"]
+def test_startup_and_ready_lines_state_dtype_plan_blocks_and_concurrency(server):
+    log = server["log"].read_text()
+    assert "plan fusedkv (2/4 layers hold KV cache), dtype float32" in log  # auto: the checkpoint's dtype
+    ready = [line for line in log.splitlines() if line.startswith("fusedkv serve: ready on ")]
+    assert len(ready) == 1, log[-3000:]
+    # 64 MiB over 2 storage layers x 4 KV heads x 32 dims x (K, V) x 4 bytes = 32,768 tokens in 1,024 blocks.
+    assert "1,024 KV blocks of 32 tokens (32,768 tokens), max concurrency 64.0 requests of 512 tokens" in ready[0]
+    assert "no chat template" in log  # the checkpoint has none: the default is announced
+
+
+def test_text_completion_matches_transformers_by_default(server, references):
+    for row in references["fusedkv"]["rows"]:
+        body = {"model": server["model"], "prompt": row["prompt"], "max_tokens": 24, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True}
+        choice = post(server["port"], "/v1/completions", body)["choices"][0]
+        assert choice["prompt_token_ids"] == row["prompt_ids"]  # vLLM tokenises with the checkpoint's tokenizer
+        assert choice["token_ids"] == row["tokens"]
 
 
 def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
@@ -112,18 +166,103 @@ def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
         assert sequential[prompts.index(row["prompt_ids"])] == row["tokens"][:16]
 
 
+def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints):
+    import torch
+    from transformers import AutoTokenizer
+
+    from fusedkv import FusedKVForCausalLM
+    from fusedkv.serving.preflight import DEFAULT_CHAT_TEMPLATE
+
+    messages = [{"role": "system", "content": "Speak as Juliet."}, {"role": "user", "content": "Who is there?"}]
+    body = {"model": server["model"], "messages": messages, "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    reply = post(server["port"], "/v1/chat/completions", body)
+    path = checkpoints["fusedkv"]
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(messages, chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "System: Speak as Juliet.\n\nUser: Who is there?\n\nAssistant:"
+    assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
+    model = FusedKVForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([reply["prompt_token_ids"]])
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                  pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    choice = reply["choices"][0]
+    assert choice["token_ids"] == expected
+    # The text is the tokens' (vLLM holds back a trailing incomplete UTF-8 sequence of byte-level BPE).
+    content = choice["message"]["content"]
+    assert content and tok.decode(expected, skip_special_tokens=True).startswith(content)
+
+
 def test_sigterm_stops_the_server_and_its_processes(server):
-    """Runs last in this module (pytest keeps file order)."""
+    """Runs last among the module server's tests (pytest keeps file order)."""
     proc = server["proc"]
-    assert len(session_pids(proc.pid)) >= 2  # fusedkv serve, the API server, its engine core
+    group = vllm_group(proc)
+    assert group is not None and len(group_pids(group)) >= 2  # the API server, its engine core
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
-    deadline = time.monotonic() + 30
-    while session_pids(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert session_pids(proc.pid) == [], "processes of the server outlived it"
-    with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/health", timeout=5)
+    assert wait_until(lambda: not group_pids(group), 30), "processes of the server outlived it"
+    assert not healthy(server["port"])
+
+
+def overflowing_checkpoint(checkpoints, root):
+    """Finite weights whose logits overflow float32: the final norm's gain at the largest float."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = root / "overflow"
+    shutil.copytree(checkpoints["fusedkv"], path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"].fill_(3e38)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_non_finite_logits_answer_500_and_the_server_exits_1_naming_them(vllm_python, checkpoints, tmp_path):
+    s = start_server(vllm_python, overflowing_checkpoint(checkpoints, tmp_path), tmp_path / "server.log")
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(s["port"], "/v1/completions", {"model": s["model"], "prompt": "In the", "max_tokens": 4}, key=None)
+        assert e.value.code == 500
+        assert json.loads(e.value.read())["error"]["message"]
+        assert s["proc"].wait(timeout=120) == 1
+        last = s["log"].read_text().strip().splitlines()[-1]
+        assert last.startswith("fusedkv serve: error: the vLLM server stopped by itself"), last
+        assert "non-finite logits" in last
+    finally:
+        stop(s)
+
+
+def test_kill_9_of_fusedkv_serve_leaves_no_vllm_process(vllm_python, checkpoints, tmp_path):
+    s = start_server(vllm_python, checkpoints["fusedkv-lite"], tmp_path / "server.log")
+    try:
+        group = vllm_group(s["proc"])
+        assert group is not None and group_pids(group)
+        s["proc"].kill()  # SIGKILL: no handler of fusedkv's runs
+        s["proc"].wait(timeout=30)
+        assert wait_until(lambda: not group_pids(group), 60), "vLLM outlived fusedkv serve"
+        assert not healthy(s["port"])
+    finally:
+        stop(s)
+
+
+def test_ctrl_c_during_startup_exits_130_without_a_traceback(vllm_python, checkpoints, tmp_path):
+    s = start_server(vllm_python, checkpoints["fusedkv"], tmp_path / "server.log", wait=False)
+    try:
+        # Interrupt once vLLM is loading (its own output has begun), long before it is ready.
+        assert wait_until(lambda: vllm_group(s["proc"]) is not None, 120)
+        time.sleep(10)
+        group = vllm_group(s["proc"])
+        assert group is not None and not healthy(s["port"])
+        s["proc"].send_signal(signal.SIGINT)
+        assert s["proc"].wait(timeout=120) == 130
+        log = s["log"].read_text()
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+        assert wait_until(lambda: not group_pids(group), 30)
+    finally:
+        stop(s)
 
 
 # ---- start-up errors: one line, exit 2, no vLLM started --------------------------------------------

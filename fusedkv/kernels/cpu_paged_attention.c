@@ -1,0 +1,147 @@
+/* Attention of FusedKV reconstruction layers over vLLM's paged CPU KV cache, read in place through the
+ * block table: the factored form of paper Sec. 3.3 (key weights on the query, value weights on the
+ * output) over 1-2 key and 1-2 value sources, nothing fused and nothing gathered.
+ *
+ * Every query row n (a decode token, or one token of a prefill chunk) belongs to block-table row
+ * row_seq[n] and sees that sequence's first row_len[n] keys (causality of a chunk is its rows' lengths):
+ *     s_t   = sum_k (a_k[g] (.) q_h) . K_k[t] * scale            (one softmax over the SUM of the scores)
+ *     out_h = sum_v b_v[g] (.) (sum_t p_t V_v[t])
+ * Token t of a sequence is slot t % bs of block block_table[row, t / bs]. vLLM's CPU backend keeps each
+ * (block, kv head) of the key cache either as [bs, D] rows or transposed, [D, bs] (its "vec" ISAs), and
+ * values as [bs, D] rows; both key layouts are read here (the caller checks the layout). Elements are f32
+ * or bf16 (widened as read), arithmetic f32. One task per (row, kv head) covers the query heads sharing
+ * it (GQA); tasks are split across threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#define MAX_GROUP_PAGED 64
+
+static inline float bf16_widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#define EL_F32(p, i) ((p)[i])
+#define EL_BF16(p, i) bf16_widen((p)[i])
+
+/* scores[j * L + t] for the query heads j of one kv head, over the sequence's blocks. */
+#define SCORES(T, EL)                                                                                     \
+    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+        const long block = table[blk];                                                                    \
+        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
+        for (int k = 0; k < n_k; k++) {                                                                   \
+            const T* base = (const T*)k_ptr[k] + block * block_stride + g * head_stride;                  \
+            for (int j = 0; j < group; j++) {                                                             \
+                const float* qk = qs + ((long)j * n_k + k) * D;                                           \
+                float* s = scores + (long)j * L + t0;                                                     \
+                if (k_transposed) {                                                                       \
+                    if (k == 0) memset(s, 0, sizeof(float) * cnt);                                        \
+                    for (int d = 0; d < D; d++) {                                                         \
+                        const float qd = qk[d];                                                           \
+                        const T* row = base + (long)d * bs;                                               \
+                        _Pragma("omp simd")                                                               \
+                        for (int i = 0; i < cnt; i++) s[i] += qd * EL(row, i);                            \
+                    }                                                                                     \
+                } else {                                                                                  \
+                    for (int i = 0; i < cnt; i++) {                                                       \
+                        const T* row = base + (long)i * D;                                                \
+                        float a = 0.f;                                                                    \
+                        _Pragma("omp simd reduction(+:a)")                                                \
+                        for (int d = 0; d < D; d++) a += qk[d] * EL(row, d);                              \
+                        s[i] = k == 0 ? a : s[i] + a;                                                     \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+#define VALUES(T, EL)                                                                                     \
+    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+        const long block = table[blk];                                                                    \
+        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
+        for (int v = 0; v < n_v; v++) {                                                                   \
+            const T* base = (const T*)v_ptr[v] + block * block_stride + g * head_stride;                  \
+            for (int j = 0; j < group; j++) {                                                             \
+                const float* p = scores + (long)j * L + t0;                                               \
+                float* o = acc + ((long)j * n_v + v) * D;                                                 \
+                for (int i = 0; i < cnt; i++) {                                                           \
+                    const T* row = base + (long)i * D;                                                    \
+                    const float pi = p[i];                                                                \
+                    _Pragma("omp simd")                                                                   \
+                    for (int d = 0; d < D; d++) o[d] += pi * EL(row, d);                                  \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+/* q [N, H_q, D] f32 contiguous; out [N, H_q, D] f32 contiguous; every source cache has the same
+ * (block, head) strides in elements, a value source's pointer already at its value half; block_table
+ * [rows, bt_stride] int32; fusion weights f32 [H_kv, D] (`*_hs` elements between kv heads, 0: shared) or
+ * NULL for 1. Returns 0, 1 on a bad argument, 2 when a buffer could not be allocated. */
+int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale, int kind,
+                    const int32_t* row_seq, const int32_t* row_len, const int32_t* block_table, long bt_stride,
+                    int bs, long block_stride, long head_stride, int k_transposed,
+                    int n_k, const void* k0, const void* k1, const float* ka0, const float* ka1, long ka_hs,
+                    int n_v, const void* v0, const void* v1, const float* vb0, const float* vb1, long vb_hs,
+                    float* out, int threads) {
+    const void* k_ptr[2] = {k0, k1};
+    const void* v_ptr[2] = {v0, v1};
+    const float* k_w[2] = {ka0, ka1};
+    const float* v_w[2] = {vb0, vb1};
+    if (H_kv < 1 || H_q % H_kv || n_k < 1 || n_k > 2 || n_v < 1 || n_v > 2 || bs < 1)
+        return 1;
+    if (kind != KV_F32 && kind != KV_BF16) return 1;
+    const int group = H_q / H_kv;
+    if (group > MAX_GROUP_PAGED) return 1;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (N * H_kv > 1 && threads > 1)
+    for (int task = 0; task < N * H_kv; task++) {
+        const int n = task / H_kv, g = task % H_kv;
+        const int L = row_len[n];
+        const int32_t* table = block_table + (long)row_seq[n] * bt_stride;
+        float* o_rows = out + ((long)n * H_q + (long)g * group) * D;
+        if (L <= 0) {  /* no key at all: zeros */
+            memset(o_rows, 0, sizeof(float) * (size_t)group * D);
+            continue;
+        }
+        float* scores = malloc(sizeof(float) * ((size_t)group * L + (size_t)group * (n_k + n_v) * D));
+        if (!scores) { failed = 1; continue; }
+        float* qs = scores + (size_t)group * L;        /* [group, n_k, D]: query with key weights and scale */
+        float* acc = qs + (size_t)group * n_k * D;     /* [group, n_v, D] */
+        for (int j = 0; j < group; j++)
+            for (int k = 0; k < n_k; k++)
+                for (int d = 0; d < D; d++) {
+                    const float w = k_w[k] ? k_w[k][(long)g * ka_hs + d] : 1.f;
+                    qs[((long)j * n_k + k) * D + d] = q[((long)n * H_q + g * group + j) * D + d] * w * scale;
+                }
+        if (kind == KV_F32) { SCORES(float, EL_F32) } else { SCORES(uint16_t, EL_BF16) }
+        for (int j = 0; j < group; j++) {  /* softmax over [0, L) */
+            float* s = scores + (long)j * L;
+            float m = -INFINITY, sum = 0.f;
+            for (int t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+:sum)
+            for (int t = 0; t < L; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
+            const float inv = 1.f / sum;
+#pragma omp simd
+            for (int t = 0; t < L; t++) s[t] *= inv;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)group * n_v * D);
+        if (kind == KV_F32) { VALUES(float, EL_F32) } else { VALUES(uint16_t, EL_BF16) }
+        for (int j = 0; j < group; j++)
+            for (int d = 0; d < D; d++) {
+                float y = 0.f;
+                for (int v = 0; v < n_v; v++)
+                    y += (v_w[v] ? v_w[v][(long)g * vb_hs + d] : 1.f) * acc[((long)j * n_v + v) * D + d];
+                o_rows[(long)j * D + d] = y;
+            }
+        free(scores);
+    }
+    return failed ? 2 : 0;
+}

@@ -1,0 +1,139 @@
+"""`fusedkv serve` refuses, before vLLM starts, everything vLLM would refuse late or run wrong: one line,
+exit 2, no "starting vLLM" line, within seconds. The vLLM environment is needed only for its probe
+(these tests start no server)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, vllm_env
+
+from fusedkv.serving import preflight
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fusedkv.cli", "serve", *args], cwd=REPO, env=vllm_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def refused(r: subprocess.CompletedProcess, *words: str) -> str:
+    """Exit 2 with exactly one line, naming `words`, and vLLM never started."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("fusedkv serve: error: "), r.stderr[-3000:]
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ckpt(vllm_python, checkpoints):
+    return str(checkpoints["fusedkv"])
+
+
+def test_head_size_the_cpu_backend_cannot_run_is_refused(vllm_python, tmp_path):
+    from tiny_checkpoints import write_checkpoints
+
+    path = write_checkpoints(tmp_path, plans=("fusedkv",), head_dim=16)["fusedkv"]  # `--preset nano`'s head_dim
+    start = time.monotonic()
+    refused(serve(str(path)), "head_dim=16", "32, 64")
+    assert time.monotonic() - start < 60
+
+
+def test_block_size_the_cpu_backend_cannot_run_is_refused(ckpt):
+    refused(serve(ckpt, "--block-size", "48"), "--block-size 48", "multiple of 32")
+
+
+def test_port_in_use_is_refused(ckpt):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        refused(serve(ckpt, "--port", str(port)), f"port {port}", "in use")
+
+
+@pytest.mark.parametrize("host,words", [("no-such-host.invalid", ("--host", "resolve")),
+                                        ("192.0.2.1", ("--host 192.0.2.1", "not an address of this machine"))])
+def test_bad_or_foreign_host_is_refused(ckpt, host, words):
+    refused(serve(ckpt, "--host", host), *words)
+
+
+@pytest.mark.parametrize("extra", [["--port", "9999"], ["--port=9999"], ["--dtype", "bfloat16"],
+                                   ["--max_model_len", "64"], ["--no-enforce-eager"], ["--model", "x"]])
+def test_vllm_options_that_fusedkv_sets_are_refused_after_the_separator(ckpt, extra):
+    refused(serve(ckpt, "--port", "9000", "--", "--api-key", "k", *extra), repr(extra[0]), "duplicates")
+
+
+def test_fast_prefill_without_eager_mode_is_refused_before_start(ckpt):
+    refused(serve(ckpt, "--", "--kv-sharing-fast-prefill"), "--kv-sharing-fast-prefill", "--enforce-eager")
+
+
+@pytest.mark.parametrize("extra,words", [(["-tp", "2"], ("--tensor-parallel-size 2",)),
+                                         (["--kv-cache-dtype", "fp8"], ("--kv-cache-dtype fp8", "unquantised"))])
+def test_options_the_plugin_cannot_run_are_refused(ckpt, extra, words):
+    refused(serve(ckpt, "--", *extra), *words)
+
+
+def test_nan_weights_are_refused(ckpt, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(ckpt, bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    assert torch.isnan(load_file(bad / "model.safetensors")[name]).any()
+    refused(serve(str(bad)), "non-finite weights", name)
+
+
+def test_auto_dtype_is_the_checkpoints_and_lower_precision_is_warned(checkpoints):
+    from fusedkv import FusedKVConfig
+
+    config = FusedKVConfig.from_pretrained(checkpoints["fusedkv"])
+    assert preflight.resolve_dtype("auto", config) == ("float32", None)
+    dtype, warning = preflight.resolve_dtype("bfloat16", config)
+    assert dtype == "bfloat16" and "float32 checkpoint in bfloat16" in warning and "--dtype float32" in warning
+    assert preflight.resolve_dtype("float32", config) == ("float32", None)
+
+
+def test_cpu_limits_are_the_installed_vllms(vllm_python):
+    """The constants `fusedkv serve` checks against, read from vLLM's CPU backend itself."""
+    probe = ("import json; from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B; "
+             "print(json.dumps([B.get_supported_head_sizes(), [getattr(b, 'base', b) for b in "
+             "B.get_supported_kernel_block_sizes()]]))")
+    out = subprocess.run([vllm_python, "-c", probe], capture_output=True, text=True, timeout=300, env=vllm_env(),
+                         check=True).stdout
+    head_sizes, block_sizes = json.loads(out.strip().splitlines()[-1])
+    assert tuple(head_sizes) == preflight.CPU_HEAD_SIZES
+    assert block_sizes == [preflight.CPU_BLOCK_MULTIPLE]
+
+
+def test_the_reason_a_server_died_is_the_root_cause_in_vllms_output():
+    """Lines as vLLM 0.32 printed them when its CPU attention refused head_dim 16 at the first request."""
+    from fusedkv.serving.supervisor import Server
+
+    server = Server([], {}, "", None)
+    for line in [
+        "(Worker pid=12019) ERROR 12-01 15:50:24 [multiproc_executor.py:1063] Traceback (most recent call last):",
+        "(Worker pid=12019) ERROR 12-01 15:50:24 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU "
+        "attention configuration: head_dim=16 isa=2 kv_cache_idx=0",
+        "(EngineCore pid=11225) ERROR 12-01 15:50:24 [core.py:1512] RuntimeError: Worker failed with error "
+        "'Unsupported CPU attention configuration', please check the stack trace above for the root cause",
+        "(APIServer pid=10112) ERROR 12-01 15:50:24 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "INFO:     Shutting down",
+    ]:
+        server.tail.append(line)
+    assert server.reason() == ("RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 "
+                               "kv_cache_idx=0")
+    server.tail.clear()
+    server.tail.extend(["usage: api_server.py [-h] ...", "api_server.py: error: unrecognized arguments: --bogus"])
+    assert server.reason() == "api_server.py: error: unrecognized arguments: --bogus"
