@@ -4,6 +4,7 @@
     fusedkv train      train a model (default: a tiny FusedKV model on the built-in corpus)
     fusedkv generate   sample text from a checkpoint
     fusedkv convert    import a Hugging Face Qwen3 checkpoint
+    fusedkv uptrain    convert + distil + evaluate a pretrained model, resumable (fusedkv.uptrain)
     fusedkv eval       validation loss, perplexity, lm-eval tasks, RULER-style long-context tasks
     fusedkv compare    train and evaluate several plans under one budget (the paper's tables)
     fusedkv bench      inference speed and memory: TTFT, TPOT, cache bytes
@@ -228,6 +229,7 @@ _COMMANDS = (
     "fusedkv.train.plan_command",
     _add_generate,
     register_convert,
+    "fusedkv.uptrain.command",
     "fusedkv.eval.command",
     "fusedkv.prune.command",
     "fusedkv.experiments.command",
