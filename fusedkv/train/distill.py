@@ -37,14 +37,24 @@ import torch.nn.functional as F
 
 from ..checkpoints import check_checkpoint_dir
 from ..config import FusedKVConfig
-from ..convert import MODEL_TYPES
+from ..convert import MODEL_TYPES, family_for, fusedkv_to_plan_config
 from ..data import load_tokenizer
 from ..data.tokenizer import tokenizer_sha256
 from ..model.loss import IGNORE_INDEX, lm_loss
+from ..plan import VANILLA
 from .data import has_tokenizer, is_prepared_dir
 
 # What --distill-from takes: a fusedkv model, or a checkpoint of any imported family, run by transformers itself.
 TEACHER_MODEL_TYPES = (FusedKVConfig.model_type, *MODEL_TYPES)
+
+
+def teacher_student_configs(hf: dict, plan: str, origin: str = "checkpoint") -> tuple[FusedKVConfig, FusedKVConfig]:
+    """(the teacher as a vanilla FusedKVConfig, the student: the teacher converted to `plan`) from the
+    teacher's config.json alone, the family registry deciding as `fusedkv convert` does."""
+    if hf.get("model_type") == FusedKVConfig.model_type:
+        return fusedkv_to_plan_config(hf, VANILLA, origin=origin), fusedkv_to_plan_config(hf, plan, origin=origin)
+    family = family_for(hf)
+    return family.to_config(hf, VANILLA), family.to_config(hf, plan)
 
 
 def teacher_vocab_size(teacher_dir) -> int | None:

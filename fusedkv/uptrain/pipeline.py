@@ -27,14 +27,14 @@ import torch
 
 from ..checkpoints import check_checkpoint_dir
 from ..config import FusedKVConfig
-from ..convert import convert_qwen3, family_for, fusedkv_to_plan_config
+from ..convert import convert_qwen3
 from ..errors import Stopped, UsageError
 from ..plan import VANILLA
 from ..train import TrainConfig, train
 from ..train import checkpoint as ckpt_io
 from ..train import data as data_setup
 from ..train import distributed as D
-from ..train.distill import TEACHER_MODEL_TYPES, check_teacher, load_teacher
+from ..train.distill import TEACHER_MODEL_TYPES, check_teacher, load_teacher, teacher_student_configs
 from ..train.rundir import RunDirLock
 from ..train.trainer import RESUME_MAY_CHANGE
 from ..utils import write_json_atomic
@@ -74,14 +74,8 @@ class Uptrain:
 
 
 def source_config(src: Path, plan: str) -> tuple[FusedKVConfig, FusedKVConfig]:
-    """(the source as a vanilla FusedKVConfig, the converted model's config), from config.json alone:
-    the family registry decides, as `fusedkv convert` does."""
-    hf = json.loads((src / "config.json").read_text())
-    if hf.get("model_type") == FusedKVConfig.model_type:
-        return (fusedkv_to_plan_config(hf, VANILLA, origin=str(src)),
-                fusedkv_to_plan_config(hf, plan, origin=str(src)))
-    family = family_for(hf)
-    return family.to_config(hf, VANILLA), family.to_config(hf, plan)
+    """(the source as a vanilla FusedKVConfig, the converted model's config), from config.json alone."""
+    return teacher_student_configs(json.loads((src / "config.json").read_text()), plan, origin=str(src))
 
 
 def check(run: Uptrain, overwrite: bool) -> None:

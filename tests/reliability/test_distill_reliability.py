@@ -1,10 +1,11 @@
 """Distillation (`fusedkv train --distill-from`, `fusedkv uptrain`) with a teacher that does not share the
-student's tokens (issue 27 #6), through the real CLI: refused with one line, before any data is prepared or
-anything is written."""
+student's tokens (issue 27 #6), and `fusedkv uptrain`'s other bad inputs, through the real CLI: refused
+with one line, before any data is prepared or anything is written."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,67 @@ def test_uptrain_refuses_data_tokenised_by_another_tokenizer_before_converting(c
                  "--quiet", timeout=300)
     assert_one_line_error(result, 2, "another tokenizer")
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def bad_sources(models, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad-sources")
+    bare = root / "no-tokenizer"  # the teacher's model without its tokenizer
+    bare.mkdir()
+    for f in models["teacher"].iterdir():
+        if f.suffix in (".json", ".safetensors") and not f.name.startswith(("tokenizer", "special")):
+            (bare / f.name).write_bytes(f.read_bytes())
+    gpt2 = root / "gpt2"  # a family fusedkv does not import
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": VOCAB}))
+    (gpt2 / "model.safetensors").write_bytes((models["teacher"] / "model.safetensors").read_bytes())
+    return {"no-tokenizer": bare, "gpt2": gpt2, "missing": root / "missing"}
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("missing", "does not exist"),
+    ("no-tokenizer", "has no tokenizer"),
+    ("gpt2", "'gpt2'"),
+    ("--plan no-such-plan", "no-such-plan"),
+    ("--plan vanilla", "already is a full-cache model"),
+    ("--data no-such-data.txt", "no-such-data.txt"),
+    ("OUT holding SRC", "would hold the source"),
+    ("--set lr=-1", "lr"),
+])
+def test_uptrain_bad_input_is_one_line_before_any_work(cli, models, bad_sources, tmp_path, case, fragment):
+    src, out, extra = models["teacher"], tmp_path / "out", []
+    if case in bad_sources:
+        src = bad_sources[case]
+    elif case.startswith("--"):
+        extra = case.split()
+    else:  # --overwrite there would delete the source
+        src = tmp_path / "models" / "teacher"
+        shutil.copytree(models["teacher"], src)
+        out = tmp_path / "models"
+        extra = ["--overwrite"]
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
+    result = cli("uptrain", src, out, "--data", models["corpus"], "--preset", "nano", "--quiet", *extra,
+                 env={"FUSEDKV_DATA_DIR": str(tmp_path / "data-cache")}, timeout=300)
+    assert_one_line_error(result, 2, fragment)
+    assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before
+    assert not (tmp_path / "data-cache").exists()
+
+
+def test_uptrain_does_not_continue_a_run_with_other_settings(cli, models, tmp_path):
+    """An OUT holding an uptraining run of another plan is neither continued nor overwritten without
+    --overwrite; an OUT holding other files is refused too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "uptrain.json").write_text(json.dumps({"src": str(models["teacher"].resolve()), "plan": "fusedkv-lite",
+                                                  "fusion_init": "equivalent", "train": {}}))
+    result = cli("uptrain", models["teacher"], out, "--plan", "fusedkv", "--data", models["corpus"], "--preset",
+                 "nano", "--quiet", timeout=300)
+    assert_one_line_error(result, 2, "other settings", "plan: was 'fusedkv-lite', now 'fusedkv'", "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["uptrain.json"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    result = cli("uptrain", models["teacher"], other, "--data", models["corpus"], "--preset", "nano", "--quiet",
+                 timeout=300)
+    assert_one_line_error(result, 2, "not an uptraining run")
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
