@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         register = _from_module(entry) if isinstance(entry, str) else entry
         if register is not None:
             register(sub)
-    for p in set(sub.choices.values()):  # --debug after the command too (an alias shares its parser)
+    for p in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the global value
         add_debug_flag(p, default=argparse.SUPPRESS)
     parser.commands = sub.choices
     return parser

@@ -28,17 +28,25 @@ examples:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "memory",
-        aliases=["plan-run"],
-        help="memory per GPU (DDP / FSDP, activation checkpointing, an uptraining teacher) and training time",
-        description="Parameters, gradients, AdamW state, activations at the preset's sequence length and the "
-        "inference KV cache, per GPU under DDP and FSDP (full shard), with a verdict on whether it fits; and the "
-        "time the preset's token budget takes at a given per-GPU throughput. With --uptrain SRC: the model is "
-        "SRC converted to --plan and the distillation teacher (SRC, run by transformers) is counted too.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    """Add `memory`, and its former name `plan-run` (same flags, not listed in `fusedkv --help`)."""
+    for name in ("memory", "plan-run"):
+        listed = {"help": HELP} if name == "memory" else {}
+        p = subparsers.add_parser(name, description=DESCRIPTION, epilog=EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter, **listed)
+        add_arguments(p)
+        p.set_defaults(func=handle, handler=handle)
+    return p
+
+
+HELP = "memory per GPU (DDP / FSDP, activation checkpointing, an uptraining teacher) and training time"
+DESCRIPTION = (
+    "Parameters, gradients, AdamW state, activations at the preset's sequence length and the inference KV cache, "
+    "per GPU under DDP and FSDP (full shard), with a verdict on whether it fits; and the time the preset's token "
+    "budget takes at a given per-GPU throughput. With --uptrain SRC: the model is SRC converted to --plan and the "
+    "distillation teacher (SRC, run by transformers) is counted too. (`plan-run` is this command's former name.)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
                    help="model size and recipe (default: tiny); with --uptrain the recipe only")
     p.add_argument("--uptrain", metavar="SRC", type=argtypes.non_empty,
@@ -66,8 +74,6 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="model FLOP utilisation with --peak-tflops (default 0.4)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set global_batch_tokens=2M")
-    p.set_defaults(func=handle, handler=handle)
-    return p
 
 
 def handle(args) -> int:
