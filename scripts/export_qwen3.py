@@ -35,11 +35,13 @@ def main() -> None:
     args = ap.parse_args()
     model = FusedKVForCausalLM.from_pretrained(args.src).float().eval()
     c = model.config
-    if c.kv_sharing != VANILLA or c.num_experts or c.kv_lora_rank is not None or c.layer_types:
+    windowed = set(c.layer_types or []) - {"full_attention"}
+    if c.kv_sharing != VANILLA or c.num_experts or c.kv_lora_rank is not None or windowed:
         raise SystemExit(f"{args.src}: only a dense vanilla fusedkv model without window layers is a Qwen3 model")
     qwen3 = Qwen3ForCausalLM(Qwen3Config(**{k: getattr(c, k) for k in FIELDS})).eval()
     qwen3.load_state_dict(model.state_dict(), strict=True)
-    ids = torch.randint(0, c.vocab_size, (2, min(64, c.max_position_embeddings)), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, c.vocab_size, (2, min(64, c.max_position_embeddings)),
+                        generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (qwen3(ids).logits - model(ids).logits).abs().max().item()
     if diff > 1e-4:
