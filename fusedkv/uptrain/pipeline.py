@@ -119,7 +119,7 @@ def run_uptrain(run: Uptrain, overwrite: bool = False, progress: bool = True) ->
     check(run, overwrite)
     cfg = run.cfg
     env = D.setup(cfg.distributed, cfg.device)
-    say = print if (progress and env.is_main) else (lambda *a, **k: None)
+    say = (lambda msg: print(msg, flush=True)) if (progress and env.is_main) else (lambda msg: None)
     try:
         with RunDirLock(run.out) if env.is_main else _nothing():
             error = None
