@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,17 +120,26 @@ def run_uptrain(run: Uptrain, overwrite: bool = False, progress: bool = True) ->
     """The whole journey (module docstring); returns the report's numbers. Collective under torchrun."""
     check(run, overwrite)
     cfg = run.cfg
-    env = D.setup(cfg.distributed, cfg.device)
-    say = (lambda msg: print(msg, flush=True)) if (progress and env.is_main) else (lambda msg: None)
-    try:
-        with RunDirLock(run.out) if env.is_main else _nothing():
-            error = None
-            if env.is_main:
-                try:
-                    _prepare(run, overwrite, say, env.device, progress)
-                except Exception as e:  # tell the other ranks instead of leaving them at the barrier
-                    error = e
-            D.raise_if_failed(error, env, "could not convert, prepare the data or evaluate")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    say = (lambda msg: print(msg, flush=True)) if (progress and rank == 0) else (lambda msg: None)
+    with RunDirLock(run.out) if rank == 0 else _nothing():
+        # Converting, tokenising and evaluating a large model can outlast a process group's timeout, so rank 0
+        # does it before the group exists; the other ranks wait for its word in a file (`_Ready`).
+        ready = _Ready(run.out) if world > 1 else None
+        if rank == 0:
+            try:
+                _prepare(run, overwrite, say, D.pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0"))),
+                         progress)
+            except BaseException as e:
+                if ready is not None:
+                    ready.tell(f"{type(e).__name__}: {e}")
+                raise
+            if ready is not None:
+                ready.tell(None)
+        else:
+            ready.wait()
+        env = D.setup(cfg.distributed, cfg.device)
+        try:
             summary = _train(run, say)
             result, error = None, None
             if env.is_main:
@@ -140,8 +151,31 @@ def run_uptrain(run: Uptrain, overwrite: bool = False, progress: bool = True) ->
                     error = e
             D.raise_if_failed(error, env, "could not evaluate the trained model or write the report")
             return result or {}
-    finally:
-        D.teardown(env)
+        finally:
+            if ready is not None and env.is_main:
+                ready.clear()
+            D.teardown(env)
+
+
+class _Ready:
+    """Rank 0's word to the other ranks of this torchrun launch (its run id names the file): prepared, or the
+    error that stopped it."""
+
+    def __init__(self, out: Path):
+        self.path = out / f".uptrain-ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}.json"
+
+    def tell(self, error: str | None) -> None:
+        write_json_atomic(self.path, {"error": error})
+
+    def wait(self) -> None:
+        while not self.path.is_file():
+            time.sleep(1.0)
+        error = json.loads(self.path.read_text())["error"]
+        if error is not None:
+            raise ValueError(f"rank 0 could not convert, prepare the data or evaluate: {error}")
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 class _nothing:
