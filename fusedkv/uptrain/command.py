@@ -1,7 +1,7 @@
 """`fusedkv uptrain SRC OUT --plan P`: convert a pretrained full-cache model, distil it back from the original,
 evaluate and report, in one resumable command (fusedkv.uptrain.pipeline).
 
-`python -m fusedkv.uptrain.command ARGS` runs the same command stand-alone: what torchrun launches.
+Under torchrun: `torchrun --nproc_per_node=N -m fusedkv.cli uptrain SRC OUT --distributed fsdp ...`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ EPILOG = """\
 examples:
   fusedkv uptrain my-qwen3/ runs/qwen3-fusedkv --plan fusedkv
   fusedkv uptrain my-llama/ runs/llama-lite --plan fusedkv-lite --data corpus/ --set lr=3e-5 --max-steps 2000
-  torchrun --nproc_per_node=8 -m fusedkv.uptrain.command my-llama/ runs/llama-fusedkv --plan fusedkv \\
+  torchrun --nproc_per_node=8 -m fusedkv.cli uptrain my-llama/ runs/llama-fusedkv --plan fusedkv \\
       --distributed fsdp --set checkpoint_format=sharded
-  fusedkv plan-memory --from my-llama/ --distill --gpus 8     # memory and time first
+  fusedkv memory --uptrain my-llama/ --plan fusedkv --gpus 8     # memory and time first
 """
 
 
@@ -111,20 +111,3 @@ def handle(args: argparse.Namespace) -> int:
     command = "fusedkv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     run_uptrain(build(args, command), overwrite=args.overwrite, progress=not args.quiet)
     return 0
-
-
-def main(argv=None) -> int:
-    """`python -m fusedkv.uptrain.command` (what torchrun launches), under the one error policy."""
-    from ..argtypes import Parser, add_debug_flag
-    from ..errors import run_command
-
-    parser = Parser(prog="fusedkv uptrain", description=DESCRIPTION, epilog=EPILOG,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    add_debug_flag(parser)
-    args = parser.parse_args(argv)
-    return run_command("uptrain", handle, args, debug=args.debug)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

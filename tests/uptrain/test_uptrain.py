@@ -170,7 +170,7 @@ def test_uptrain_under_torchrun_ddp(tmp_path, corpus, tokenizer_dir):
     src = _checkpoint(tmp_path, "qwen3", _qwen3, tokenizer_dir)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "fusedkv.uptrain.command", src, out, "--plan", "fusedkv", "--data", corpus, "--max-steps", 2,
+           "fusedkv.cli", "uptrain", src, out, "--plan", "fusedkv", "--data", corpus, "--max-steps", 2,
            "--distributed", "ddp", "--device", "cpu", *RECIPE]
     proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=600)
