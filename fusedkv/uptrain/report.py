@@ -101,15 +101,17 @@ def _plot(report: dict, path: Path) -> Path | None:
     for r in curve:
         ema = r["loss"] if ema is None else 0.9 * ema + 0.1 * r["loss"]
         smooth.append(ema)
-    ax.plot(tokens, [r["loss"] for r in curve], color="tab:blue", alpha=0.25, linewidth=0.8, label="train loss")
-    ax.plot(tokens, smooth, color="tab:blue", linewidth=1.5, label="train loss (EMA 0.9)")
+    # With distillation the training loss is the mixed objective, not the held-out cross-entropy's scale.
+    what = "train loss" if report["distill"]["alpha"] == 0 else "train objective (alpha KL + (1 - alpha) CE)"
+    ax.plot(tokens, [r["loss"] for r in curve], color="tab:blue", alpha=0.25, linewidth=0.8, label=what)
+    ax.plot(tokens, smooth, color="tab:blue", linewidth=1.5, label=f"{what}, EMA 0.9")
     val = [(0, report["models"]["before"]["val_loss"])] + [(r["tokens"], r["val_loss"]) for r in report["val_curve"]]
     ax.plot(*zip(*val), "o-", color="tab:orange", markersize=4, label="held-out loss")
     for w, style in (("teacher", "k--"), ("before", "r:")):
         loss = report["models"][w]["val_loss"]
         ax.axhline(loss, linestyle=style[1:], color=style[0], linewidth=1, label=f"{w} ({loss:.3f})")
     ax.set_xlabel("training tokens")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("nats/token")
     share = report["recovered_share"]
     ax.set_title(f"uptrain to {report['plan']}" + (f": {share:.0%} of the gap recovered" if share is not None
                                                   and math.isfinite(share) else ""))
