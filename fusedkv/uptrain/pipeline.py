@@ -12,7 +12,9 @@
 A killed run, re-run with the same command, skips the stages that are done and resumes training from its
 last checkpoint. Every check that reads only the inputs runs first (`check`), so bad input is one line
 before anything is written. Under torchrun every rank runs this module; rank 0 alone converts, prepares
-the data, evaluates and reports, and all ranks train (DDP / FSDP2, as `fusedkv train`).
+the data and evaluates (before the process group exists, so that a large model's preparation cannot
+outlast its timeout; the other ranks wait for a file), all ranks train (DDP / FSDP2, as `fusedkv
+train`), and rank 0 evaluates the result and reports.
 """
 
 from __future__ import annotations
