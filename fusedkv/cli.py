@@ -3,7 +3,8 @@
     fusedkv plans      the KV-sharing plans with their cache capacity and I/O for a model shape
     fusedkv train      train a model (default: a tiny FusedKV model on the built-in corpus)
     fusedkv generate   sample text from a checkpoint
-    fusedkv convert    import a Hugging Face checkpoint (Qwen3, Llama, Mistral, Qwen2, Gemma)
+    fusedkv convert    import a Hugging Face checkpoint (Qwen3, Llama, Mistral, Qwen2, Gemma, DeepSeek)
+    fusedkv uptrain    convert + distil + evaluate a pretrained model, resumable (fusedkv.uptrain)
     fusedkv eval       validation loss, perplexity, lm-eval tasks, RULER-style long-context tasks
     fusedkv compare    train and evaluate several plans under one budget (the paper's tables)
     fusedkv bench      inference speed and memory: TTFT, TPOT, cache bytes
@@ -238,6 +239,7 @@ _COMMANDS = (
     "fusedkv.train.plan_command",
     _add_generate,
     register_convert,
+    "fusedkv.uptrain.command",
     "fusedkv.eval.command",
     "fusedkv.prune.command",
     "fusedkv.experiments.command",

@@ -9,37 +9,103 @@ the student matches the teacher's next-token distribution. Here:
            + hidden_weight * mean over layers of MSE(h_student, h_teacher)
 
 with p^T = softmax(logits / T) (Hinton et al., 2015; the T^2 keeps the gradient scale independent of
-T), KL averaged over tokens, and the optional hidden-state term over the outputs of every decoder layer
-as transformers returns them (the last one after the final norm; the architectures match layer for
-layer, only the upper layers' K/V source differs). The teacher is
+T), KL averaged over the positions the CE term counts (a label of `IGNORE_INDEX`, e.g. the context of a
+`loss=answers` mixture, counts in neither), and the optional hidden-state term over the outputs of every
+decoder layer as transformers returns them, at the same positions (the last one after the final norm;
+the architectures match layer for layer, only the upper layers' K/V source differs). The teacher is
 frozen, in eval mode, and runs under no_grad on the same micro-batch.
 
 `fusedkv train --init-from CONVERTED --distill-from ORIGINAL [--distill-alpha 0.5]
 [--distill-temperature 1.0] [--distill-hidden-weight 0]` uses it (the trainer calls `Distiller` in place
-of its plain language-modelling loss). ORIGINAL is a fusedkv checkpoint or the Hugging Face Qwen3 (or
-Qwen3-MoE) checkpoint itself, which then runs as transformers' own model: the teacher is the original,
-not a re-implementation of it.
+of its plain language-modelling loss). ORIGINAL is a fusedkv checkpoint or a Hugging Face checkpoint of
+any family `fusedkv convert` imports (`fusedkv.convert.MODEL_TYPES`), which then runs as transformers' own
+model (`AutoModelForCausalLM`): the teacher is the original, not a re-implementation of it.
+
+A teacher must mean by every token id what the student means: `check_teacher` refuses, before any data is
+prepared or model built, a teacher of another vocabulary size or another tokenizer (its content hash
+against the student's tokenizer or the prepared data's), and gives a run without a tokenizer of its own
+the teacher's.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..checkpoints import check_checkpoint_dir
 from ..config import FusedKVConfig
-from ..convert import QWEN3_MODEL_TYPES
-from ..model.loss import lm_loss
+from ..convert import MODEL_TYPES, family_for, fusedkv_to_plan_config
+from ..data import load_tokenizer
+from ..data.tokenizer import tokenizer_sha256
+from ..model.loss import IGNORE_INDEX, lm_loss
+from ..plan import VANILLA
+from .data import has_tokenizer, is_prepared_dir
 
-# What --distill-from takes: a fusedkv model, or a Qwen3 or Qwen3-MoE checkpoint run by transformers itself.
-TEACHER_MODEL_TYPES = (FusedKVConfig.model_type, *QWEN3_MODEL_TYPES)
+# What --distill-from takes: a fusedkv model, or a checkpoint of any imported family, run by transformers itself.
+TEACHER_MODEL_TYPES = (FusedKVConfig.model_type, *MODEL_TYPES)
+
+
+def teacher_student_configs(hf: dict, plan: str, origin: str = "checkpoint") -> tuple[FusedKVConfig, FusedKVConfig]:
+    """(the teacher as a vanilla FusedKVConfig, the student: the teacher converted to `plan`) from the
+    teacher's config.json alone, the family registry deciding as `fusedkv convert` does."""
+    if hf.get("model_type") == FusedKVConfig.model_type:
+        return fusedkv_to_plan_config(hf, VANILLA, origin=origin), fusedkv_to_plan_config(hf, plan, origin=origin)
+    family = family_for(hf)
+    return family.to_config(hf, VANILLA), family.to_config(hf, plan)
+
+
+def teacher_vocab_size(teacher_dir) -> int | None:
+    """The vocabulary size a teacher's config.json declares (top level, or a multimodal text_config's)."""
+    hf = json.loads((Path(teacher_dir) / "config.json").read_text())
+    return hf.get("vocab_size", (hf.get("text_config") or {}).get("vocab_size"))
+
+
+def check_teacher(teacher_dir, vocab_size: int, tokenizer=None, data=None):
+    """Refuse a teacher whose token ids mean other strings than the student's (issue 27 #6); returns the
+    tokenizer the run must use: `tokenizer` as given, or the teacher's when the run has none and its data
+    is raw text (so the corpus is tokenised as the teacher reads it). Reads configs and tokenizers only."""
+    check_checkpoint_dir(teacher_dir, model_types=TEACHER_MODEL_TYPES)
+    found = teacher_vocab_size(teacher_dir)
+    if found != vocab_size:
+        raise ValueError(f"distill_from={teacher_dir} has a vocabulary of {found} tokens, the student {vocab_size}; "
+                         "distil from the model the student was converted from (same tokenizer)")
+    if not has_tokenizer(teacher_dir):
+        return tokenizer  # nothing more to compare: the vocabulary size has to do
+    theirs = tokenizer_sha256(load_tokenizer(str(teacher_dir)))
+    if tokenizer is not None:
+        mine, what = tokenizer_sha256(load_tokenizer(str(tokenizer))), f"the student's tokenizer ({tokenizer})"
+    elif data is not None and is_prepared_dir(data):
+        mine = json.loads((Path(str(data)) / "meta.json").read_text()).get("tokenizer_sha256")
+        what = f"the tokenizer of the prepared data {data}"
+    else:
+        return str(teacher_dir)
+    if mine != theirs:
+        raise ValueError(f"distill_from={teacher_dir} has another tokenizer than {what}: the same {vocab_size} ids "
+                         "mean other strings, so the KL would compare unrelated tokens; distil from the model the "
+                         "student was converted from, with data tokenised by its tokenizer")
+    return tokenizer
+
+
+def load_teacher(teacher_dir, device):
+    """The teacher as transformers runs it (`AutoModelForCausalLM`, fusedkv's own class for a fusedkv
+    checkpoint), frozen, in eval mode: float32 on CPU, the checkpoint's dtype on an accelerator."""
+    from transformers import AutoModelForCausalLM  # resolves fusedkv too: `import fusedkv` registers it
+
+    device = torch.device(device)
+    dtype = torch.float32 if device.type == "cpu" else "auto"
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=dtype).to(device).eval()
+    return teacher.requires_grad_(False)
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
                       alpha: float = 0.5, temperature: float = 1.0, student_hidden=None, teacher_hidden=None,
                       hidden_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """The loss above and its parts {"kl", "lm", "hidden"} (detached floats). Logits are [B, T, V];
-    `labels` [B, T] are already shifted (the data loader's); hidden states are sequences of [B, T, H]."""
+    `labels` [B, T] are already shifted (the data loader's); hidden states are sequences of [B, T, H].
+    Positions labelled `IGNORE_INDEX` count in no term; with none left every term is 0 (as `lm_loss`)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"distill_alpha={alpha}: must be in [0, 1] (1: distillation only, 0: LM loss only)")
     if temperature <= 0:
@@ -49,10 +115,12 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                          f"{tuple(teacher_logits.shape)} differ; teacher and student need the same vocabulary")
     s = student_logits.flatten(0, 1).float()
     t = teacher_logits.flatten(0, 1).float()
-    log_p_s = F.log_softmax(s / temperature, -1)
-    log_p_t = F.log_softmax(t / temperature, -1)
-    # KL(teacher || student) per token, averaged over tokens ("batchmean" over the flattened tokens).
-    kl = F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean") * temperature**2
+    counted = labels.flatten() != IGNORE_INDEX
+    n = counted.sum().clamp(min=1)
+    log_p_s = F.log_softmax(s[counted] / temperature, -1)
+    log_p_t = F.log_softmax(t[counted] / temperature, -1)
+    # KL(teacher || student) per counted token, averaged over them (as the CE term averages).
+    kl = F.kl_div(log_p_s, log_p_t, log_target=True, reduction="sum") / n * temperature**2
     lm = lm_loss(s, labels.flatten())
     loss = alpha * kl + (1.0 - alpha) * lm
     hidden = torch.zeros((), device=s.device)
@@ -62,7 +130,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                              "and the same number of layers")
         # Index 0 is the embedding output, shared by construction after conversion: skip it.
         pairs = list(zip(student_hidden, teacher_hidden))[1:]
-        hidden = torch.stack([F.mse_loss(hs.float(), ht.float()) for hs, ht in pairs]).mean()
+        keep = counted.view(labels.shape)
+        width = student_hidden[0].shape[-1]
+        hidden = torch.stack([F.mse_loss(hs[keep].float(), ht[keep].float(), reduction="sum") / (n * width)
+                              for hs, ht in pairs]).mean()
         loss = loss + hidden_weight * hidden
     return loss, {"kl": float(kl.detach()), "lm": float(lm.detach()), "hidden": float(hidden.detach())}
 
@@ -75,11 +146,8 @@ class Distiller:
 
     def __init__(self, teacher_dir: str, student_config, device, alpha: float = 0.5, temperature: float = 1.0,
                  hidden_weight: float = 0.0):
-        from transformers import AutoModelForCausalLM  # resolves fusedkv too: `import fusedkv` registers it
-
         check_checkpoint_dir(teacher_dir, model_types=TEACHER_MODEL_TYPES)
-        self.teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(device).eval()
-        self.teacher.requires_grad_(False)
+        self.teacher = load_teacher(teacher_dir, device)
         tc = self.teacher.config
         if tc.vocab_size != student_config.vocab_size:
             raise ValueError(f"distill_from={teacher_dir} has a vocabulary of {tc.vocab_size} tokens, the student "

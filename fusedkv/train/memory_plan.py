@@ -1,4 +1,4 @@
-"""How much memory a training run needs per GPU, and how long its token budget takes: `fusedkv plan-run`.
+"""How much memory a training run needs per GPU, and how long its token budget takes: `fusedkv memory`.
 
 Everything is counted tensor by tensor for *this* model and trainer, not from a generic rule of thumb:
 
@@ -24,10 +24,21 @@ Everything is counted tensor by tensor for *this* model and trainer, not from a 
   Activation checkpointing (per decoder layer, non-reentrant) keeps each layer's input plus the
   storage layers' K/V (the forward's `KVState` holds them for the upper layers), and recomputes one
   layer at a time in backward.
-* Peak = the larger of (a) the start of the loss backward in the last micro-batch (state, gradients
-  of earlier micro-batches, all activations, the loss buffers) and (b) the optimizer step (weights,
+  Mixture-of-experts layers save, per token, the router's fp32 logits and probabilities and, for each
+  of its top-k experts, the gathered input, SwiGLU's four tensors and the expert output (plus the shared
+  experts' SwiGLU where the config has `n_shared_experts`); latent attention (MLA, DeepSeek-V2 Sec.
+  2.1.2) saves the low-rank query path, the latent and its norm, the per-head K/V that kv_b_proj expands,
+  and the RoPE'd parts.
+* Uptraining (`--uptrain SRC`: the student is SRC converted to the plan, the teacher SRC itself, run
+  by transformers, fusedkv.train.distill): the teacher's weights in its own dtype on *every* GPU (the
+  trainer does not shard the teacher), counted exactly from transformers' class built on the meta
+  device; its forward runs without autograd, so one layer's tensors at a time plus its T x V logits;
+  the KL saves the student's tempered log-softmax and the teacher's log-probabilities (two fp32 T x V),
+  its backward two more; hidden-state distillation keeps the teacher's L + 1 hidden states.
+* Peak = the largest of (a) the start of the loss backward in the last micro-batch (state, gradients
+  of earlier micro-batches, all activations, the loss buffers), (b) the optimizer step (weights,
   gradients, moments and the one temporary `torch._foreach_sqrt` of the second moments that foreach
-  AdamW makes per parameter group).
+  AdamW makes per parameter group) and (c) when uptraining, the teacher's forward.
 
 The fp32 CPU counts are checked against the real peak of a forward + backward + AdamW step, measured
 by `torch.profiler` with `profile_memory=True` (every allocation and free of tensor storage, replayed
@@ -36,8 +47,9 @@ by torch's memory profiler; `measure_peak_cpu`), within 10% for the `tiny` and `
 (fp32 residual stream and norms, bf16 projections and attention) and are not measured here (no GPU).
 
 Time: the token budget divided by (tokens/s per GPU x GPUs). Without a measured throughput, the
-model FLOPs per token (6N + 12 L H Q T: Chowdhery et al. 2022, "PaLM", App. B) and an assumed MFU
-give one, labelled as such.
+model FLOPs per token (6N + 12 L H Q T: Chowdhery et al. 2022, "PaLM", App. B; N counts the experts a
+token visits, not all of them; a teacher adds its forward, 2N + 4 L H Q T) and an assumed MFU give
+one, labelled as such.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import FusedKVConfig
+from ..model.moe import is_sparse_layer
 from ..plan import resolve_plan_choice
 from .config import TrainConfig
 
@@ -90,7 +103,8 @@ class ParamCount:
     root: int  # embeddings, final norm, LM head: FSDP2's root unit
     largest_layer: int
     decayed: int  # 2-D weight matrices: the larger AdamW group (one foreach temporary per group)
-    non_embedding: int  # everything but the embedding table (the "N" of 6N FLOPs per token)
+    non_embedding: int  # everything but the embedding table
+    active: int = 0  # non_embedding with only the experts a token visits (the "N" of 6N FLOPs per token)
 
 
 def count_parameters(mc: FusedKVConfig) -> ParamCount:
@@ -103,7 +117,18 @@ def count_parameters(mc: FusedKVConfig) -> ParamCount:
     total = sum(p.numel() for p in model.parameters())
     decayed = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     embed = model.model.embed_tokens.weight.numel()
-    return ParamCount(total, total - sum(layers), max(layers), decayed, total - embed)
+    return ParamCount(total, total - sum(layers), max(layers), decayed, total - embed,
+                      active_parameters(model, mc.num_experts, mc.num_experts_per_tok))
+
+
+def active_parameters(model, num_experts: int, top_k: int) -> int:
+    """Parameters but the embedding table, the routed experts' counted at top_k / num_experts (a token
+    visits k of them). Routed experts are the parameters under an `experts` module (fusedkv's fused
+    tensors, transformers' per-expert lists), not `shared_experts`."""
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}" and "shared" not in n)
+    embed = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters()) - embed
+    return int(total - routed + (routed * top_k / num_experts if num_experts else 0))
 
 
 # ---- activations -----------------------------------------------------------------------------------
@@ -121,11 +146,6 @@ def activation_bytes_per_token(mc: FusedKVConfig, dtype: str = "float32", checkp
 
     fp32: every saved tensor has 4 bytes per element. bf16 autocast: the residual stream, RMSNorm
     (run in fp32) and the loss stay fp32; projections, RoPE'd Q/K, V and attention outputs are bf16."""
-    if getattr(mc, "num_experts", 0):
-        raise ValueError("plan-run counts activations of dense MLPs only; this config has num_experts > 0 (MoE)")
-    if getattr(mc, "kv_lora_rank", None) is not None:
-        raise ValueError("plan-run counts activations of standard attention only; this config uses latent "
-                         "attention (kv_lora_rank is set)")
     h, a, g, d, i, V = (mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                         mc.intermediate_size, mc.vocab_size)
     ad, gd = a * d, g * d
@@ -133,14 +153,42 @@ def activation_bytes_per_token(mc: FusedKVConfig, dtype: str = "float32", checkp
     # RMSNorm over the residual stream: input, 1/rms, normalised input (all fp32), output (the next
     # projection's input: fp32, or its bf16 cast under autocast).
     norm = 4 * (3 * h + 1) if not bf16 else 4 * (2 * h + 1) + 2 * h
-    mlp = 4 * 4 * i if not bf16 else 2 * 4 * i  # gate, up, silu(gate), silu(gate) * up
     act = 4 if not bf16 else 2  # bytes of a projection-output element
     # Q (or K): projection output (fp32 copy under autocast), 1/rms, normalised; then the RoPE'd copy.
     qk_norm = (lambda w: 4 * (2 * w) + 4 * (w // d)) if bf16 else (lambda w: 4 * (2 * w + w // d))
+    small_norm = (lambda w: 4 * (3 * w + 1)) if not bf16 else (lambda w: 4 * (2 * w + 1) + 2 * w)  # as `norm`
+
+    def swiglu(width: int) -> int:  # gate, up, silu(gate), silu(gate) * up
+        return 4 * act * width
+
+    def mlp(index: int) -> int:
+        if not is_sparse_layer(mc, index):
+            return swiglu(i)
+        E, k = mc.num_experts, mc.num_experts_per_tok
+        shared = getattr(mc, "n_shared_experts", 0) or 0
+        # router logits and probabilities (fp32); per visited expert: gathered input, SwiGLU, output
+        return 4 * 2 * E + k * (act * h + swiglu(mc.moe_intermediate_size) + act * h) + swiglu(
+            shared * mc.moe_intermediate_size)
+
+    mla = mc.kv_lora_rank is not None
+    if mla:
+        nope, rope, vd, r = mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim, mc.kv_lora_rank
+        qd = a * (nope + rope)
+        q_path = (act * mc.q_lora_rank + small_norm(mc.q_lora_rank) if mc.q_lora_rank else 0) + act * qd
+        # query: (low-rank path), projection, RoPE'd; SDPA output, log-sum-exp, o_proj input
+        attn_common = q_path + act * qd + act * a * vd + 4 * a + act * a * vd
+        # storage layer: latent + RoPE key (kv_a_proj), latent norm, kv_b_proj's per-head K/V, RoPE'd key
+        attn_store = act * (r + rope) + small_norm(r) + act * a * (nope + vd) + act * (qd + rope)
+        attn_fused = small_norm(r) + act * a * (nope + vd) + act * (qd + rope)  # from fused (c, k_R)
     per_layer = []
     stored_kv = 0
-    for layer in mc.plan.layers:
-        b = 2 * norm + mlp
+    for index, layer in enumerate(mc.plan.layers):
+        b = 2 * norm + mlp(index)
+        if mla:
+            b += attn_common + (attn_store if layer.stores else attn_fused + act * (r + rope))
+            stored_kv += act * (r + rope) if layer.stores else 0
+            per_layer.append(b)
+            continue
         b += qk_norm(ad) + act * ad  # q: normed (+ its input and 1/rms), RoPE'd
         b += act * ad + 4 * a + act * ad  # SDPA output, log-sum-exp (fp32), o_proj's contiguous input
         if layer.stores:
@@ -149,7 +197,7 @@ def activation_bytes_per_token(mc: FusedKVConfig, dtype: str = "float32", checkp
         else:
             b += _new_kv_tensors(layer) * act * gd
         per_layer.append(b)
-    rope_tables = 2 * d * 4  # cos and sin (fp32, shared by every layer)
+    rope_tables = 2 * (mc.qk_rope_head_dim if mla else d) * 4  # cos and sin (fp32, shared by every layer)
     head = norm + 4 * V + 8  # final norm, fp32 log-softmax over the vocabulary, input ids (int64)
     if checkpointing:
         # Each layer keeps its input (residual stream, fp32); the storage layers' K/V stay alive in the
@@ -179,20 +227,32 @@ class MemoryEstimate:
     loss_buffers: float  # the loss backward's T x V gradient buffers (+ bf16 logits)
     optimizer_temp: float  # foreach AdamW's temporary during the step
     recompute: float = 0.0  # one layer's activations rebuilt in backward (activation checkpointing)
+    teacher_weights: float = 0.0  # uptraining: the whole teacher on every GPU, in its dtype
+    teacher_forward: float = 0.0  # its forward (no autograd): one layer's tensors and its logits
+    distill: float = 0.0  # the KL's saved log-probabilities (+ the teacher's hidden states)
 
     @property
     def state(self) -> float:
-        return self.weights + self.optimizer
+        return self.weights + self.optimizer + self.teacher_weights
 
     @property
     def peak_backward(self) -> float:
-        return self.state + self.gathered + self.gradients_at_loss + self.activations + self.loss_buffers
+        return (self.state + self.gathered + self.gradients_at_loss + self.activations + self.distill
+                + self.loss_buffers)
+
+    @property
+    def peak_teacher(self) -> float:
+        # The teacher runs first in each micro-batch: the student's activations do not exist yet.
+        if not self.teacher_forward:
+            return 0.0
+        return self.state + self.gathered + self.gradients_at_loss + self.teacher_forward
 
     @property
     def peak_recompute(self) -> float:
         # Deep in backward the loss buffers are gone, gradients are (nearly) all there.
         grads = max(self.gradients_at_loss, self.gradients)
-        return self.state + self.gathered + grads + self.activations + self.recompute if self.recompute else 0.0
+        return (self.state + self.gathered + grads + self.activations + self.distill + self.recompute
+                if self.recompute else 0.0)
 
     @property
     def peak_step(self) -> float:
@@ -200,7 +260,65 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> float:
-        return max(self.peak_backward, self.peak_recompute, self.peak_step)
+        return max(self.peak_backward, self.peak_recompute, self.peak_step, self.peak_teacher)
+
+
+@dataclass
+class Teacher:
+    """The model distilled from when uptraining: its size as transformers builds it, and its shape."""
+
+    name: str  # transformers' class
+    params: ParamCount
+    config: FusedKVConfig  # its shape (the source as a vanilla fusedkv model), for the activations
+    dtype_bytes: int  # 2 (bf16/fp16) or 4 (fp32)
+    hidden: bool = False  # hidden-state distillation keeps its hidden states
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def count_teacher(src, config: FusedKVConfig, dtype: str = "auto", hidden: bool = False) -> Teacher:
+    """The teacher of an uptraining run from SRC's config.json alone: transformers' own class built on the
+    meta device (exact parameter count, nothing allocated or read but the config). dtype "auto" is the
+    checkpoint's (`dtype` / `torch_dtype`, bfloat16 if it says none): how `fusedkv.train.distill` loads a
+    teacher on a GPU (float32 on CPU)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.from_pretrained(str(src))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    if dtype == "auto":
+        saved = json.loads((Path(src) / "config.json").read_text())
+        dtype = str(saved.get("dtype") or saved.get("torch_dtype") or "bfloat16")
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"teacher dtype {dtype!r}: choose one of {', '.join(_DTYPE_BYTES)}")
+    total = sum(p.numel() for p in model.parameters())
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None) or 0
+    params = ParamCount(total, total - sum(layers), max(layers), 0,
+                        total - model.get_input_embeddings().weight.numel(),
+                        active_parameters(model, experts, getattr(hf, "num_experts_per_tok", 0) or 0))
+    return Teacher(type(model).__name__, params, config, _DTYPE_BYTES[dtype], hidden)
+
+
+def teacher_bytes(teacher: Teacher, tokens: int) -> dict:
+    """Per-GPU bytes of a teacher for `tokens` tokens per micro-batch: {"weights", "forward", "distill",
+    "loss_buffers"} (see the module docstring)."""
+    tc, tb = teacher.config, teacher.dtype_bytes
+    layer = activation_bytes_per_token(tc, "bfloat16" if tb == 2 else "float32")["largest_layer"]
+    V = tc.vocab_size
+    hidden = (tc.num_hidden_layers + 1) * tc.hidden_size * tb if teacher.hidden else 0
+    return {
+        "weights": teacher.params.total * tb,
+        # one layer's tensors at a time, then its logits and their fp32 copy
+        "forward": tokens * (max(layer, tb * V + 4 * V) + hidden),
+        # saved for backward: the student's tempered log-softmax and the teacher's log-probabilities
+        "distill": tokens * (2 * 4 * V + hidden),
+        "loss_buffers": tokens * 2 * 4 * V,  # the KL's backward: the gradient and its softmax backward
+    }
 
 
 @dataclass
@@ -220,10 +338,12 @@ class RunPlan:
     flops_per_token: float = 0.0
     tokens_per_gpu_s: float | None = None
     throughput_source: str = ""
+    teacher: Teacher | None = None
 
 
 def estimate(mc: FusedKVConfig, params: ParamCount, *, mode: str, world: int, seq_len: int, micro_batch: int,
-             accum: int, dtype: str = "float32", checkpointing: bool = False) -> MemoryEstimate:
+             accum: int, dtype: str = "float32", checkpointing: bool = False,
+             teacher: Teacher | None = None) -> MemoryEstimate:
     """Per-GPU bytes of one training step. mode: "single" (one process), "ddp" or "fsdp"."""
     P = params.total
     bf16 = dtype == "bfloat16"
@@ -244,6 +364,7 @@ def estimate(mc: FusedKVConfig, params: ParamCount, *, mode: str, world: int, se
         buckets = 4 * P if mode == "ddp" and world > 1 else 0.0  # the reducer's flat copy of every gradient
         at_loss = buckets + (grads if accum > 1 else 0.0)
         grads += buckets
+    kd = teacher_bytes(teacher, tokens) if teacher is not None else {}
     return MemoryEstimate(
         mode=mode,
         weights=weights,
@@ -252,14 +373,20 @@ def estimate(mc: FusedKVConfig, params: ParamCount, *, mode: str, world: int, se
         gradients_at_loss=at_loss,
         optimizer=optimizer,
         activations=acts["total"] * tokens + batch_bytes,
-        loss_buffers=logits,
+        loss_buffers=logits + kd.get("loss_buffers", 0),
         optimizer_temp=4 * params.decayed / shards,
         recompute=acts["recompute_layer"] * tokens,
+        teacher_weights=kd.get("weights", 0),
+        teacher_forward=kd.get("forward", 0),
+        distill=kd.get("distill", 0),
     )
 
 
 def plan_run(cfg: TrainConfig, gpus: int, gpu_memory: float, dtype: str = "bfloat16",
-             tokens_per_gpu_s: float | None = None, peak_tflops: float | None = None, mfu: float = 0.4) -> RunPlan:
+             tokens_per_gpu_s: float | None = None, peak_tflops: float | None = None, mfu: float = 0.4,
+             model: FusedKVConfig | None = None, teacher: Teacher | None = None) -> RunPlan:
+    """The plan of `cfg` on `gpus` GPUs; `model` replaces the preset's model (uptraining: the source converted
+    to the plan), `teacher` adds the teacher of a distillation run."""
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: must be a positive number of GPUs")
     if dtype not in ("float32", "bfloat16"):
@@ -267,20 +394,28 @@ def plan_run(cfg: TrainConfig, gpus: int, gpu_memory: float, dtype: str = "bfloa
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu {mfu}: must be in (0, 1] (a fraction of the GPU's peak FLOP/s)")
     accum = cfg.grad_accum_steps(gpus)
-    mc = model_config(cfg)
+    if model is not None:
+        mc = FusedKVConfig.from_dict(model.to_dict())
+        mc.max_position_embeddings = max(mc.max_position_embeddings, cfg.seq_len)
+    else:
+        mc = model_config(cfg)
     params = count_parameters(mc)
-    plan = RunPlan(cfg, mc, params, gpus, gpu_memory, dtype, cfg.micro_batch_size, accum)
+    plan = RunPlan(cfg, mc, params, gpus, gpu_memory, dtype, cfg.micro_batch_size, accum, teacher=teacher)
     for mode in MODES:
         for ckpt in (False, True):
             plan.estimates[mode, ckpt] = estimate(
                 mc, params, mode=mode, world=gpus, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch_size,
-                accum=accum, dtype=dtype, checkpointing=ckpt)
+                accum=accum, dtype=dtype, checkpointing=ckpt, teacher=teacher)
     plan.kv_bytes_per_token = mc.kv_cache_bytes_per_token(2)
     plan.kv_bytes_per_token_vanilla = mc.mha_kv_cache_bytes_per_token(2)  # MHA of the same shape
     plan.tokens = cfg.total_steps() * cfg.global_batch_tokens
     # PaLM (Chowdhery et al. 2022, App. B): 6N for the matmuls, 12 L H Q T for attention scores and values.
-    plan.flops_per_token = (6 * params.non_embedding
-                            + 12 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * cfg.seq_len)
+    attention = mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * cfg.seq_len
+    plan.flops_per_token = 6 * params.active + 12 * attention
+    if teacher is not None:  # its forward only: 2N + 4 L H Q T
+        tc = teacher.config
+        plan.flops_per_token += 2 * teacher.params.active + 4 * tc.num_hidden_layers * tc.num_attention_heads * (
+            tc.head_dim * cfg.seq_len)
     if tokens_per_gpu_s is not None:
         if tokens_per_gpu_s <= 0:
             raise ValueError(f"--tokens-per-gpu-s {tokens_per_gpu_s}: must be positive")
@@ -310,15 +445,22 @@ def _duration(seconds: float) -> str:
 def format_plan(plan: RunPlan) -> str:
     cfg, mc, p = plan.cfg, plan.mc, plan.params
     tok_step = cfg.micro_batch_size * cfg.seq_len
+    t = plan.teacher
+    what = f"preset {cfg.preset}" if t is None else f"uptraining, recipe {cfg.preset}"
     lines = [
-        f"plan-run: preset {cfg.preset}, plan {cfg.kv_sharing}: {p.total / 1e6:,.1f}M parameters "
+        f"memory: {what}, plan {mc.kv_sharing}: {p.total / 1e6:,.1f}M parameters "
         f"({p.non_embedding / 1e6:,.1f}M without the embedding table), {mc.num_hidden_layers} layers, "
         f"hidden {mc.hidden_size}, vocab {mc.vocab_size:,}",
         f"  {plan.gpus} GPU(s) x {_gb(plan.gpu_memory)}; sequence {cfg.seq_len}, micro-batch {cfg.micro_batch_size} "
         f"({tok_step:,} tokens), {plan.accum} micro-batch(es) per GPU per step, global batch "
         f"{cfg.global_batch_tokens:,} tokens; {'bf16 autocast' if plan.dtype == 'bfloat16' else 'fp32'}",
-        "",
     ]
+    if t is not None:
+        lines.append(f"  teacher {t.name}: {t.params.total / 1e6:,.1f}M parameters "
+                     f"({t.params.active / 1e6:,.1f}M active per token) in {8 * t.dtype_bytes}-bit on every GPU, "
+                     "forward only"
+                     + (", hidden states kept" if t.hidden else ""))
+    lines.append("")
     keys = [(m, c) for c in (False, True) for m in MODES if (m, c) in plan.estimates]
     names = [f"{'DDP' if m == 'ddp' else 'FSDP (full shard)'}{' + act. ckpt' if c else ''}" for m, c in keys]
     lines += ["| per GPU | " + " | ".join(names) + " |", "|---" * (len(keys) + 1) + "|"]
@@ -333,6 +475,8 @@ def format_plan(plan: RunPlan) -> str:
         ("loss backward buffers (T x V)", "loss_buffers"),
         ("optimizer-step temporary", "optimizer_temp"),
         ("one layer recomputed", "recompute"),
+        *([("teacher weights (every GPU)", "teacher_weights"), ("teacher forward (no grad)", "teacher_forward"),
+           ("distillation log-probs (saved)", "distill")] if t is not None else []),
         ("**peak**", "peak"),
     ]
     for label, attr in rows:
@@ -351,7 +495,8 @@ def format_plan(plan: RunPlan) -> str:
         f"{plan.kv_bytes_per_token_vanilla:,}); {_gb(kv_seq)} per {mc.max_position_embeddings}-token sequence; "
         f"next to the bf16 weights ({_gb(weights_bf16)}) one GPU holds {fit_seqs:,} such sequences",
         f"token budget: {plan.tokens:,} tokens ({cfg.total_steps():,} steps); "
-        f"{plan.flops_per_token / 1e9:,.2f} GFLOP per token (6N + 12 L H Q T)",
+        f"{plan.flops_per_token / 1e9:,.2f} GFLOP per token (6N + 12 L H Q T"
+        + (", + the teacher's forward 2N + 4 L H Q T)" if t is not None else ")"),
     ]
     if plan.tokens_per_gpu_s:
         total = plan.tokens_per_gpu_s * plan.gpus
@@ -374,9 +519,11 @@ def format_plan(plan: RunPlan) -> str:
 
 
 # ---- measuring the real thing on CPU -----------------------------------------------------------------
-def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False) -> dict:
+def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False, model: FusedKVConfig | None = None,
+                     teacher: str | None = None) -> dict:
     """Peak bytes of a steady-state training step (forward + backward over the micro-batches, clipping,
-    AdamW step) of `cfg` in one CPU process, fp32, measured with the profiler's memory timeline.
+    AdamW step) of `cfg` in one CPU process, fp32, measured with the profiler's memory timeline. `model`
+    replaces the preset's model; `teacher` (a checkpoint directory) makes the loss the distillation's.
 
     A first step runs unprofiled so AdamW's moments exist (as in every later step); the profiled step's
     timeline starts from the tensors alive then (weights, moments) and replays every allocation and free.
@@ -392,11 +539,17 @@ def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False) -> dict:
     from ..model.loss import lm_loss
     from .optim import build_optimizer
 
-    mc = model_config(cfg)
+    mc = model_config(cfg) if model is None else model
     torch.manual_seed(cfg.seed)
     model = FusedKVForCausalLM(mc).train()
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
+    distiller = None
+    if teacher is not None:
+        from .distill import Distiller
+
+        distiller = Distiller(teacher, mc, "cpu", cfg.distill_alpha, cfg.distill_temperature,
+                              cfg.distill_hidden_weight)
     opt = build_optimizer(model, cfg)
     accum, mb = cfg.grad_accum_steps(1), cfg.micro_batch_size
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -405,9 +558,12 @@ def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False) -> dict:
         for _ in range(accum):
             x, y = torch.randint(0, mc.vocab_size, (2, mb, cfg.seq_len), generator=gen).unbind(0)
             x, y = x.contiguous(), y.contiguous()
-            logits = model(input_ids=x, use_cache=False).logits
-            loss = lm_loss(logits, y)
-            del logits
+            if distiller is not None:
+                loss = distiller(model, x, y)
+            else:
+                logits = model(input_ids=x, use_cache=False).logits
+                loss = lm_loss(logits, y)
+                del logits
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
         opt.step()
@@ -432,12 +588,13 @@ def measure_peak_cpu(cfg: TrainConfig, checkpointing: bool = False) -> dict:
     return {"peak": float(totals[at]), "by_category": by_category}
 
 
-def single_process_estimate(cfg: TrainConfig, checkpointing: bool = False) -> MemoryEstimate:
+def single_process_estimate(cfg: TrainConfig, checkpointing: bool = False, model: FusedKVConfig | None = None,
+                            teacher: Teacher | None = None) -> MemoryEstimate:
     """The plan for what `measure_peak_cpu` measures: one process, fp32."""
-    mc = model_config(cfg)
+    mc = model_config(cfg) if model is None else model
     return estimate(mc, count_parameters(mc), mode="single", world=1, seq_len=cfg.seq_len,
                     micro_batch=cfg.micro_batch_size, accum=cfg.grad_accum_steps(1), dtype="float32",
-                    checkpointing=checkpointing)
+                    checkpointing=checkpointing, teacher=teacher)
 
 
 def relative_error(plan_bytes: float, measured: float) -> float:

@@ -1,6 +1,8 @@
-"""`fusedkv plan-run`: memory per GPU and training time of a preset on a cluster, before launching it.
+"""`fusedkv memory` (alias `plan-run`): memory per GPU and time of a training or uptraining run on a cluster,
+before launching it.
 
-    fusedkv plan-run --preset 4b --gpus 64 --gpu-memory 80GB --tokens-per-gpu-s 3000
+    fusedkv memory --preset 4b --gpus 64 --gpu-memory 80GB --tokens-per-gpu-s 3000
+    fusedkv memory --uptrain Llama-3.1-8B/ --plan fusedkv --gpus 8 --set seq_len=4096   # teacher counted too
 
 The counting rules and their references are in `fusedkv.train.memory_plan`.
 """
@@ -15,24 +17,45 @@ from .memory_plan import format_plan, parse_bytes, plan_run
 
 EPILOG = """\
 examples:
-  fusedkv plan-run --preset 4b --gpus 64 --gpu-memory 80GB
-  fusedkv plan-run --preset 1.5b --gpus 8 --gpu-memory 141GB --micro-batch 2 --tokens-per-gpu-s 9000
-  fusedkv plan-run --preset 332m --gpus 8 --peak-tflops 989 --mfu 0.4   # time from an assumed MFU
-  fusedkv plan-run --preset tiny --gpus 1 --gpu-memory 24GB --dtype float32
+  fusedkv memory --preset 4b --gpus 64 --gpu-memory 80GB
+  fusedkv memory --preset 1.5b --gpus 8 --gpu-memory 141GB --micro-batch 2 --tokens-per-gpu-s 9000
+  fusedkv memory --preset 332m --gpus 8 --peak-tflops 989 --mfu 0.4   # time from an assumed MFU
+  fusedkv memory --preset tiny --gpus 1 --gpu-memory 24GB --dtype float32
+  fusedkv memory --uptrain my-llama/ --plan fusedkv --gpus 8 --set seq_len=4096 --set global_batch_tokens=1M \\
+      --set max_tokens=2B --peak-tflops 989      # `fusedkv uptrain`: the student and its teacher
+(`plan-run` is the command's former name, still accepted.)
 """
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "plan-run",
-        help="memory per GPU (DDP / FSDP, with and without activation checkpointing) and training time",
-        description="Parameters, gradients, AdamW state, activations at the preset's sequence length and the "
-        "inference KV cache, per GPU under DDP and FSDP (full shard), with a verdict on whether it fits; and the "
-        "time the preset's token budget takes at a given per-GPU throughput.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size and recipe (default: tiny)")
+    """Add `memory`, and its former name `plan-run` (same flags, not listed in `fusedkv --help`)."""
+    for name in ("memory", "plan-run"):
+        listed = {"help": HELP} if name == "memory" else {}
+        p = subparsers.add_parser(name, description=DESCRIPTION, epilog=EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter, **listed)
+        add_arguments(p)
+        p.set_defaults(func=handle, handler=handle)
+    return p
+
+
+HELP = "memory per GPU (DDP / FSDP, activation checkpointing, an uptraining teacher) and training time"
+DESCRIPTION = (
+    "Parameters, gradients, AdamW state, activations at the preset's sequence length and the inference KV cache, "
+    "per GPU under DDP and FSDP (full shard), with a verdict on whether it fits; and the time the preset's token "
+    "budget takes at a given per-GPU throughput. With --uptrain SRC: the model is SRC converted to --plan and the "
+    "distillation teacher (SRC, run by transformers) is counted too. (`plan-run` is this command's former name.)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
+                   help="model size and recipe (default: tiny); with --uptrain the recipe only")
+    p.add_argument("--uptrain", metavar="SRC", type=argtypes.non_empty,
+                   help="plan `fusedkv uptrain SRC`: SRC's config.json (a checkpoint directory: only config.json is "
+                   "read) converted to --plan, and SRC as the teacher")
+    p.add_argument("--teacher-dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="the teacher's weights (default auto: the checkpoint's dtype; fusedkv loads it so on GPU)")
+    p.add_argument("--distill-hidden", action="store_true",
+                   help="hidden-state distillation (--distill-hidden-weight > 0): the teacher's hidden states are kept")
     p.add_argument("--plan", help="KV-sharing plan (default: fusedkv)")
     p.add_argument("--gpus", type=argtypes.int_range(1, 1_000_000), default=1,
                    help="GPUs in the data-parallel group (default 1)")
@@ -51,8 +74,6 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="model FLOP utilisation with --peak-tflops (default 0.4)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set global_batch_tokens=2M")
-    p.set_defaults(func=handle, handler=handle)
-    return p
 
 
 def handle(args) -> int:
@@ -61,11 +82,36 @@ def handle(args) -> int:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be a positive integer")
-    cfg = resolve_config(overrides=args.sets, preset=args.preset, plan=args.plan, seq_len=args.seq_len,
-                         micro_batch_size=args.micro_batch)
+    model = teacher = None
+    if args.uptrain is not None:
+        model, teacher = _uptrain_models(args)
+    cfg = resolve_config(overrides=args.sets, preset=args.preset, plan=None if model else args.plan,
+                         seq_len=args.seq_len, micro_batch_size=args.micro_batch,
+                         init_from=args.uptrain, distill_from=args.uptrain)
     plan = plan_run(cfg, args.gpus, parse_bytes(args.gpu_memory), dtype=args.dtype,
-                    tokens_per_gpu_s=args.tokens_per_gpu_s, peak_tflops=args.peak_tflops, mfu=args.mfu)
+                    tokens_per_gpu_s=args.tokens_per_gpu_s, peak_tflops=args.peak_tflops, mfu=args.mfu,
+                    model=model, teacher=teacher)
     keep = {"both": (False, True), "on": (True,), "off": (False,)}[args.activation_checkpointing]
     plan.estimates = {k: v for k, v in plan.estimates.items() if k[1] in keep}
     print(format_plan(plan))
     return 0
+
+
+def _uptrain_models(args):
+    """(the student's config, the teacher) of `fusedkv uptrain SRC --plan P`, from SRC's config.json."""
+    import json
+    from pathlib import Path
+
+    from ..plan import DEFAULT_PLAN
+    from .distill import teacher_student_configs
+    from .memory_plan import count_teacher
+
+    src = Path(args.uptrain)
+    if src.is_file() and src.name == "config.json":
+        src = src.parent
+    if not (src / "config.json").is_file():
+        raise ValueError(f"--uptrain {args.uptrain}: no config.json there; give the source checkpoint's directory")
+    hf = json.loads((src / "config.json").read_text())
+    teacher_cfg, student = teacher_student_configs(hf, args.plan or DEFAULT_PLAN, origin=str(src))
+    dtype = "float32" if args.dtype == "float32" and args.teacher_dtype == "auto" else args.teacher_dtype
+    return student, count_teacher(src, teacher_cfg, dtype, hidden=args.distill_hidden)

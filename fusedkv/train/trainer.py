@@ -55,7 +55,7 @@ from . import data as data_setup
 from . import dcp as dcp_io
 from . import distributed as D
 from .config import TrainConfig, normalise
-from .distill import TEACHER_MODEL_TYPES, Distiller
+from .distill import TEACHER_MODEL_TYPES, Distiller, check_teacher
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
 from .optim import build_optimizer, build_scheduler
 from .rundir import RunDirBusy, RunDirLock, clear_previous_run, find_resume_checkpoint
@@ -333,6 +333,9 @@ class _Run:
             # Continued training must see text tokenised exactly as before.
             self.cfg = cfg = cfg.replace(tokenizer=str(cfg.init_from))
         mc = self._model_config(ckpt)
+        if cfg.distill_from is not None:  # same vocabulary and tokenizer as the student, before any data is read
+            tokenizer = check_teacher(cfg.distill_from, mc.vocab_size, cfg.tokenizer, cfg.data)
+            self.cfg = cfg = cfg.replace(tokenizer=tokenizer)
         if cfg.kv_sharing is None or cfg.vocab_size is None:  # init_from: the checkpoint's
             self.cfg = cfg = cfg.replace(kv_sharing=mc.kv_sharing, vocab_size=mc.vocab_size)
         ds = self._data(mc.vocab_size)

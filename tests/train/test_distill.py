@@ -66,6 +66,34 @@ def test_identical_models_have_zero_kl_and_bad_settings_are_refused():
         distillation_loss(x, x, y, hidden_weight=1.0)
 
 
+def test_masked_positions_count_in_no_term():
+    """Issue 27 #10: positions whose label is IGNORE_INDEX (the context of a `loss=answers` mixture) count
+    in the KL and hidden terms as little as in the CE term: the loss equals the loss over the counted
+    positions alone, and the masked positions' logits get no gradient."""
+    from fusedkv.model.loss import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(2, 6, 13, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(2, 6, 13, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, 13, (2, 6), generator=g)
+    y[0, :4] = IGNORE_INDEX  # context only
+    y[1, 1] = IGNORE_INDEX
+    hs = [torch.randn(2, 6, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+    ht = [torch.randn(2, 6, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+    loss, parts = distillation_loss(s, t, y, 0.6, 1.5, hs, ht, 0.3)
+    keep = y != IGNORE_INDEX
+    ref, kl, lm = _direct(s[keep][None], t[keep][None], y[keep][None], 0.6, 1.5, [h[keep][None] for h in hs],
+                          [h[keep][None] for h in ht], 0.3)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    assert parts["kl"] == pytest.approx(float(kl.detach()), rel=1e-5)
+    assert parts["lm"] == pytest.approx(float(lm.detach()), rel=1e-5)
+    loss.backward()
+    assert torch.all(s.grad[~keep] == 0) and torch.all(s.grad[keep].abs().sum(-1) > 0)
+    # Every position masked: nothing to learn, every term 0 (as the CE term alone gives).
+    none, parts = distillation_loss(s.detach(), t, torch.full_like(y, IGNORE_INDEX), 0.5, 1.0, hs, ht, 1.0)
+    assert float(none) == 0.0 and parts == {"kl": 0.0, "lm": 0.0, "hidden": 0.0}
+
+
 def _cli(*args, timeout=300):
     proc = subprocess.run([sys.executable, "-m", "fusedkv.cli", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, env=subprocess_env(), timeout=timeout)

@@ -81,3 +81,64 @@ def test_cli_bad_input(capsys, argv, needle):
     assert code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def nano_teacher(tmp_path_factory):
+    """A saved vanilla nano model, the teacher of an uptraining run; and the student: it converted to FusedKV."""
+    import json
+
+    import torch
+
+    from fusedkv.model import FusedKVForCausalLM
+    from fusedkv.train.distill import teacher_student_configs
+
+    cfg = TrainConfig(preset="nano", data="builtin", progress=False)
+    path = tmp_path_factory.mktemp("teacher")
+    torch.manual_seed(0)
+    FusedKVForCausalLM(M.model_config(cfg.replace(kv_sharing="vanilla"))).save_pretrained(path)
+    teacher, student = teacher_student_configs(json.loads((path / "config.json").read_text()), "fusedkv")
+    return path, teacher, student
+
+
+@pytest.mark.parametrize("checkpointing,hidden", [(False, 0.0), (True, 0.0), (False, 0.5)])
+def test_uptraining_plan_matches_measured_peak_nano(nano_teacher, checkpointing, hidden):
+    """The teacher's weights, the KL's log-probabilities (and hidden states) against a measured step of
+    distillation: within 10%, and the teacher's share is really there (the plan without it is off)."""
+    path, teacher_cfg, student = nano_teacher
+    cfg = TrainConfig(preset="nano", data="builtin", progress=False, distill_hidden_weight=hidden)
+    measured = M.measure_peak_cpu(cfg, checkpointing, model=student, teacher=str(path))["peak"]
+    teacher = M.count_teacher(path, teacher_cfg, "float32", hidden=hidden > 0)
+    plan = M.single_process_estimate(cfg, checkpointing, model=student, teacher=teacher)
+    assert M.relative_error(plan.peak, measured) < 0.10, (plan.peak, measured)
+    without = M.single_process_estimate(cfg, checkpointing, model=student)
+    assert M.relative_error(without.peak, measured) > 0.15
+    assert plan.teacher_weights == 4 * teacher.params.total
+
+
+def test_cli_uptrain_counts_the_teacher(nano_teacher, capsys):
+    path = nano_teacher[0]
+    assert main(["memory", "--uptrain", str(path), "--plan", "fusedkv-lite", "--gpus", "2", "--gpu-memory", "1GB",
+                 "--preset", "nano"]) == 0
+    out = capsys.readouterr().out
+    assert "teacher FusedKVForCausalLM" in out and "teacher weights (every GPU)" in out
+    assert "plan fusedkv-lite" in out and "+ the teacher's forward" in out
+    assert main(["plan-run", "--preset", "nano"]) == 0  # the former name still works
+
+
+def test_mixture_of_experts_and_latent_attention_are_counted():
+    """MoE and MLA models are planned (no longer refused): more activations than a dense model with one
+    expert's width, and the FLOPs count only the experts a token visits."""
+    cfg = TrainConfig(preset="nano", data="builtin", progress=False)
+    dense = M.model_config(cfg)
+    moe = M.model_config(cfg.replace(model={**cfg.model, "num_experts": 8, "num_experts_per_tok": 2,
+                                            "moe_intermediate_size": 32}))
+    mla = M.model_config(cfg.replace(model={**cfg.model, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                            "qk_rope_head_dim": 8, "v_head_dim": 16}))
+    for mc in (moe, mla):
+        assert M.activation_bytes_per_token(mc)["total"] > 0
+    p = M.count_parameters(moe)
+    assert p.active < p.non_embedding
+    plan = M.plan_run(cfg, gpus=1, gpu_memory=80e9, model=mla)
+    assert plan.estimates["fsdp", False].peak > 0 and plan.mc.kv_lora_rank == 32
+    assert M.count_parameters(dense).active == M.count_parameters(dense).non_embedding
