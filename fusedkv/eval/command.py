@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import argtypes
 from ..errors import UsageError, writing
+from ..flags import add_kivi_flags
 
 
 def register(sub) -> None:
@@ -59,11 +60,7 @@ def register(sub) -> None:
     p.add_argument("--retrieval-plot", default=None, type=argtypes.non_empty,
                    help="write the --retrieval accuracy-against-length plot (PNG) here")
     p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
-    p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
-                   help="score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
-    p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
-    p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
-                   help="KIVI full-precision residual length R, a multiple of G (default 128)")
+    add_kivi_flags(p, "score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
     p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="write all results as JSON here")
     p.set_defaults(func=run)
 

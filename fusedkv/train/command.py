@@ -22,9 +22,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, debug_enabled, report
-from ..plan import resolve_plan_choice
+from ..flags import add_plan_flag
 from . import checkpoint as ckpt_io
-from .config import DISTRIBUTED_MODES, PLANS, PRESET_NAMES, resolve_config
+from .config import DISTRIBUTED_MODES, PRESET_NAMES, resolve_config
 from .rundir import RunDirLock, find_resume_checkpoint
 
 DESCRIPTION = """\
@@ -61,21 +61,10 @@ examples:
 """
 
 
-def _plan_choice(text: str) -> str:
-    """argparse type for --plan: any name `fusedkv.plan.resolve_plan_choice` accepts."""
-    try:
-        resolve_plan_choice(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("what to train")
     g.add_argument("--preset", choices=PRESET_NAMES, help="model size and recipe (default: tiny)")
-    g.add_argument("--plan", type=_plan_choice, metavar="PLAN",
-                   help=f"KV-sharing plan: {', '.join(PLANS)}, optionally +gqa (half the KV heads) and +W/+WF "
-                   "(which layer types a sliding-window hybrid shares), e.g. fusedkv+gqa (default: fusedkv)")
+    add_plan_flag(g, help="the KV-sharing plan (default: fusedkv)")
     g.add_argument("--config", metavar="FILE.yaml", help="YAML file of TrainConfig fields")
     g.add_argument(
         "--set",

@@ -47,9 +47,8 @@ from pathlib import Path
 import yaml
 
 from ..config import FusedKVConfig
-from ..plan import CUSTOM, DEFAULT_PLAN, PLAN_CHOICES, resolve_plan_choice
+from ..plan import CUSTOM, DEFAULT_PLAN, PlanChoice, resolve_plan_choice
 
-PLANS = (*PLAN_CHOICES, CUSTOM)  # what --plan lists; "PLAN+gqa" is accepted too (fusedkv.plan)
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -200,7 +199,7 @@ class TrainConfig:
 
         if self.kv_sharing is not None:
             try:
-                resolve_plan_choice(self.kv_sharing)
+                _ = self.plan_choice
             except ValueError as e:
                 need(False, "kv_sharing", str(e))
         need(
@@ -262,6 +261,11 @@ class TrainConfig:
             raise ValueError(f"model: {e}") from e
 
     # ---- derived values ------------------------------------------------------------------------
+    @property
+    def plan_choice(self) -> PlanChoice | None:
+        """The plan as `fusedkv.plan.resolve_plan_choice` reads `kv_sharing` (None: the checkpoint's plan)."""
+        return None if self.kv_sharing is None else resolve_plan_choice(self.kv_sharing)
+
     @property
     def global_batch_sequences(self) -> int:
         return self.global_batch_tokens // self.seq_len
