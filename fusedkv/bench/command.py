@@ -8,7 +8,10 @@ from pathlib import Path
 from .. import argtypes
 from ..errors import UsageError, writing
 from ..flags import add_kivi_flags, add_plan_flag
+from ..kernels import native
+from ..model.precision import kv_dtype_for, weight_format
 from ..plan import COMPARED_PLANS, VANILLA
+from ..quant import check_kivi_settings
 
 
 def register(sub) -> None:
@@ -68,8 +71,7 @@ def register(sub) -> None:
 def run(args) -> None:
     import torch
 
-    from ..kernels import native
-
+    # The benchmarks are imported when the command runs, not when the CLI starts (every command pays that).
     if args.gpu_suite:
         from .gpu_suite import main as gpu_main
 
@@ -91,14 +93,10 @@ def run(args) -> None:
 
     lens, batches = args.prompt_lens, args.batch_sizes
     if args.kv_bits:
-        from ..quant import check_kivi_settings
-
         for bits in args.kv_bits:
             check_kivi_settings(bits, args.kv_group, args.kv_residual, args.head_dim)
     precisions = tuple(x.strip() for x in args.precisions.split(",") if x.strip())
     if precisions:
-        from ..model.precision import kv_dtype_for, weight_format
-
         if args.device != "cpu":
             raise ValueError("--precisions: reduced-precision weights are a CPU decode path; use --dtype on a GPU")
         for spec in precisions:

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
 
+from ..cache import StaticKVCache
 from ..config import FusedKVConfig
 from ..convert import from_qwen3_state, qwen3_to_fusedkv_config
 from ..generation import generate
 from ..model import FusedKVForCausalLM
+from ..model.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
 from ..plan import FULL, SLIDING, VANILLA, resolve_plan_choice
 from ..quant import kivi_cache_factory
 
@@ -127,9 +129,6 @@ def _measure(model, name: str, ids: torch.Tensor, new_tokens: int, cache_factory
 def precision_row(model, label: str, spec: str):
     """(row name, reduced copy of `model`, cache factory) for a "WEIGHTS/KV" spec ("int8/half")."""
     import copy
-
-    from ..cache import StaticKVCache
-    from ..model.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
 
     weights, _, kv = spec.partition("/")
     fmt, kv_dtype = weight_format(weights), kv_dtype_for(kv or weights)

@@ -37,25 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from ..utils import write_json_atomic
-from .sources import BuiltinSource, Source, TargetedText, resolve_source
+from .sources import BUILTIN_VAL_DOCS, BuiltinSource, Source, TargetedText
+from .specs import resolve_source
 from .tokenizer import eos_token_id, load_tokenizer, save_tokenizer, tokenizer_sha256, train_bpe_tokenizer
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
-# Whole works/books held out from the built-in corpus (~4.8% of its text): a tragedy, a comedy and
-# the poems from Shakespeare; narrative, prophecy, gospel and epistle from the Bible. Whole
-# documents, so validation measures generalisation to unseen text, not to unseen lines of seen text.
-BUILTIN_VAL_DOCS = (
-    "shakespeare/macbeth",
-    "shakespeare/tempest",
-    "shakespeare/sonnets",
-    "kjv/Ruth",
-    "kjv/Jonah",
-    "kjv/Mark",
-    "kjv/Romans",
-)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:

@@ -8,8 +8,17 @@ import tempfile
 from pathlib import Path
 
 from .. import argtypes
+from ..data import TokenShard, iter_eval_batches, load_prepared_dataset, prepare_dataset, read_text_file
+from ..data.ruler_tasks import TASKS
 from ..errors import UsageError, writing
 from ..flags import add_kivi_flags
+from ..model import FusedKVForCausalLM
+from ..quant import KIVICache, check_kivi_settings
+from ..quant.scoring import DecodeScorer
+from .harness import LOCAL_GROUP, PAPER_NUM_FEWSHOT, PAPER_TASKS, paper_average, run_lm_eval
+from .perplexity import text_perplexity, validation_loss, wikitext_perplexity
+from .retrieval import format_retrieval, plot_retrieval, run_retrieval
+from .ruler import format_table, run_ruler
 
 
 def register(sub) -> None:
@@ -82,8 +91,6 @@ def _check_inputs(args) -> None:
         raise UsageError(f"--retrieval-plot {args.retrieval_plot}: directory {Path(args.retrieval_plot).parent} "
                          "does not exist")
     if args.ruler_tasks:
-        from .ruler_tasks import TASKS
-
         unknown = [t for t in args.ruler_tasks if t not in TASKS]
         if unknown:
             raise UsageError(f"--ruler-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -96,9 +103,6 @@ def _check_inputs(args) -> None:
 def run(args) -> None:
     import torch
     from transformers import AutoTokenizer
-
-    from ..data import read_text_file
-    from ..model import FusedKVForCausalLM
 
     _check_inputs(args)
     text = read_text_file(args.text) if args.text else None  # a binary file is refused before the model loads
@@ -120,8 +124,6 @@ def run(args) -> None:
         raise UsageError(f"--retrieval-lengths {max(retrieval_lengths)} exceeds the model context {context}; "
                          "continue training at a longer context first (fusedkv train --init-from ... --rope-base ...)")
     if args.ruler:
-        from .ruler_tasks import TASKS
-
         budget = args.ruler_max_new_tokens or max(TASKS[t].max_new_tokens for t in args.ruler_tasks or TASKS)
         if min(args.ruler_lengths) <= budget:
             raise UsageError(f"--ruler-lengths {min(args.ruler_lengths)} leaves no room for a prompt: the answer "
@@ -130,8 +132,6 @@ def run(args) -> None:
     report: dict = {"checkpoint": str(ckpt), "plan": model.config.kv_sharing}
     scored = model
     if args.kv_bits:  # KIVI changes only what decoding sees: score one token per forward through its cache
-        from ..quant import KIVICache, check_kivi_settings
-        from ..quant.scoring import DecodeScorer
 
         check_kivi_settings(args.kv_bits, args.kv_group, args.kv_residual, model.config.head_dim)
         scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, args.kv_group, args.kv_residual))
@@ -143,7 +143,6 @@ def run(args) -> None:
         report["val_loss"] = _validation_loss(scored, ckpt, args.val, window, args.batch_size, args.max_batches)
         report["val_ppl"] = math.exp(report["val_loss"])
         print(f"validation loss {report['val_loss']:.4f}   perplexity {report['val_ppl']:.2f}")
-        from .perplexity import text_perplexity, wikitext_perplexity
 
         stride = args.stride or window // 2
         if text is not None:
@@ -156,8 +155,6 @@ def run(args) -> None:
             report["wikitext_ppl"] = r["ppl"]
             print(f"WikiText-2 test perplexity {r['ppl']:.2f}")
     if args.tasks != "none":
-        from .harness import LOCAL_GROUP, PAPER_NUM_FEWSHOT, PAPER_TASKS, paper_average, run_lm_eval
-
         names = {"local": [LOCAL_GROUP], "paper": list(PAPER_TASKS)}.get(args.tasks, args.tasks.split(","))
         shots = args.num_fewshot
         if shots is None and args.tasks == "paper":
@@ -179,15 +176,11 @@ def run(args) -> None:
             report["paper_avg_acc"] = paper_average(res)
             print(f"paper average accuracy {report['paper_avg_acc']:.2f}")
     if args.ruler:
-        from .ruler import format_table, run_ruler
-
         r = run_ruler(model, tok, tasks=args.ruler_tasks, lengths=args.ruler_lengths, num_samples=args.ruler_samples,
                       batch_size=args.batch_size, max_new_tokens=args.ruler_max_new_tokens)
         report["ruler"] = {"scores": r["scores"], "average": r["average"], "overall": r["overall"]}
         print(format_table(r))
     if args.retrieval:
-        from .retrieval import format_retrieval, plot_retrieval, run_retrieval
-
         r = run_retrieval(model, tok, lengths=retrieval_lengths, pairs=args.retrieval_pairs,
                           num_samples=args.retrieval_samples, batch_size=args.batch_size)
         report["retrieval"] = r
@@ -202,8 +195,6 @@ def run(args) -> None:
 def _validation_loss(model, ckpt: Path, val: str | None, window: int, batch_size: int, max_batches: int) -> float:
     """Mean token NLL on a token split: a prepared dataset's val.bin, a .bin, or the built-in held-out
     works tokenised with the checkpoint's tokenizer."""
-    from ..data import TokenShard, iter_eval_batches, load_prepared_dataset, prepare_dataset
-    from .perplexity import validation_loss
 
     if val is None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..data.ruler_tasks import _largest_fitting
 from ..data.synthetic import TextSample, corpus_words, mqar_sample, passkey_sample
-from ..eval.ruler_tasks import _largest_fitting
 
 DEFAULT_PAIRS = (4, 8, 16)
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, debug_enabled, report
+from ..argtypes import Parser, add_debug_flag
+from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, debug_enabled, report, run_command
 from ..flags import add_plan_flag
 from . import checkpoint as ckpt_io
 from .config import DISTRIBUTED_MODES, PRESET_NAMES, resolve_config
@@ -218,7 +219,7 @@ def _is_rank0() -> bool:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from .trainer import train
+    from .trainer import train  # when the command runs, not when the CLI starts (every command pays that)
 
     try:
         with contextlib.ExitStack() as hold:
@@ -246,9 +247,6 @@ def handle(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     """`python -m fusedkv.train.command` (what torchrun launches): `fusedkv train`'s parser and error policy."""
-    from ..argtypes import Parser, add_debug_flag
-    from ..errors import run_command
-
     parser = Parser(
         prog="fusedkv train",
         description=DESCRIPTION,
