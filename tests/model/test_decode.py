@@ -164,6 +164,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_decode_path_in_the_model_under_the_interpreter():
     import os
     import subprocess

@@ -84,6 +84,7 @@ def complete(server, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:
     return post(server["port"], "/v1/completions", body)["choices"][0]["token_ids"]
 
 
+@pytest.mark.slow
 def test_serves_on_localhost_and_lists_the_model(server):
     with urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/v1/models", timeout=30) as r:
         models = json.loads(r.read())
@@ -91,6 +92,7 @@ def test_serves_on_localhost_and_lists_the_model(server):
     assert "on http://127.0.0.1:" in server["log"].read_text()  # bound to the loopback address by default
 
 
+@pytest.mark.slow
 def test_text_completion_matches_transformers(server, references):
     row = references["fusedkv"]["rows"][1]
     body = {"model": server["model"], "prompt": row["prompt"], "max_tokens": 24, "temperature": 0,
@@ -100,6 +102,7 @@ def test_text_completion_matches_transformers(server, references):
     assert choice["token_ids"] == row["tokens"]
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
     base = [row["prompt_ids"] for row in references["fusedkv"]["rows"]]
     prompts = [base[i % len(base)][: len(base[i % len(base)]) - i // len(base)] for i in range(16)]  # 16 distinct
@@ -112,6 +115,7 @@ def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
         assert sequential[prompts.index(row["prompt_ids"])] == row["tokens"][:16]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_server_and_its_processes(server):
     """Runs last in this module (pytest keeps file order)."""
     proc = server["proc"]
