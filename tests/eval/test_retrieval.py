@@ -95,6 +95,7 @@ def test_score_counts_answers_and_samples(tokenizer, words):
     assert r["accuracy"] == 100.0
 
 
+@pytest.mark.slow
 def test_teacher_forced_score_equals_greedy_generation(tokenizer, words, fkv_model):
     """Each answer is scored right exactly when fusedkv.generation.generate, started from the gold text
     before it, produces the answer's tokens (the model under test: FusedKV, random weights)."""

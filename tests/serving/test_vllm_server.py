@@ -137,6 +137,7 @@ def test_missing_checkpoint_fails_at_startup(tmp_path):
     assert r.stderr.strip() == f"fusedkv serve: error: checkpoint directory {str(tmp_path / 'nope')!r} does not exist"
 
 
+@pytest.mark.slow
 def test_truncated_weights_fail_like_generate(checkpoints, tmp_path):
     import shutil
 
