@@ -4,6 +4,8 @@
 `AutoModelForCausalLM` resolve `model_type: fusedkv` checkpoints.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .config import FusedKVConfig
@@ -14,6 +16,9 @@ AutoConfig.register("fusedkv", FusedKVConfig, exist_ok=True)
 AutoModel.register(FusedKVConfig, FusedKVModel, exist_ok=True)
 AutoModelForCausalLM.register(FusedKVConfig, FusedKVForCausalLM, exist_ok=True)
 
-__version__ = "0.1.0"
+try:  # the one version number is pyproject.toml's, as installed
+    __version__ = version("fusedkv")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 __all__ = ["FusedKVConfig", "FusedKVForCausalLM", "FusedKVModel", "KVSharingPlan", "LayerKV", "PLAN_NAMES",
            "build_plan", "custom_plan"]

@@ -10,7 +10,13 @@ bad configs never reach torch.
 
 from __future__ import annotations
 
-from huggingface_hub.dataclasses import strict
+import functools
+import inspect
+import operator
+import types
+import typing
+
+from huggingface_hub.dataclasses import strict, type_validator
 from transformers import PreTrainedConfig
 
 from .plan import (
@@ -38,7 +44,6 @@ ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_f
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")  # longrope's switching is not reproduced
 
 
-
 def rope_parameters_by_type(config) -> dict[str | None, dict]:
     """{attention type: its RoPE parameters}: one entry (key None) when every layer shares one RoPE, else
     one per attention type (Gemma 3: a separate base for the sliding layers), transformers' layout of
@@ -56,27 +61,37 @@ def rope_parameters_by_type(config) -> dict[str | None, dict]:
     return by_type
 
 
+def _admitting_ints(hint):
+    """`hint` with every `float` widened to `float | int` (a float field takes the 0 or 1 a YAML file writes)."""
+    if hint is float:
+        return float | int
+    args = typing.get_args(hint)
+    if not args:
+        return hint
+    args = tuple(_admitting_ints(a) for a in args)
+    if isinstance(hint, types.UnionType):
+        return functools.reduce(operator.or_, args)
+    return typing.get_origin(hint)[args]
 
-_TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict, "None": type(None)}
 
-
-def _runtime_types(annotation: str) -> tuple[type, ...]:
-    """The classes a field annotation such as "int | list[int] | None" admits (a float field takes ints)."""
-    out: list[type] = []
-    for part in annotation.split("|"):
-        name = part.strip().split("[")[0]
-        cls = _TYPE_NAMES[name]
-        out += [cls, int] if cls is float else [cls]
-    return tuple(out)
+@functools.cache
+def field_types() -> dict:
+    """FusedKVConfig's own fields and their annotations as types (they are strings in this module, which
+    `@strict` skips), the one table both this config and `fusedkv.train.config` check values against."""
+    return inspect.get_annotations(FusedKVConfig, eval_str=True)
 
 
 def _check_field_types(config) -> None:
-    """Every field holds the type its annotation names (True is not an integer here), so a wrong type from a
-    config file or `--set` is a ValueError naming the field, not a TypeError from arithmetic on it later."""
-    for name, annotation in FusedKVConfig.__annotations__.items():
-        value, allowed = getattr(config, name), _runtime_types(annotation)
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            raise ValueError(f"{name}={value!r}: expected {annotation.replace('|', 'or')}")
+    """Every field holds the type its annotation names, checked by `@strict`'s own type validator (True is
+    not an integer; a float field takes an int), so a wrong type from a config file or `--set` is a
+    ValueError naming the field, not a TypeError from arithmetic on it later."""
+    for name, hint in field_types().items():
+        value = getattr(config, name)
+        try:
+            type_validator(name, value, _admitting_ints(hint))
+        except TypeError:
+            text = str(hint) if typing.get_args(hint) else hint.__name__
+            raise ValueError(f"{name}={value!r}: expected {text.replace(' | ', ' or ')}") from None
 
 
 @strict

@@ -79,6 +79,15 @@ class PlanChoice:
             return num_attention_heads  # an odd head count cannot be halved: one KV head per query head
         return num_attention_heads // self.query_heads_per_kv_head
 
+    def config_kwargs(self, num_attention_heads: int, num_key_value_heads: int | None = None) -> dict:
+        """The `FusedKVConfig` arguments this choice sets, for a model with `num_attention_heads` query heads
+        (`num_key_value_heads`: the model's own, kept unless the choice halves them)."""
+        kwargs = dict(kv_sharing=self.sharing,
+                      num_key_value_heads=self.num_key_value_heads(num_attention_heads, num_key_value_heads))
+        if self.shared_attention_types is not None:
+            kwargs["shared_attention_types"] = list(self.shared_attention_types)
+        return kwargs
+
 
 def resolve_plan_choice(name: str) -> PlanChoice:
     """`vanilla`, `gqa`, `fusedkv`, `fusedkv+gqa`, `fusedkv+W`, `custom`, ... -> the sharing plan and

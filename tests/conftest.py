@@ -1,5 +1,8 @@
 """Shared fixtures: tiny configs of every plan, with fusion weights randomised so that tests do not
-lean on the tidy initial values."""
+lean on the tidy initial values; and the test tiers (pyproject.toml's markers): tests marked `manual` are
+skipped unless `--run-manual` or FUSEDKV_RUN_MANUAL=1 asks for them, whatever `-m` says."""
+
+import os
 
 import pytest
 import torch
@@ -21,6 +24,20 @@ PLAN_CONFIGS = {
     "single-source-scaling": dict(kv_sharing="custom", kv_source_map=[
         {"layers": [3, 4], "k": 2, "v": 1, "k_fusion": "channel", "v_fusion": "channel"}]),
 }
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-manual", action="store_true",
+                     help="also run the tests marked manual (long runs outside CI; also FUSEDKV_RUN_MANUAL=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-manual") or os.environ.get("FUSEDKV_RUN_MANUAL") == "1":
+        return
+    skip = pytest.mark.skip(reason="manual: a long run outside CI; run it with --run-manual")
+    for item in items:
+        if "manual" in item.keywords:
+            item.add_marker(skip)
 
 
 def tiny_config(**overrides) -> FusedKVConfig:

@@ -1,6 +1,7 @@
-"""The package's layering, checked: plan names live in the plan module only, and imports follow
-cli -> commands -> library -> model -> config -> plan without cycles (import-linter contracts in
-pyproject.toml)."""
+"""The package's layering, checked: plan names live in the plan module only, imports follow
+cli -> commands -> library -> model -> config -> plan (import-linter contracts in pyproject.toml), and no
+module imports itself through others, counting every import statement: function-local and conditional
+imports too, which import-linter's layers cannot see when both sides sit in one layer."""
 
 import ast
 import subprocess
@@ -51,6 +52,92 @@ def test_the_check_finds_a_plan_literal(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text('if plan == "gqa":\n    kv = heads // 2\n')
     assert _plan_literals(bad) == [(1, "gqa")]
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, from every import statement in it (an AST walk, so imports
+    inside functions, `if` blocks and `try` count too). `from pkg import name` is an import of `pkg.name`
+    when that is a module, else of `pkg`."""
+    root = package.parent
+
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name_of(p): p for p in package.rglob("*.py")}
+
+    def known(target: str) -> str | None:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = []
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets += [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                            for alias in node.names]
+        graph[name] = {t for t in map(known, targets) if t is not None and t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each is a set of modules that
+    import one another, directly or through others."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, ("modules that import one another (function-local imports included); move what both "
+                        "need below them:\n" + "\n".join(" <-> ".join(c) for c in cycles))
+
+
+def test_the_cycle_check_sees_function_local_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub.b import f\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import g\n    return g\n")
+    (pkg / "c.py").write_text("from . import a\n")  # imports the cycle, is not part of it
+    graph = import_graph(pkg)
+    assert graph["pkg.sub.b"] == {"pkg.a"} and graph["pkg.c"] == {"pkg.a"}
+    assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+    (pkg / "sub" / "b.py").write_text("def f():\n    return 1\n")
+    assert import_cycles(import_graph(pkg)) == []
 
 
 def test_import_layers_hold():

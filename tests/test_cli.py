@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from fusedkv.cli import main, plans_table
+from fusedkv.cli import main
+from fusedkv.commands.plans import plans_table
 from tests.conftest import tiny_model
 
 

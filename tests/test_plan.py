@@ -111,7 +111,7 @@ def test_train_compare_and_plans_report_one_cache_ratio():
     # One baseline (MHA of the same shape) everywhere: FusedKV with half the KV heads is 0.25 in the
     # training summary, the comparison tables and the plans table alike.
     from fusedkv import FusedKVConfig
-    from fusedkv.cli import plans_table
+    from fusedkv.commands.plans import plans_table
     from fusedkv.train.trainer import kv_cache_report
 
     cfg = FusedKVConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, kv_sharing="fusedkv",

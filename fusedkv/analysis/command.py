@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import argtypes
+from ..data import TokenBatches, prepare_dataset
 from ..errors import UsageError
+from ..model import FusedKVForCausalLM
+from .dense import dense_coefficients, plot_dense_heatmaps
+from .gradients import plot_gradient_norms, record_gradient_norms
 
 
 def register(sub) -> None:
@@ -31,15 +35,11 @@ def register(sub) -> None:
 def run(args) -> None:
     import torch
 
-    from ..model import FusedKVForCausalLM
-
     ckpt = Path(args.checkpoint)
     if args.out is not None and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
         raise UsageError(f"--out {args.out}: give a PNG file name in an existing directory")
     model = FusedKVForCausalLM.from_pretrained(ckpt).eval()
     if args.analysis == "dense":
-        from .dense import dense_coefficients, plot_dense_heatmaps
-
         out = args.out or str(ckpt.parent / "dense_fusion.png")
         k, v, targets, sources = dense_coefficients(model)
         print("key weights (rows: target layers", targets, "; columns: source layers", sources, ")")
@@ -48,8 +48,6 @@ def run(args) -> None:
         print(v.numpy().round(3))
         print("wrote", plot_dense_heatmaps(model, out, f"Dense fusion coefficients ({ckpt})"))
         return
-    from ..data import TokenBatches, prepare_dataset
-    from .gradients import plot_gradient_norms, record_gradient_norms
 
     if args.seq_len > model.config.max_position_embeddings:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model context {model.config.max_position_embeddings}")

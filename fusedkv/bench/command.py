@@ -6,8 +6,12 @@ import json
 from pathlib import Path
 
 from .. import argtypes
+from ..engine.precision import kv_dtype_for, weight_format
 from ..errors import UsageError, writing
-from ..plan import COMPARED_PLANS, GQA, PLAN_CHOICES, VANILLA, resolve_plan_choice
+from ..flags import add_kivi_flags, add_plan_flag, kv_group
+from ..kernels import native
+from ..plan import COMPARED_PLANS, VANILLA
+from ..quant import check_kivi_settings
 
 
 def register(sub) -> None:
@@ -16,8 +20,8 @@ def register(sub) -> None:
         description="Measure every plan interleaved in one process (medians over repeats): KV cache bytes, "
         "time to first token, time per output token and decode tokens/s, with ratios to vanilla and to "
         "transformers' Qwen3ForCausalLM.generate on the same vanilla weights.")
-    p.add_argument("--plans", default=",".join(COMPARED_PLANS),
-                   help=f"comma-separated plans (from {', '.join(PLAN_CHOICES)}; PLAN+{GQA} for half the KV heads)")
+    add_plan_flag(p, default=list(COMPARED_PLANS), many=True,
+                  help=f"the plans to time, comma-separated (default {','.join(COMPARED_PLANS)})")
     p.add_argument("--prompt-lens", type=argtypes.int_list(1, 1 << 20), default=[256, 1024, 2048],
                    help="comma-separated prompt lengths (default 256,1024,2048)")
     p.add_argument("--batch-sizes", type=argtypes.int_list(1, 4096), default=[1, 4],
@@ -46,11 +50,8 @@ def register(sub) -> None:
                    help="benchmark multi-head latent attention (DeepSeek-V3) with this kv_lora_rank; the decoupled "
                    "RoPE key is a quarter of --head-dim (paper App. A.6.1)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers Qwen3 baseline")
-    p.add_argument("--kv-bits", type=argtypes.int_list(2, 4), default=[],
-                   help="also time each plan decoding through a KIVI cache of these bit widths, e.g. 4 or 2,4")
-    p.add_argument("--kv-group", type=argtypes.positive_int, default=32, help="KIVI group size G (default 32)")
-    p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
-                   help="KIVI residual length R (default 128)")
+    add_kivi_flags(p, "also time each plan decoding through a KIVI cache of these bit widths, e.g. 4 or 2,4",
+                   many_bits=True)
     p.add_argument("--precisions", default="",
                    help="extra rows per plan with reduced-precision weights and KV cache on CPU, comma-separated "
                    "WEIGHTS/KV (weights float32, bfloat16, float16, half, int8, int4; KV float32, bfloat16, float16, "
@@ -70,8 +71,7 @@ def register(sub) -> None:
 def run(args) -> None:
     import torch
 
-    from ..kernels import native
-
+    # The benchmarks are imported when the command runs, not when the CLI starts (every command pays that).
     if args.gpu_suite:
         from .gpu_suite import main as gpu_main
 
@@ -83,12 +83,7 @@ def run(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    plans = [p.strip() for p in args.plans.split(",") if p.strip()]
-    for name in plans:
-        try:
-            resolve_plan_choice(name)
-        except ValueError as e:
-            raise ValueError(f"--plans: {e}") from None
+    plans = args.plan  # checked while parsing (fusedkv.flags)
     shape = BenchShape(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                        num_attention_heads=args.heads, head_dim=args.head_dim, vocab_size=args.vocab,
                        sliding_window=args.sliding_window, window_group=args.window_group,
@@ -98,14 +93,10 @@ def run(args) -> None:
 
     lens, batches = args.prompt_lens, args.batch_sizes
     if args.kv_bits:
-        from ..quant import check_kivi_settings
-
         for bits in args.kv_bits:
-            check_kivi_settings(bits, args.kv_group, args.kv_residual, args.head_dim)
+            check_kivi_settings(bits, kv_group(args, args.head_dim), args.kv_residual, args.head_dim)
     precisions = tuple(x.strip() for x in args.precisions.split(",") if x.strip())
     if precisions:
-        from ..engine.precision import kv_dtype_for, weight_format
-
         if args.device != "cpu":
             raise ValueError("--precisions: reduced-precision weights are a CPU decode path; use --dtype on a GPU")
         for spec in precisions:
@@ -123,7 +114,7 @@ def run(args) -> None:
     try:  # close the bar on an error too, so the error line starts a line of its own
         rows = run_inference_bench(shape, plans, lens, batches, args.new_tokens, args.repeats, not args.no_hf,
                                    args.device, getattr(torch, args.dtype), progress, tuple(args.kv_bits),
-                                   args.kv_group, args.kv_residual, precisions)
+                                   kv_group(args, args.head_dim), args.kv_residual, precisions)
     finally:
         bar.close()
     kernels = ("; native CPU decode kernels " + ("on" if native.available() else "off (FUSEDKV_NATIVE_KERNELS=0 "

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
 
+from ..cache import StaticKVCache
 from ..config import FusedKVConfig
 from ..convert import from_qwen3_state, qwen3_to_fusedkv_config
+from ..engine.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
 from ..generation import generate
 from ..model import FusedKVForCausalLM
 from ..plan import FULL, SLIDING, VANILLA, resolve_plan_choice
@@ -73,13 +75,8 @@ def shape_config(shape: BenchShape, plans: list[str], max_len: int = 4096) -> li
     shape and plans up front (FusedKVConfig raises ValueError with the reason)."""
     configs = []
     for label in plans:
-        choice = resolve_plan_choice(label)
-        shared = {} if choice.shared_attention_types is None else dict(
-            shared_attention_types=list(choice.shared_attention_types))
         configs.append(FusedKVConfig(**shape.model_fields(), max_position_embeddings=max_len,
-                                     kv_sharing=choice.sharing,
-                                     num_key_value_heads=choice.num_key_value_heads(shape.num_attention_heads),
-                                     **shared))
+                                     **resolve_plan_choice(label).config_kwargs(shape.num_attention_heads)))
     return configs
 
 
@@ -101,14 +98,11 @@ def build_models(shape: BenchShape, plans: list[str], max_len: int, device: str,
                                                       sliding_window=shape.sliding_window)
     models: dict[str, torch.nn.Module] = {}
     for label in plans:
-        choice = resolve_plan_choice(label)
-        kv_heads = choice.num_key_value_heads(shape.num_attention_heads)
+        plan = resolve_plan_choice(label).config_kwargs(shape.num_attention_heads)
         # The same weights for every plan whose shapes allow it (upper layers drop K/V projections);
         # fewer KV heads means other K/V shapes and fresh weights (speed does not depend on their values).
-        shared = {} if choice.shared_attention_types is None else dict(
-            shared_attention_types=list(choice.shared_attention_types))
-        if kv_heads == shape.num_attention_heads and not shape.architecture:
-            cfg = qwen3_to_fusedkv_config(qwen3, choice.sharing, **window, **shared)
+        if plan.pop("num_key_value_heads") == shape.num_attention_heads and not shape.architecture:
+            cfg = qwen3_to_fusedkv_config(qwen3, **plan, **window)
             model = from_qwen3_state(hf.state_dict(), cfg)
         else:
             model = FusedKVForCausalLM(shape_config(shape, [label], max_len)[0])
@@ -135,9 +129,6 @@ def _measure(model, name: str, ids: torch.Tensor, new_tokens: int, cache_factory
 def precision_row(model, label: str, spec: str):
     """(row name, reduced copy of `model`, cache factory) for a "WEIGHTS/KV" spec ("int8/half")."""
     import copy
-
-    from ..cache import StaticKVCache
-    from ..engine.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
 
     weights, _, kv = spec.partition("/")
     fmt, kv_dtype = weight_format(weights), kv_dtype_for(kv or weights)

@@ -10,32 +10,33 @@ Typical use (the default offline run on the packaged Shakespeare + KJV corpus)::
     for x, y in iter_eval_batches(ds.val, seq_len=512, batch_size=8, max_batches=20):
         ...
 
-Modules: :mod:`.sources` (spec string -> documents), :mod:`.tokenizer` (BPE training/loading),
-:mod:`.shards` (tokenise into ``.bin`` files + metadata), :mod:`.loader` (batch sampling).
+Modules: :mod:`.sources` (the corpora: documents), :mod:`.specs` (spec string -> source),
+:mod:`.synthetic` (generated retrieval documents), :mod:`.ruler_tasks` (RULER-style prompts),
+:mod:`.tokenizer` (BPE training/loading), :mod:`.shards` (the ``.bin`` token files + metadata),
+:mod:`.prepare` (tokenise a source into them), :mod:`.loader` (batch sampling).
 """
 
 from .loader import TokenBatches, iter_eval_batches, num_eval_windows
+from .prepare import prepare_dataset
 from .shards import (
-    BUILTIN_VAL_DOCS,
     PreparedDataset,
     ShardWriter,
     TokenShard,
     dtype_for_vocab,
     load_prepared_dataset,
-    prepare_dataset,
 )
 from .sources import (
+    BUILTIN_VAL_DOCS,
     BuiltinSource,
     HFSource,
     JsonlSource,
     ParquetSource,
     Source,
     TextSource,
-    iter_documents,
     read_builtin_text,
     read_text_file,
-    resolve_source,
 )
+from .specs import iter_documents, resolve_source
 from .tokenizer import (
     EOS_TOKEN,
     PAD_TOKEN,

@@ -17,7 +17,7 @@ asks them to retrieve. This module writes retrieval *as text documents*, so the 
   replacement, earlier answers visible) was withdrawn (docs/evidence.md).
 * **Passkey** (Mohtashami & Jaggi, 2023; the needle-in-a-haystack test): one number hidden at a random
   depth in natural text from the built-in corpus, asked for at the end.
-* **RULER-style** tasks: the project's generators (`fusedkv.eval.ruler_tasks`), reused as they are, with
+* **RULER-style** tasks: the project's generators (`fusedkv.data.ruler_tasks`), reused as they are, with
   the prompt followed by the gold answer.
 * **Repeat**: a random list of MQAR's key and value words, then the same list again. Every word of the
   second copy is predictable only by finding the current word earlier and copying the one after it (an
@@ -45,9 +45,9 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..eval._ruler_words import NOUNS
-from .shards import BUILTIN_VAL_DOCS
-from .sources import BuiltinSource, TargetedText
+from ._ruler_words import NOUNS
+from .ruler_tasks import generate_task
+from .sources import BUILTIN_VAL_DOCS, BuiltinSource, TargetedText
 
 TASKS = ("mqar", "passkey", "ruler", "repeat")
 DEFAULT_TASKS = ("mqar", "passkey", "ruler")
@@ -161,11 +161,9 @@ def repeat_sample(rng: random.Random, length: int) -> TextSample:
 
 
 def ruler_sample(task: str, length_words: int, seed: int, index: int, haystack_text: str | None = None) -> TextSample:
-    """A RULER-style prompt (`fusedkv.eval.ruler_tasks`, unchanged) of about `length_words` words followed by
+    """A RULER-style prompt (`fusedkv.data.ruler_tasks`, unchanged) of about `length_words` words followed by
     its gold answers, as one training document. Length is counted in whitespace words (no tokenizer exists
     yet when training data is written)."""
-    from ..eval.ruler_tasks import generate_task
-
     words = _WhitespaceTokenizer()
     sample = generate_task(task, words, length_words, 1, seed=seed * 1_000_003 + index, haystack_text=haystack_text)[0]
     text = sample.input

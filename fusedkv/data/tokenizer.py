@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..utils import replace_dir
+from ..utils import hub_unreachable_reason, replace_dir
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -134,8 +134,6 @@ def load_tokenizer(dir_or_name):
                 f"Point at the directory written by save_pretrained, e.g. <prepared data>/tokenizer."
             )
         return AutoTokenizer.from_pretrained(str(path))
-    from .sources import hub_unreachable_reason
-
     reason = hub_unreachable_reason()
     if reason is not None:
         raise ValueError(

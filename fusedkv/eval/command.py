@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
 from .. import argtypes
+from ..checkpoints import check_checkpoint_dir
+from ..data import TokenShard, iter_eval_batches, load_prepared_dataset, prepare_dataset, read_text_file
+from ..data.ruler_tasks import TASKS
+from ..data.tokenizer import check_same_tokenizer
 from ..errors import UsageError, writing
+from ..flags import add_kivi_flags, kv_group
+from ..model import FusedKVForCausalLM
+from ..quant import KIVICache, check_kivi_settings
+from ..quant.scoring import DecodeScorer
+from .harness import LOCAL_GROUP, PAPER_NUM_FEWSHOT, PAPER_TASKS, paper_average, run_lm_eval
+from .perplexity import text_perplexity, validation_loss, wikitext_perplexity
+from .retrieval import format_retrieval, plot_retrieval, run_retrieval
+from .ruler import format_table, run_ruler
 
 
 def register(sub) -> None:
@@ -59,13 +72,7 @@ def register(sub) -> None:
     p.add_argument("--retrieval-plot", default=None, type=argtypes.non_empty,
                    help="write the --retrieval accuracy-against-length plot (PNG) here")
     p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
-    p.add_argument("--kv-bits", type=argtypes.positive_int, default=None,
-                   help="score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
-    p.add_argument("--kv-group", type=argtypes.positive_int, default=None,
-                   help="KIVI group size G (default: 32, or the largest smaller size dividing the head "
-                   "dimension and --kv-residual)")
-    p.add_argument("--kv-residual", type=argtypes.positive_int, default=128,
-                   help="KIVI full-precision residual length R, a multiple of G (default 128)")
+    add_kivi_flags(p, "score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
     p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="write all results as JSON here")
     p.set_defaults(func=run)
 
@@ -87,8 +94,6 @@ def _check_inputs(args) -> None:
         raise UsageError(f"--retrieval-plot {args.retrieval_plot}: directory {Path(args.retrieval_plot).parent} "
                          "does not exist")
     if args.ruler_tasks:
-        from .ruler_tasks import TASKS
-
         unknown = [t for t in args.ruler_tasks if t not in TASKS]
         if unknown:
             raise UsageError(f"--ruler-tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -101,10 +106,6 @@ def _check_inputs(args) -> None:
 def run(args) -> None:
     import torch
     from transformers import AutoTokenizer
-
-    from ..checkpoints import check_checkpoint_dir
-    from ..data import read_text_file
-    from ..model import FusedKVForCausalLM
 
     _check_inputs(args)
     text = read_text_file(args.text) if args.text else None  # a binary file is refused before the model loads
@@ -128,8 +129,6 @@ def run(args) -> None:
         raise UsageError(f"--retrieval-lengths {max(retrieval_lengths)} exceeds the model context {context}; "
                          "continue training at a longer context first (fusedkv train --init-from ... --rope-base ...)")
     if args.ruler:
-        from .ruler_tasks import TASKS
-
         budget = args.ruler_max_new_tokens or max(TASKS[t].max_new_tokens for t in args.ruler_tasks or TASKS)
         if min(args.ruler_lengths) <= budget:
             raise UsageError(f"--ruler-lengths {min(args.ruler_lengths)} leaves no room for a prompt: the answer "
@@ -138,10 +137,7 @@ def run(args) -> None:
     report: dict = {"checkpoint": str(ckpt), "plan": model.config.kv_sharing}
     scored = model
     if args.kv_bits:  # KIVI changes only what decoding sees: score one token per forward through its cache
-        from ..quant import KIVICache, check_kivi_settings, default_group_size
-        from ..quant.scoring import DecodeScorer
-
-        group = default_group_size(model.config.head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
+        group = kv_group(args, model.config.head_dim)
         check_kivi_settings(args.kv_bits, group, args.kv_residual, model.config.head_dim)
         scored = DecodeScorer(model, lambda cfg: KIVICache(cfg, args.kv_bits, group, args.kv_residual))
         report["kv_cache"] = {"kivi_bits": args.kv_bits, "group": group, "residual": args.kv_residual}
@@ -152,7 +148,6 @@ def run(args) -> None:
         report["val_loss"] = _validation_loss(scored, ckpt, val_shard, window, args.batch_size, args.max_batches)
         report["val_ppl"] = math.exp(report["val_loss"])
         print(f"validation loss {report['val_loss']:.4f}   perplexity {report['val_ppl']:.2f}")
-        from .perplexity import text_perplexity, wikitext_perplexity
 
         stride = args.stride or window // 2
         if text is not None:
@@ -165,8 +160,6 @@ def run(args) -> None:
             report["wikitext_ppl"] = r["ppl"]
             print(f"WikiText-2 test perplexity {r['ppl']:.2f}")
     if args.tasks != "none":
-        from .harness import LOCAL_GROUP, PAPER_NUM_FEWSHOT, PAPER_TASKS, paper_average, run_lm_eval
-
         names = {"local": [LOCAL_GROUP], "paper": list(PAPER_TASKS)}.get(args.tasks, args.tasks.split(","))
         shots = args.num_fewshot
         if shots is None and args.tasks == "paper":
@@ -188,15 +181,11 @@ def run(args) -> None:
             report["paper_avg_acc"] = paper_average(res)
             print(f"paper average accuracy {report['paper_avg_acc']:.2f}")
     if args.ruler:
-        from .ruler import format_table, run_ruler
-
         r = run_ruler(model, tok, tasks=args.ruler_tasks, lengths=args.ruler_lengths, num_samples=args.ruler_samples,
                       batch_size=args.batch_size, max_new_tokens=args.ruler_max_new_tokens)
         report["ruler"] = {"scores": r["scores"], "average": r["average"], "overall": r["overall"]}
         print(format_table(r))
     if args.retrieval:
-        from .retrieval import format_retrieval, plot_retrieval, run_retrieval
-
         r = run_retrieval(model, tok, lengths=retrieval_lengths, pairs=args.retrieval_pairs,
                           num_samples=args.retrieval_samples, batch_size=args.batch_size)
         report["retrieval"] = r
@@ -211,11 +200,6 @@ def run(args) -> None:
 def _open_val(val: str, ckpt: Path, tok):
     """The token split `--val` names (a prepared dataset's val.bin, or a .bin), refused unless it was
     tokenised with the checkpoint's tokenizer (the hash its metadata records)."""
-    import sys
-
-    from ..data import TokenShard, load_prepared_dataset
-    from ..data.tokenizer import check_same_tokenizer
-
     path = Path(val)
     if not path.exists():
         raise UsageError(f"--val {val}: no such file or directory")
@@ -232,16 +216,13 @@ def _open_val(val: str, ckpt: Path, tok):
 def _validation_loss(model, ckpt: Path, shard, window: int, batch_size: int, max_batches: int) -> float:
     """Mean token NLL on a token split (`_open_val`), or on the built-in held-out works tokenised with the
     checkpoint's tokenizer when `shard` is None."""
-    from ..data import iter_eval_batches, prepare_dataset
-    from .perplexity import validation_loss
-
     if shard is None:
         with tempfile.TemporaryDirectory() as tmp:
-            shard = prepare_dataset("builtin", tmp, tokenizer=str(ckpt)).val
-            return _loss(model, shard, window, batch_size, max_batches, validation_loss, iter_eval_batches)
-    return _loss(model, shard, window, batch_size, max_batches, validation_loss, iter_eval_batches)
+            return _loss(model, prepare_dataset("builtin", tmp, tokenizer=str(ckpt)).val, window, batch_size,
+                         max_batches)
+    return _loss(model, shard, window, batch_size, max_batches)
 
 
-def _loss(model, shard, window, batch_size, max_batches, validation_loss, iter_eval_batches) -> float:
+def _loss(model, shard, window, batch_size, max_batches) -> float:
     batches = iter_eval_batches(shard, window, batch_size, max_batches=max_batches)
     return float(validation_loss(model, batches, shifted=True))

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Callable, Sequence
 
 import torch
 
+from ..data.ruler_tasks import _largest_fitting
 from ..data.synthetic import TextSample, corpus_words, mqar_sample, passkey_sample
-from ..eval.ruler_tasks import _largest_fitting
 
 DEFAULT_PAIRS = (4, 8, 16)
 
@@ -278,3 +279,12 @@ def plot_retrieval(results: dict[str, dict], path, title: str = "retrieval accur
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)
+
+
+def mqar_score(retrieval: dict, length: int) -> float | None:
+    """MQAR accuracy at one length averaged over the pair counts scored there (a count whose prompt did not
+    fit is absent); None when none was. `retrieval` as `run_retrieval` returns it, or read back from JSON
+    (whose keys are strings)."""
+    vals = [row.get(length, row.get(str(length))) for row in retrieval["mqar"].values()]
+    vals = [v for v in vals if v is not None]
+    return statistics.mean(vals) if vals else None

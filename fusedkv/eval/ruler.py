@@ -1,6 +1,6 @@
 """RULER-style long-context evaluation (the paper's App. A.7 / Table 16): run a model and score it.
 
-:func:`run_ruler` generates the synthetic prompts of :mod:`fusedkv.eval.ruler_tasks` (needle in a
+:func:`run_ruler` generates the synthetic prompts of :mod:`fusedkv.data.ruler_tasks` (needle in a
 haystack x8, variable tracking, common / frequent words extraction; RULER's QA tasks are not
 implemented because their SQuAD / HotpotQA data cannot be fetched here), lets the model continue each
 prompt greedily with ``model.generate`` in left-padded batches, and scores the continuations the way
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from fusedkv.eval.ruler_tasks import TASKS, Sample, TaskSpec, default_haystack_text, generate_task
+from fusedkv.data.ruler_tasks import TASKS, Sample, TaskSpec, default_haystack_text, generate_task
 from fusedkv.utils import model_device as _model_device
 
 __all__ = ["TASKS", "Sample", "TaskSpec", "default_haystack_text", "format_table", "generate_predictions",

@@ -36,6 +36,7 @@ import yaml
 
 from ..data.synthetic import versioned_spec
 from ..errors import Stopped
+from ..eval.retrieval import mqar_score
 from ..plan import resolve_plan_choice
 from ..utils import slug, write_json_atomic
 
@@ -332,14 +333,6 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
     (out_dir / "retrieval.md").write_text(text + "\n\n![retrieval](retrieval.png)\n")
     plot_retrieval(per_run, out_dir / "retrieval.png", title)
     return str(out_dir / "retrieval.md")
-
-
-def mqar_score(retrieval: dict, length: int) -> float | None:
-    """MQAR accuracy at one length averaged over the pair counts scored there (a count whose prompt did not
-    fit is absent); None when none was."""
-    vals = [row.get(_k(row, length)) for row in retrieval["mqar"].values()]
-    vals = [v for v in vals if v is not None]
-    return statistics.mean(vals) if vals else None
 
 
 def _scores(results: list[dict]) -> dict[tuple[str, int], dict[int, float]]:

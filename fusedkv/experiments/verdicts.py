@@ -201,7 +201,7 @@ def experiment_claims(spec: dict, results: list[dict]) -> list[Claim]:
     longest length both runs were scored at; such a claim is not testable while any seed of `gate` (default
     the reference) is not above the random-copy floor at its shortest length (`fusedkv.eval.retrieval.learned`):
     the baseline must have learned the lookup before plans are compared on it."""
-    from .runner import mqar_score
+    from ..eval.retrieval import mqar_score
 
     names = {r["name"] for r in results}
     out = []

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError, debug_enabled, report
-from ..plan import resolve_plan_choice
+from ..argtypes import Parser, add_debug_flag
+from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError, debug_enabled, report, run_command
+from ..flags import add_plan_flag
 from . import checkpoint as ckpt_io
-from .config import DISTRIBUTED_MODES, PLANS, PRESET_NAMES, resolve_config
+from .config import DISTRIBUTED_MODES, PRESET_NAMES, resolve_config
 from .rundir import RunDirLock, find_resume_checkpoint
 
 DESCRIPTION = """\
@@ -61,21 +62,10 @@ examples:
 """
 
 
-def _plan_choice(text: str) -> str:
-    """argparse type for --plan: any name `fusedkv.plan.resolve_plan_choice` accepts."""
-    try:
-        resolve_plan_choice(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("what to train")
     g.add_argument("--preset", choices=PRESET_NAMES, help="model size and recipe (default: tiny)")
-    g.add_argument("--plan", type=_plan_choice, metavar="PLAN",
-                   help=f"KV-sharing plan: {', '.join(PLANS)}, optionally +gqa (half the KV heads) and +W/+WF "
-                   "(which layer types a sliding-window hybrid shares), e.g. fusedkv+gqa (default: fusedkv)")
+    add_plan_flag(g, help="the KV-sharing plan (default: fusedkv)")
     g.add_argument("--config", metavar="FILE.yaml", help="YAML file of TrainConfig fields")
     g.add_argument(
         "--set",
@@ -241,7 +231,7 @@ def _is_rank0() -> bool:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from .trainer import train
+    from .trainer import train  # when the command runs, not when the CLI starts (every command pays that)
 
     try:
         with contextlib.ExitStack() as hold:
@@ -270,9 +260,6 @@ def handle(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     """`python -m fusedkv.train.command` (what torchrun launches): `fusedkv train`'s parser and error policy."""
-    from ..argtypes import Parser, add_debug_flag
-    from ..errors import run_command
-
     parser = Parser(
         prog="fusedkv train",
         description=DESCRIPTION,

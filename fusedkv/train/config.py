@@ -19,18 +19,7 @@ written before this version use (`rope_base`) are read as `kv_sharing` / `rope_t
 type-checked and every number range-checked when the config is built: a bad `--set` fails with a
 ValueError naming the key before anything is read or written.
 
-Presets (fusedkv/train/presets/*.yaml; `extends: _paper` shares the paper's recipe)
--------------------------------------------------------------------------------------
-* Paper sizes (App. A.2, Table 4): `332m`, `650m`, `1.5b`, `4b` - vocabulary 128,000, context 8192,
-  RoPE base 10,000, untied embeddings, batch 512 sequences, AdamW (0.9, 0.95), weight decay 0.1, clip
-  1.0, 2000 warm-up steps, cosine 3e-4 -> 3e-5, and the paper's token budgets. The paper does not give
-  the MLP width; we use Qwen3's choice: 3 x hidden (Qwen3-0.6B/1.7B use exactly 3x), and 9728 for 4B
-  (Qwen3-4B's width, 3.8x). Counting one embedding matrix but not the LM head, that gives 295M / 687M /
-  1.57B / 3.96B parameters for vanilla (the last two match the paper's names; the paper's "332M" is
-  exactly what a 4x MLP would give, so its MLP may be wider - set `model.intermediate_size=4096`).
-* `tiny`: the default CPU run (`fusedkv train`): 4 layers, hidden 192, vocab 4096, context 256, 600
-  steps of 2048 tokens (1.2M tokens) on the built-in corpus.
-* `nano`: for tests: 4 layers, hidden 64, vocab 512, context 64, 8 steps, gradient accumulation 2.
+Presets (model sizes and their recipes) are YAML files, loaded by `fusedkv.train.recipes`.
 """
 
 from __future__ import annotations
@@ -38,18 +27,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import types
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import yaml
 
-from ..config import FusedKVConfig
-from ..plan import CUSTOM, DEFAULT_PLAN, PLAN_CHOICES, resolve_plan_choice
+from ..config import FusedKVConfig, field_types
+from ..plan import CUSTOM, DEFAULT_PLAN, PlanChoice, resolve_plan_choice
+from .recipes import PRESET_NAMES, PRESETS
+from .values import coerce
 
-PLANS = (*PLAN_CHOICES, CUSTOM)  # what --plan lists; "PLAN+gqa" is accepted too (fusedkv.plan)
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -57,36 +45,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # Names read as another field: the CLI flag's name and the names of configs saved before this version.
 ALIASES = {"plan": "kv_sharing", "rope_base": "rope_theta"}
 
-
-# ---- presets ------------------------------------------------------------------------------------------
-def _load_presets() -> dict[str, dict]:
-    files = {p.name[: -len(".yaml")]: p for p in resources.files(__package__).joinpath("presets").iterdir()
-             if p.name.endswith(".yaml")}
-
-    def load(name: str) -> dict:
-        d = yaml.safe_load(files[name].read_text()) or {}
-        parent = d.pop("extends", None)
-        if parent is None:
-            return d
-        base = load(parent)
-        return {**base, **d, "model": {**base.get("model", {}), **d.get("model", {})}}
-
-    presets = {name: load(name) for name in files if not name.startswith("_")}
-    # Smallest first (the order --help lists them in).
-    size = {n: p["model"]["num_hidden_layers"] * p["model"]["hidden_size"] for n, p in presets.items()}
-    return dict(sorted(presets.items(), key=lambda kv: size[kv[0]]))
-
-
-PRESETS: dict[str, dict] = _load_presets()
-PRESET_NAMES = tuple(PRESETS)
-
 # FusedKVConfig fields that TrainConfig holds at the top level under the same name.
 _TOP_LEVEL_MODEL_FIELDS = ("vocab_size", "kv_sharing", "rope_theta")
-MODEL_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(FusedKVConfig)
-    if f.name not in (*_TOP_LEVEL_MODEL_FIELDS, "rope_parameters") and f.name in FusedKVConfig.__annotations__
-)
+MODEL_FIELDS = tuple(name for name in field_types() if name not in (*_TOP_LEVEL_MODEL_FIELDS, "rope_parameters"))
 
 
 @dataclass
@@ -200,7 +161,7 @@ class TrainConfig:
 
         if self.kv_sharing is not None:
             try:
-                resolve_plan_choice(self.kv_sharing)
+                _ = self.plan_choice
             except ValueError as e:
                 need(False, "kv_sharing", str(e))
         need(
@@ -262,6 +223,11 @@ class TrainConfig:
             raise ValueError(f"model: {e}") from e
 
     # ---- derived values ------------------------------------------------------------------------
+    @property
+    def plan_choice(self) -> PlanChoice | None:
+        """The plan as `fusedkv.plan.resolve_plan_choice` reads `kv_sharing` (None: the checkpoint's plan)."""
+        return None if self.kv_sharing is None else resolve_plan_choice(self.kv_sharing)
+
     @property
     def global_batch_sequences(self) -> int:
         return self.global_batch_tokens // self.seq_len
@@ -399,21 +365,7 @@ def _check_keys(d: dict) -> None:
             raise ValueError(f"unknown TrainConfig field {key!r}{hint} (fields: {', '.join(_FIELD_NAMES)})")
 
 
-# ---- model overrides: FusedKVConfig's own field types ---------------------------------------------------
-def _model_field_types() -> dict:
-    """FusedKVConfig's annotations as types (they are strings under `from __future__ import annotations`)."""
-    out = {}
-    for f in dataclasses.fields(FusedKVConfig):
-        try:
-            out[f.name] = eval(f.type, {"list": list, "dict": dict}) if isinstance(f.type, str) else f.type
-        except Exception:  # e.g. Literal[...] of fields TrainConfig does not expose
-            pass
-    return out
-
-
-_MODEL_TYPES = _model_field_types()
-
-
+# ---- model overrides: FusedKVConfig's own field types (fusedkv.config.field_types) ------------------------
 def _check_model_overrides(model: dict) -> dict:
     """Known FusedKVConfig fields with values of their types; `model.hidden_size=abc` is refused here,
     naming the key, before any model is built."""
@@ -423,85 +375,8 @@ def _check_model_overrides(model: dict) -> dict:
             close = difflib.get_close_matches(key, MODEL_FIELDS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"model.{key}: not a FusedKVConfig field{hint}")
-        hint = _MODEL_TYPES.get(key)
+        hint = field_types().get(key)
         out[key] = value if hint is None else coerce(f"model.{key}", hint, value)
         if isinstance(out[key], float) and not math.isfinite(out[key]):
             raise ValueError(f"model.{key}={value!r}: must be a finite number")
     return out
-
-
-# ---- type coercion: YAML and --set give strings, numbers, lists; fields say what they need ------------
-_SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
-def coerce(name: str, hint, value):
-    """`value` as the annotated type `hint` (int, float, bool, str, dict, list[...], tuple[...], unions
-    with None); ValueError naming the field otherwise."""
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
-        if type(None) in args:
-            return None
-        raise ValueError(f"{name}: must not be None")
-    errors = []
-    for t in args:
-        if t is type(None):
-            continue
-        try:
-            return _coerce_one(t, value)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
-    raise ValueError(f"{name}={value!r}: expected {_type_name(hint)} ({'; '.join(errors)})")
-
-
-def _coerce_one(t, value):
-    origin = typing.get_origin(t) or t
-    if t is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        raise TypeError("not a boolean")
-    if t is int:
-        if isinstance(value, bool):
-            raise TypeError("not an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            s = value.strip().lower().replace("_", "")
-            mult = _SUFFIX.get(s[-1:], 1) if s else 1
-            num = float(s[:-1] if mult != 1 else s)  # "2M" tokens, "1e6", "200b"
-            if math.isfinite(num) and (num * mult).is_integer():
-                return int(num * mult)
-        raise TypeError("not an integer")
-    if t is float:
-        if isinstance(value, bool):
-            raise TypeError("not a number")
-        return float(value)
-    if t is str:
-        if isinstance(value, (str, Path)):
-            return str(value)
-        raise TypeError("not a string")
-    if origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        raise TypeError("not a mapping")
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise TypeError("not a list")
-        (elem,) = typing.get_args(t) or (object,)
-        return [v if elem is object else _coerce_one(elem, v) for v in value]
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.strip("()[] ").split(",") if v.strip()]
-        items = list(value)
-        elem = typing.get_args(t)
-        if len(items) != len(elem):
-            raise TypeError(f"need {len(elem)} values")
-        return tuple(_coerce_one(e, v) for e, v in zip(elem, items))
-    raise TypeError(f"unsupported type {t}")
-
-
-def _type_name(hint) -> str:
-    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")

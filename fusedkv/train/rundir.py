@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from . import checkpoint as ckpt_io
 
 LOCK_NAME = ".lock"
 # Everything a run writes into out_dir (besides the lock); --overwrite removes exactly these.
@@ -153,8 +154,6 @@ class ResumePoint:
 def find_resume_checkpoint(target: str | Path) -> ResumePoint:
     """`target` is a run directory (its newest checkpoint that verifies; a corrupt newer one is skipped
     with a warning) or one checkpoint directory (used as it is, if it verifies). ValueError otherwise."""
-    from . import checkpoint as ckpt_io
-
     target = Path(target)
     if not target.exists():
         raise ValueError(f"--resume {target}: no such run or checkpoint directory")

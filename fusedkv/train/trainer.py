@@ -48,7 +48,6 @@ from ..data import TokenBatches, iter_eval_batches
 from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
 from ..model.loss import causal_lm_loss, lm_loss
-from ..plan import resolve_plan_choice
 from ..utils import replace_dir, write_json_atomic
 from . import checkpoint as ckpt_io
 from . import data as data_setup
@@ -253,7 +252,7 @@ class _Run:
         if cfg.init_from is not None:
             check_checkpoint_dir(cfg.init_from)
             mc = FusedKVConfig.from_pretrained(cfg.init_from)
-            if cfg.kv_sharing is not None and resolve_plan_choice(cfg.kv_sharing).sharing != mc.kv_sharing:
+            if cfg.kv_sharing is not None and cfg.plan_choice.sharing != mc.kv_sharing:
                 raise ValueError(
                     f"plan={cfg.kv_sharing!r} but init_from={cfg.init_from} holds a {mc.kv_sharing!r} model; "
                     "a checkpoint keeps its plan (leave --plan unset)"

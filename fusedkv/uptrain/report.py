@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+from ..train.distill import teacher_student_configs
 from ..utils import write_json_atomic
 
 
@@ -26,10 +27,9 @@ def _cache(config) -> int:
 
 
 def write_report(run, summary: dict, after: dict, say) -> dict:
-    from .pipeline import source_config
-
     evals = {w: json.loads(run.eval_file(w).read_text()) for w in ("teacher", "before")} | {"after": after}
-    teacher_cfg, student_cfg = source_config(run.src, run.plan)
+    teacher_cfg, student_cfg = teacher_student_configs(json.loads((run.src / "config.json").read_text()), run.plan,
+                                                       origin=str(run.src))
     share = recovered_share(*(evals[w]["val_loss"] for w in ("teacher", "before", "after")))
     report = {
         "src": str(run.src), "plan": run.plan, "out": str(run.out),

@@ -34,6 +34,7 @@ def test_bench_cli_writes_json_and_plot(tmp_path):
     assert (tmp_path / "b.png").exists()
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_model_part_dry_run(capsys):
     assert gpu_suite_main(["--dry-run", "--skip-kernels"]) == 0
     out = capsys.readouterr().out
@@ -59,6 +60,7 @@ def test_gpu_benchmark_fails_when_a_timed_kernel_is_wrong(capsys):
     assert "**WRONG**" in captured.out and "decode-kernel checks against the fp32 reference failed" in captured.err
 
 
+@pytest.mark.slow
 def test_inference_bench_on_a_sliding_window_hybrid():
     # Window storage layers hold W - 1 tokens in the static cache: the measured bytes say so, for the
     # hybrid itself and for FusedKV sharing window layers only (+W) or both types (+WF).

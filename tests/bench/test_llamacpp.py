@@ -62,7 +62,7 @@ def test_available_explains_a_missing_install():
         assert "pip install" in why
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 @pytest.mark.skipif(available() is not None or not os.environ.get(SRC_ENV),
                     reason=f"needs llama-cpp-python and its sdist in ${SRC_ENV}")
 def test_converted_model_reproduces_transformers_logits(tmp_path):

@@ -156,7 +156,7 @@ def test_token_shard_rejects_truncated_and_unlabelled_files(tmp_path):
         TokenShard(tmp_path / "none.bin")
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 def test_builtin_full_prepare(tmp_path):
     """The default run: whole builtin corpus, 8k vocab (~15-30 s on 2 cores)."""
     ds = prepare_dataset("builtin", tmp_path / "builtin", vocab_size=8192, num_proc=2)

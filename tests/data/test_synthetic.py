@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fusedkv.data import BuiltinSource, prepare_dataset, resolve_source
+from fusedkv.data.ruler_tasks import generate_task
 from fusedkv.data.synthetic import (
     PASSKEY_QUESTION,
     MixtureSource,
@@ -20,7 +21,6 @@ from fusedkv.data.synthetic import (
     training_sample,
     versioned_spec,
 )
-from fusedkv.eval.ruler_tasks import generate_task
 
 WORDS = ("And the LORD spake unto Moses saying speak unto the children of Israel " * 40).split()
 

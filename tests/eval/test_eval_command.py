@@ -4,6 +4,7 @@ the shipped lm-eval tasks and a RULER task, with a JSON report."""
 import json
 import math
 
+import pytest
 import torch
 
 from fusedkv import FusedKVConfig, FusedKVForCausalLM
@@ -11,6 +12,7 @@ from fusedkv.cli import main
 from fusedkv.data import prepare_dataset
 
 
+@pytest.mark.slow
 def test_eval_command_end_to_end(tmp_path, tokenizer, corpus_text):
     torch.manual_seed(0)
     cfg = FusedKVConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,

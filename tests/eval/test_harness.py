@@ -65,8 +65,8 @@ def test_paper_tasks_and_average():
 
 
 # 20-38 s measured on the shared 2-core machine, ~14 s of it lm-eval indexing its 14.7k built-in tasks
-# (the CLI cannot skip that), so it runs with `-m slow`.
-@pytest.mark.slow
+# (the CLI cannot skip that), so it runs only on request (`pytest --run-manual`).
+@pytest.mark.manual
 def test_lm_eval_cli_offline(checkpoint_dir, tmp_path):
     """``python -m lm_eval --model hf`` on a saved checkpoint, using the shipped task folder in place."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",

@@ -152,6 +152,7 @@ def test_floors_and_the_binomial_test():
     assert above_floor(None, 2, 50) is None
 
 
+@pytest.mark.slow
 def test_teacher_forced_score_equals_greedy_generation(tokenizer, words, fkv_model):
     """Each answer is scored right exactly when fusedkv.generation.generate, started from the gold text
     before it, produces the answer's tokens (the model under test: FusedKV, random weights)."""

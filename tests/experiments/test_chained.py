@@ -27,6 +27,7 @@ def test_evidence_experiments_load():
     assert all(":tasks=mqar+repeat+passkey:" in r["data"] for r in passkey["runs"] if "from" in r)
 
 
+@pytest.mark.slow
 def test_chain_converts_distils_shifts_curves_and_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))
@@ -83,6 +84,7 @@ def test_a_chain_must_name_an_earlier_run(tmp_path):
         run_experiment(spec, tmp_path, seeds=[0], progress=False)
 
 
+@pytest.mark.slow
 def test_a_run_killed_part_way_continues_from_its_checkpoint(tmp_path, monkeypatch, capsys):
     """Long evidence runs must survive the end of a session: rerunning the command resumes the killed run
     from its newest checkpoint (not from step 0) and ends where an uninterrupted run ends."""
@@ -107,6 +109,7 @@ def test_a_run_killed_part_way_continues_from_its_checkpoint(tmp_path, monkeypat
     assert again["val_loss"] == pytest.approx(first["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_comparison_cleanly_and_the_rerun_resumes(tmp_path):
     """A comparison stopped by SIGTERM (the end of a working session) saves the running run's checkpoint,
     says how to go on and exits 143; the same command then resumes that run instead of starting over."""

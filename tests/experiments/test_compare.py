@@ -125,6 +125,7 @@ def test_compatibility_experiments_build_the_variants_they_name():
     assert (moe.num_experts, moe.num_experts_per_tok) == (8, 2)
 
 
+@pytest.mark.slow
 def test_compare_nano_end_to_end_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDKV_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FUSEDKV_COMPARE_CACHE", str(tmp_path / "cache"))

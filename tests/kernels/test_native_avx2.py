@@ -61,6 +61,7 @@ CHECK = textwrap.dedent("""
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64" or shutil.which("cc") is None,
                     reason="the AVX2 build is checked on x86-64 Linux with a C compiler")
+@pytest.mark.slow
 def test_avx2_build_matches_the_forward(tmp_path):
     wrapper = tmp_path / "cc"
     wrapper.write_text('#!/bin/bash\nargs=()\nfor a in "$@"; do [ "$a" = "-march=native" ] && a="-march=x86-64-v3"; '

@@ -42,6 +42,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-G{c[4]}-D{c[6]}-dot{int(c[3])}" for c in CASES])
 def test_stage1_compiles_for_sm90(case):
     from fusedkv.kernels import triton_decode as td

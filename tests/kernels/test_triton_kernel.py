@@ -28,6 +28,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_triton_kernel_under_interpreter():
     r = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
               str(HERE / "_triton_interpret_cases.py")], timeout=300)
@@ -35,6 +36,7 @@ def test_triton_kernel_under_interpreter():
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_kernel_part_dry_run():
     r = _run([sys.executable, "-m", "fusedkv.bench.gpu_suite", "--dry-run", "--skip-model", "--tune"], timeout=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]

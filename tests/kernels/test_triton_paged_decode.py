@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
+@pytest.mark.slow
 def test_paged_kernel_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{HERE}",
            "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}

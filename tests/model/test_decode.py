@@ -166,6 +166,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_decode_path_in_the_model_under_the_interpreter():
     import os
     import subprocess

@@ -150,6 +150,7 @@ def test_training_step_updates_fusion_weights():
     assert model.model.layers[3].self_attn.fusion.v_weight.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_without_importing_fusedkv(tmp_path):
     """Tools that never `import fusedkv` (lm-eval's CLI) load checkpoints with trust_remote_code=True."""
     import subprocess

@@ -144,6 +144,7 @@ def test_residual_tokens_are_exact_and_the_schedule_is_kivis():
 # --- decode against the reference, every kind of plan ----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", ["vanilla", "fusedkv", "fusedkv-lite", "cla", "fusedkv-gqa"])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_decode_matches_a_reference_that_quantises_the_same_way(plan, bits):

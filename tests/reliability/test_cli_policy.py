@@ -79,6 +79,7 @@ def test_device_that_is_no_device(cli, tiny_ckpt, device):
     assert_one_line_error(cli("generate", tiny_ckpt, "--device", device), 2, f"--device {device}")
 
 
+@pytest.mark.slow
 def test_the_harness_runs_what_a_fresh_interpreter_runs(cli):
     """The forked children of the suite's zygote give the same status and message as `python -m` and the
     installed console script."""

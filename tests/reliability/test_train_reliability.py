@@ -73,6 +73,7 @@ def one_line_error(proc) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_second_run_into_the_same_out_is_refused_and_a_killed_run_leaves_no_lock(tmp_path, env, data):
     out = tmp_path / "run"
     first = start(env, *nano(data, out, "--max-steps", 1000, "--set", "ckpt_every=2"), step_sleep=0.3)
@@ -106,6 +107,7 @@ def snapshot(root: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_overwrite_touches_nothing_until_the_new_run_is_known_to_start(tmp_path, env, data):
     out = tmp_path / "run"
     first = run(env, *nano(data, out, "--max-steps", 2))
@@ -183,6 +185,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(d)], check=False)
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_checkpoint_save(tmp_path, env, data, small_disk):
     # How much one checkpoint takes, measured on a normal disk.
     probe = tmp_path / "probe"
@@ -205,6 +208,7 @@ def test_full_disk_during_a_checkpoint_save(tmp_path, env, data, small_disk):
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
 
+@pytest.mark.slow
 def test_resume_run_dir_falls_back_past_a_corrupt_checkpoint_and_a_finished_run_says_so(tmp_path, env, data):
     out = tmp_path / "run"
     assert run(env, *nano(data, out, "--max-steps", 4, "--set", "ckpt_every=2")).returncode == 0
@@ -227,6 +231,7 @@ def test_resume_run_dir_falls_back_past_a_corrupt_checkpoint_and_a_finished_run_
     assert p.returncode == 2 and "not a run directory" in one_line_error(p)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_exit_1_and_keeps_the_last_good_checkpoint(tmp_path, env, data):
     out = tmp_path / "run"
     # A learning rate of 1e6 with no warm-up blows the weights up within a few steps.

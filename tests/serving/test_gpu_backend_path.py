@@ -12,6 +12,7 @@ from conftest import REPO, vllm_env
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
+@pytest.mark.slow
 def test_gpu_backend_layers_equal_the_reference(vllm_python):
     case = Path(__file__).with_name("_gpu_backend_cases.py")
     r = subprocess.run([vllm_python, str(case)], cwd=REPO, env={**vllm_env(), "TRITON_INTERPRET": "1"},

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 from conftest import PLANS, run_offline
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
+
 KV_CACHE_BYTES = 64 << 20
 LOGPROB_TOL = 1e-4  # fp32, two implementations of the same math: observed differences are ~3e-6
 

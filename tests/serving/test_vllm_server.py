@@ -123,6 +123,7 @@ def complete(server, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:
     return post(server["port"], "/v1/completions", body)["choices"][0]["token_ids"]
 
 
+@pytest.mark.slow
 def test_serves_on_localhost_with_the_passed_through_api_key(server):
     request = urllib.request.Request(f"http://127.0.0.1:{server['port']}/v1/models",
                                      headers={"Authorization": f"Bearer {API_KEY}"})
@@ -135,6 +136,7 @@ def test_serves_on_localhost_with_the_passed_through_api_key(server):
     assert "on http://127.0.0.1:" in server["log"].read_text()  # bound to the loopback address by default
 
 
+@pytest.mark.slow
 def test_startup_and_ready_lines_state_dtype_plan_blocks_and_concurrency(server):
     log = server["log"].read_text()
     assert "plan fusedkv (2/4 layers hold KV cache), dtype float32" in log  # auto: the checkpoint's dtype
@@ -145,6 +147,7 @@ def test_startup_and_ready_lines_state_dtype_plan_blocks_and_concurrency(server)
     assert "no chat template" in log  # the checkpoint has none: the default is announced
 
 
+@pytest.mark.slow
 def test_text_completion_matches_transformers_by_default(server, references):
     for row in references["fusedkv"]["rows"]:
         body = {"model": server["model"], "prompt": row["prompt"], "max_tokens": 24, "temperature": 0,
@@ -154,6 +157,7 @@ def test_text_completion_matches_transformers_by_default(server, references):
         assert choice["token_ids"] == row["tokens"]
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
     base = [row["prompt_ids"] for row in references["fusedkv"]["rows"]]
     prompts = [base[i % len(base)][: len(base[i % len(base)]) - i // len(base)] for i in range(16)]  # 16 distinct
@@ -166,6 +170,7 @@ def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
         assert sequential[prompts.index(row["prompt_ids"])] == row["tokens"][:16]
 
 
+@pytest.mark.slow
 def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints):
     import torch
     from transformers import AutoTokenizer
@@ -195,6 +200,7 @@ def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints
     assert content and tok.decode(expected, skip_special_tokens=True).startswith(content)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_server_and_its_processes(server):
     """Runs last among the module server's tests (pytest keeps file order)."""
     proc = server["proc"]
@@ -220,6 +226,7 @@ def overflowing_checkpoint(checkpoints, root):
     return path
 
 
+@pytest.mark.slow
 def test_non_finite_logits_answer_500_and_the_server_exits_1_naming_them(vllm_python, checkpoints, tmp_path):
     s = start_server(vllm_python, overflowing_checkpoint(checkpoints, tmp_path), tmp_path / "server.log")
     try:
@@ -235,6 +242,7 @@ def test_non_finite_logits_answer_500_and_the_server_exits_1_naming_them(vllm_py
         stop(s)
 
 
+@pytest.mark.slow
 def test_kill_9_of_fusedkv_serve_leaves_no_vllm_process(vllm_python, checkpoints, tmp_path):
     s = start_server(vllm_python, checkpoints["fusedkv-lite"], tmp_path / "server.log")
     try:
@@ -248,6 +256,7 @@ def test_kill_9_of_fusedkv_serve_leaves_no_vllm_process(vllm_python, checkpoints
         stop(s)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_startup_exits_130_without_a_traceback(vllm_python, checkpoints, tmp_path):
     s = start_server(vllm_python, checkpoints["fusedkv"], tmp_path / "server.log", wait=False)
     try:
@@ -272,6 +281,7 @@ def test_missing_checkpoint_fails_at_startup(tmp_path):
     assert r.stderr.strip() == f"fusedkv serve: error: checkpoint directory {str(tmp_path / 'nope')!r} does not exist"
 
 
+@pytest.mark.slow
 def test_truncated_weights_fail_like_generate(checkpoints, tmp_path):
     import shutil
 

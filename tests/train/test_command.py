@@ -59,6 +59,7 @@ def test_print_config_and_bad_values(capsys):
     assert "warmup_steps" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_resume_and_init_from(tmp_path, corpus_file, capsys):
     out = tmp_path / "runs" / "nano"
     # The default path (raw text in, data prepared next to the run), shortened: nano preset, 3 steps.
@@ -131,7 +132,7 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
     assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 def test_default_tiny_run_short(tmp_path):
     """`fusedkv train` exactly as a user runs it (tiny preset, built-in corpus), cut to 3 steps."""
     proc = subprocess.run(

@@ -41,6 +41,7 @@ def saved(tmp_path_factory):
     return root, one, root / "two" / ck.step_dir_name(2)
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_loads_into_two_ranks(saved):
     # The torchrun launch of the fixture checked FSDP2 and DDP loads of the 1-process checkpoint, and
     # a DDP load of the checkpoint it saved under FSDP2.
@@ -49,6 +50,7 @@ def test_one_process_checkpoint_loads_into_two_ranks(saved):
     assert manifest["layout"] == "sharded" and manifest["world_size"] == 1
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_checkpoint_loads_into_one_process(saved):
     root, _, two = saved
     manifest = ck.verify_checkpoint(two)
@@ -58,6 +60,7 @@ def test_two_rank_fsdp_checkpoint_loads_into_one_process(saved):
     assert W.load("none", two, root / "two.pt") == []
 
 
+@pytest.mark.slow
 def test_read_checkpoint_gives_every_rank_state(saved):
     _, _, two = saved
     got = dcp.read_checkpoint(two)
@@ -65,6 +68,7 @@ def test_read_checkpoint_gives_every_rank_state(saved):
     assert [r["rank"] for r in got["rank_states"]] == [0, 1]
 
 
+@pytest.mark.slow
 def test_corrupt_shard_is_refused(saved, tmp_path):
     import shutil
 
@@ -82,6 +86,7 @@ def test_corrupt_shard_is_refused(saved, tmp_path):
         ck.verify_checkpoint(copy)
 
 
+@pytest.mark.slow
 def test_wrong_model_is_refused(saved):
     from fusedkv import FusedKVConfig, FusedKVForCausalLM
 
@@ -92,7 +97,7 @@ def test_wrong_model_is_refused(saved):
         dcp.load_into(one, other, None)
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 def test_kill_mid_save_leaves_no_checkpoint(tmp_path):
     """SIGKILL both ranks after they wrote their shards but before the manifest: nothing looks complete."""
     root = tmp_path / "ckpts"

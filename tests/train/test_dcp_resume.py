@@ -19,6 +19,8 @@ from train_helpers import REPO, nano_config, subprocess_env, train_cli
 from fusedkv.train import checkpoint as ck
 from fusedkv.train import dcp, train
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
+
 STEPS = 6
 
 

@@ -101,6 +101,7 @@ def _cli(*args, timeout=300):
     return proc
 
 
+@pytest.mark.slow
 def test_uptraining_by_distillation_through_the_cli(tmp_path, nano_data):
     """vanilla nano run -> `fusedkv convert` to fusedkv-lite -> `fusedkv train --init-from --distill-from`."""
     common = ["--preset", "nano", "--set", f"data={nano_data}", "--set", "threads=1", "--set", "ckpt_every=0"]
@@ -173,6 +174,7 @@ def _hf_teacher(kind: str, vocab: int):
                                               num_experts_per_tok=2, mlp_only_layers=[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,model_class", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
 def test_a_hugging_face_checkpoint_is_its_own_teacher(kind, model_class, tmp_path):
     """--distill-from takes the Qwen3 (or Qwen3-MoE) checkpoint itself, run by transformers' own model: its
@@ -197,6 +199,7 @@ def test_a_hugging_face_checkpoint_is_its_own_teacher(kind, model_class, tmp_pat
     assert pa == pytest.approx(pb, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_uptraining_a_converted_qwen3_from_the_qwen3_checkpoint_through_the_cli(tmp_path, nano_data):
     """`fusedkv convert QWEN3 --kv-sharing fusedkv-lite`, then `fusedkv train --init-from CONVERTED
     --distill-from QWEN3`."""

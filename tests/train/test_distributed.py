@@ -17,6 +17,8 @@ from train_helpers import REPO, nano_config, subprocess_env
 
 from fusedkv.train import train
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
+
 STEPS = 3
 
 

@@ -14,6 +14,8 @@ from train_helpers import nano_config, subprocess_env, train_cli, wait_for
 from fusedkv.train import checkpoint as ck
 from fusedkv.train import train
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
+
 
 def _logged_steps(path) -> int:
     if not path.is_file():

@@ -2,7 +2,7 @@
 
 `measure_peak_cpu` profiles a steady-state step (forward and backward over every micro-batch, clipping,
 AdamW) with torch's memory profiler; the plan must be within 10% of it. nano runs here; tiny (a few
-seconds more per case) is marked slow."""
+seconds more per case) is a manual test (`pytest --run-manual`)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_plan_matches_measured_peak_nano(checkpointing):
     _check("nano", checkpointing)
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_plan_matches_measured_peak_tiny(checkpointing):
     plan, _ = _check("tiny", checkpointing)

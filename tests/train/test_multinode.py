@@ -16,6 +16,8 @@ from fusedkv.train import checkpoint as ck
 from fusedkv.train import train
 from fusedkv.train.distributed import free_port
 
+pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
+
 STEPS = 4
 
 

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from fusedkv.cli import main
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "retrieval_during_training.py"
@@ -19,6 +21,7 @@ def _script():
     return module
 
 
+@pytest.mark.slow
 def test_every_checkpoint_and_the_final_model_are_scored_once(tmp_path, nano_data):
     run = tmp_path / "run"
     main(["train", "--preset", "nano", "--plan", "fusedkv", "--out", str(run), "--max-steps", "4",

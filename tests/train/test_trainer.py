@@ -72,6 +72,7 @@ def _stop_with_signal_at(monkeypatch, call: int, sig=signal.SIGINT):
     monkeypatch.setattr(trainer_mod, "compute_loss", loss)
 
 
+@pytest.mark.slow
 def test_signal_saves_and_resume_is_exact(tmp_path, nano_data, monkeypatch):
     ref = train(nano_config(tmp_path / "ref", nano_data))
     _stop_with_signal_at(monkeypatch, call=2 * 3 + 1)  # during step 4 (2 micro-batches per step)
@@ -125,6 +126,7 @@ def test_bad_inputs_fail_before_writing(tmp_path, nano_data, corpus_file):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_existing_run_and_corrupt_checkpoint_are_refused(tmp_path, nano_data, capsys):
     out = tmp_path / "run"
     train(nano_config(out, nano_data, max_steps=4, ckpt_every=2))
@@ -149,6 +151,7 @@ def test_existing_run_and_corrupt_checkpoint_are_refused(tmp_path, nano_data, ca
     assert _snapshot(out) == snap
 
 
+@pytest.mark.slow
 def test_init_from_with_new_rope_base_and_context(tmp_path, nano_data):
     first = train(nano_config(tmp_path / "a", nano_data))
     res = train(
@@ -174,6 +177,7 @@ def test_init_from_with_new_rope_base_and_context(tmp_path, nano_data):
         )
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_gives_the_same_steps(tmp_path, nano_data):
     plain = train(nano_config(tmp_path / "a", nano_data, max_steps=2))
     ckpt = train(nano_config(tmp_path / "b", nano_data, max_steps=2, grad_checkpointing=True))
@@ -183,12 +187,13 @@ def test_activation_checkpointing_gives_the_same_steps(tmp_path, nano_data):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 def test_compile_runs(tmp_path, nano_data):
     res = train(nano_config(tmp_path / "c", nano_data, max_steps=2, compile=True))
     assert math.isfinite(res["val_loss"])
 
 
+@pytest.mark.slow
 def test_checkpoint_written_before_the_field_rename_still_resumes(tmp_path, nano_data):
     """Checkpoints saved before `plan`/`rope_base` became `kv_sharing`/`rope_theta` keep resuming."""
     import json

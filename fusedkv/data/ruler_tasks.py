@@ -14,7 +14,7 @@ they run offline with any Hugging Face tokenizer and causal LM:
 
 RULER's QA tasks (SQuAD / HotpotQA) need those data sets, which cannot be downloaded here and are
 not shipped, so they are not implemented. Templates, needle formats, task parameters and the
-scoring follow RULER; word keys come from :mod:`fusedkv.eval._ruler_words` instead of `wonderwords`.
+scoring follow RULER; word keys come from :mod:`fusedkv.data._ruler_words` instead of `wonderwords`.
 
 Length: ``length_tokens`` bounds the *prompt* (template + haystack + answer prefix) measured with the
 tokenizer as the model will see it (``tokenizer(text)``, special tokens included). The haystack size
@@ -23,7 +23,8 @@ generation budget inside its ``max_seq_length``; to reproduce its exact prompt s
 ``length - max_new_tokens``.
 
 The essay haystack defaults to the packaged public-domain corpus (``fusedkv.data.sources``, KJV
-prose) when present; pass ``haystack_text`` to use any other text.
+prose); pass ``haystack_text`` to use any other text. The generators are data, used by the evaluation
+(`fusedkv.eval.ruler`) and by the synthetic training documents (`fusedkv.data.synthetic`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fusedkv.eval._ruler_words import ADJECTIVES, NOUNS, VERBS, word_pool
+from ._ruler_words import ADJECTIVES, NOUNS, VERBS, word_pool
+from .sources import iter_kjv_books
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -203,19 +205,9 @@ def _essay_words(text: str | None) -> tuple[str, ...]:
 
 
 def default_haystack_text() -> str:
-    """Prose from the packaged public-domain corpus (fusedkv.data.sources), cleaned of verse numbers."""
-    try:
-        from fusedkv.data import sources
-    except ImportError as e:  # the data package is optional for this module
-        raise RuntimeError("no built-in corpus available: pass haystack_text=") from e
-    if hasattr(sources, "builtin_documents"):
-        docs = sources.builtin_documents()
-        texts = [d[1] if isinstance(d, tuple) else str(d) for d in docs]
-    elif hasattr(sources, "iter_kjv_books"):  # prose reads more like RULER's essays than the plays
-        texts = [t for _, t in sources.iter_kjv_books()]
-    else:
-        texts = [sources.read_builtin_text()]
-    text = "\n".join(texts)
+    """The King James prose of the packaged public-domain corpus (it reads more like RULER's essays than the
+    plays), cleaned of verse numbers."""
+    text = "\n".join(t for _, t in iter_kjv_books())
     # Drop chapter headings ("Genesis 3") and verse numbers: stray small numbers would look like
     # (wrong) needle values to the model.
     text = re.sub(r"^\s*\d+ ", "", text, flags=re.M)

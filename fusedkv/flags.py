@@ -1,0 +1,61 @@
+"""The flags several `fusedkv` commands share, each defined once.
+
+* `--plan`: the one name of the KV-sharing plan on the command line, checked while parsing by the one parser
+  of plan names (`fusedkv.plan.resolve_plan_choice`). `--kv-sharing`, its name in older scripts, is a hidden
+  alias.
+* `--kv-bits`, `--kv-group`, `--kv-residual`: the KIVI cache (`fusedkv.quant`), with the library's defaults
+  (`kv_group` resolves a group left unset against the model's head dimension).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import argtypes
+from .plan import CUSTOM, GQA, PLAN_CHOICES, resolve_plan_choice
+from .quant import DEFAULT_GROUP_SIZE, DEFAULT_RESIDUAL_LENGTH, default_group_size
+
+PLAN_HELP = (f"{', '.join(PLAN_CHOICES)} or {CUSTOM}, optionally +{GQA} (half the KV heads) and +W/+WF (which layer "
+             "types a sliding-window hybrid shares), e.g. fusedkv+gqa; see `fusedkv plans`")
+
+
+def plan_name(text: str) -> str:
+    """argparse type: a plan as users type it (any name `resolve_plan_choice` accepts), kept as typed."""
+    try:
+        resolve_plan_choice(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def plan_names(text: str) -> list[str]:
+    """argparse type: a comma-separated, non-empty list of plans, e.g. "vanilla,fusedkv+gqa"."""
+    return [plan_name(name) for name in argtypes.name_list()(text)]
+
+
+def add_plan_flag(parser, default: str | None = None, many: bool = False, help: str = "") -> None:
+    """`--plan` (one plan, or with many=True a comma-separated list), and `--kv-sharing` as a hidden alias."""
+    kind = plan_names if many else plan_name
+    parser.add_argument("--plan", type=kind, default=default, metavar="PLAN[,PLAN...]" if many else "PLAN",
+                        help=f"{help}{'; ' if help else ''}{PLAN_HELP}")
+    hidden = ("--kv-sharing", "--plans") if many else ("--kv-sharing",)
+    parser.add_argument(*hidden, dest="plan", type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def add_kivi_flags(parser, bits_help: str, many_bits: bool = False) -> None:
+    """The KIVI cache: bit width(s), group size G and residual length R (`fusedkv.quant.kivi`)."""
+    if many_bits:
+        parser.add_argument("--kv-bits", type=argtypes.int_list(2, 4), default=[], help=bits_help)
+    else:
+        parser.add_argument("--kv-bits", type=argtypes.positive_int, default=None, help=bits_help)
+    parser.add_argument("--kv-group", type=argtypes.positive_int, default=None,
+                        help=f"KIVI group size G (default: {DEFAULT_GROUP_SIZE}, or the largest smaller size dividing "
+                        "the head dimension and --kv-residual: `fusedkv.quant.default_group_size`)")
+    parser.add_argument("--kv-residual", type=argtypes.positive_int, default=DEFAULT_RESIDUAL_LENGTH,
+                        help=f"KIVI full-precision residual length R, a multiple of G "
+                        f"(default {DEFAULT_RESIDUAL_LENGTH})")
+
+
+def kv_group(args, head_dim: int) -> int:
+    """The KIVI group size the flags ask for: --kv-group, or the default that fits `head_dim`."""
+    return default_group_size(head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
