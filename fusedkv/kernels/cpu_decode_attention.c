@@ -31,13 +31,6 @@
  * each element is widened as it is read (a shift: cheaper than a pass over a buffer, measured). An f16 row
  * is first widened into `buf` by F16C in a loop of its own (element by element it does not vectorise,
  * measured 2x slower). ROWT: the row pointer's type; PREP: the row as read; EL: element d as f32. */
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline const float* widen_f16(const void* row, int D, float* buf) {
     const uint16_t* s = (const uint16_t*)row;
     int d = 0;

@@ -175,13 +175,6 @@ int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long
  * above the nibble does not matter), and the bf16 pairs are multiplied as in the bf16 kernel. Elsewhere (AVX2)
  * the portable loop below, which the compiler vectorises over the 32 bytes, computes the same sums with f32
  * multiply-adds. */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 __attribute__((unused)) static void int4_block_portable(const uint16_t* x, int rows, int in, const uint8_t* w,
                                                         const uint16_t* sg, float* y, long ldy) {
     const int groups = in / 32;

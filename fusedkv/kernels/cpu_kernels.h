@@ -27,6 +27,14 @@ int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len,
                      const float* vb0, const float* vb1, long vb_hs,
                      const int64_t* kv_start, float* out, int threads);
 
+/* A bf16 value (the top half of an f32) widened to f32: a shift. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* Cephes expf for |x| <= 87 (clamped below: scores minus their max, and -x in SiLU, never need more);
  * relative error ~1e-7. A polynomial, so the loops that call it vectorise. */
 static inline float exp_poly(float x) {

@@ -21,15 +21,8 @@
 
 #define MAX_GROUP_PAGED 64
 
-static inline float bf16_widen(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 #define EL_F32(p, i) ((p)[i])
-#define EL_BF16(p, i) bf16_widen((p)[i])
+#define EL_BF16(p, i) bf16_to_f32((p)[i])
 
 /* scores[j * L + t] for the query heads j of one kv head, over the sequence's blocks. */
 #define SCORES(T, EL)                                                                                     \
