@@ -53,6 +53,7 @@ COMMANDS = (
     "fusedkv.train.plan_command",
     "fusedkv.commands.generate",
     "fusedkv.commands.convert",
+    "fusedkv.uptrain.command",
     "fusedkv.eval.command",
     "fusedkv.prune.command",
     "fusedkv.experiments.command",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from .. import argtypes
+from ..flags import add_plan_flag
 from .config import PRESET_NAMES, resolve_config
 from .memory_plan import format_plan, parse_bytes, plan_run
 
@@ -56,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the teacher's weights (default auto: the checkpoint's dtype; fusedkv loads it so on GPU)")
     p.add_argument("--distill-hidden", action="store_true",
                    help="hidden-state distillation (--distill-hidden-weight > 0): the teacher's hidden states are kept")
-    p.add_argument("--plan", help="KV-sharing plan (default: fusedkv)")
+    add_plan_flag(p, help="KV-sharing plan (default: fusedkv)")
     p.add_argument("--gpus", type=argtypes.int_range(1, 1_000_000), default=1,
                    help="GPUs in the data-parallel group (default 1)")
     p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB or 141GiB (default 80GB)")
