@@ -138,9 +138,16 @@ def test_serves_on_localhost_with_the_passed_through_api_key(server):
 
 @pytest.mark.slow
 def test_startup_and_ready_lines_state_dtype_plan_blocks_and_concurrency(server):
-    log = server["log"].read_text()
+    # The supervisor writes its ready line once the server answers and its /metrics are read: it may
+    # follow the fixture's first answered request by a moment on a busy machine, so wait for it (bounded).
+    deadline = time.monotonic() + 60
+    while True:
+        log = server["log"].read_text()
+        ready = [line for line in log.splitlines() if line.startswith("fusedkv serve: ready on ")]
+        if ready or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert "plan fusedkv (2/4 layers hold KV cache), dtype float32" in log  # auto: the checkpoint's dtype
-    ready = [line for line in log.splitlines() if line.startswith("fusedkv serve: ready on ")]
     assert len(ready) == 1, log[-3000:]
     # 64 MiB over 2 storage layers x 4 KV heads x 32 dims x (K, V) x 4 bytes = 32,768 tokens in 1,024 blocks.
     assert "1,024 KV blocks of 32 tokens (32,768 tokens), max concurrency 64.0 requests of 512 tokens" in ready[0]
