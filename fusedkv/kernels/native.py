@@ -23,6 +23,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 from ..utils import cache_dir, cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_decode_step.c",
@@ -94,3 +96,14 @@ def available() -> bool:
 def redecide() -> None:
     """Forget the decision, so the next call re-reads FUSEDKV_NATIVE_KERNELS and CC (tests, benchmarks)."""
     library.cache_clear()
+
+
+# cpu_paged_attention.c: the cache element types it reads (its `kind` argument) and its source bound.
+PAGED_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+PAGED_MAX_SOURCES = 2
+
+
+def paged_supports(dtype: torch.dtype, k_count: int, v_count: int) -> bool:
+    """Whether the paged kernel takes a layer with this cache dtype and these sources (asked once per layer,
+    by the engine's selection)."""
+    return dtype in PAGED_KINDS and 1 <= k_count <= PAGED_MAX_SOURCES and 1 <= v_count <= PAGED_MAX_SOURCES

@@ -47,7 +47,7 @@ from vllm.sequence import IntermediateTensors
 
 from ..model.fusion import KVFusion
 from ..plan import LayerKV
-from .paged import CrossLayerAttention
+from .paged import CrossLayerAttention, select_paths
 from .plugin import check_servable
 
 
@@ -233,6 +233,7 @@ class FusedKVForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
+        self.model_dtype, self.block_size = vllm_config.model_config.dtype, vllm_config.cache_config.block_size
         self.model = FusedKVModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
         if config.tie_word_embeddings:
@@ -284,6 +285,10 @@ class FusedKVForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the FusedKV model of this config; the "
                                  "checkpoint and its config.json disagree (re-save it with save_pretrained)")
         self._serve_fusion_weights()
+        # How every reconstruction layer attends, decided here once (the engine's selection).
+        select_paths([d.self_attn.attn.impl for d in self.model.layers
+                      if isinstance(d.self_attn.attn.impl, CrossLayerAttention)], self.model_dtype,
+                     self.model.embed_tokens.weight.device, self.block_size)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
