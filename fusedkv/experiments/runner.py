@@ -267,9 +267,11 @@ def _chain(fields: dict, parents: dict, work: Path) -> dict:
         fields["distill_from"] = parents["distill"][1]["checkpoint"]
     if "from" not in parents:
         return fields
+    from ..train.config import normalise
+
     parent = parents["from"][1]
-    plan = fields.pop("plan", None) or fields.pop("kv_sharing", None)
-    fields.pop("kv_sharing", None)
+    fields = normalise(fields)  # TrainConfig's names: the plan is `kv_sharing` whichever alias the file used
+    plan = fields.pop("kv_sharing", None)
     fields.pop("model", None)
     fields.pop("vocab_size", None)
     init = parent["checkpoint"]

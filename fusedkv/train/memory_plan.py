@@ -62,7 +62,6 @@ import torch
 
 from ..config import FusedKVConfig
 from ..model.moe import is_sparse_layer
-from ..plan import resolve_plan_choice
 from .config import TrainConfig
 
 GB = 1e9
@@ -87,12 +86,7 @@ def parse_bytes(text: str) -> float:
 
 def model_config(cfg: TrainConfig) -> FusedKVConfig:
     """The FusedKVConfig a run of `cfg` trains (the preset's dimensions, the plan, the vocabulary)."""
-    choice = resolve_plan_choice(cfg.kv_sharing)
-    model = dict(cfg.model)
-    heads = model.get("num_attention_heads", FusedKVConfig().num_attention_heads)
-    if choice.query_heads_per_kv_head is not None:
-        model["num_key_value_heads"] = choice.num_key_value_heads(heads, model.get("num_key_value_heads"))
-    mc = FusedKVConfig(vocab_size=cfg.vocab_size, kv_sharing=choice.sharing, rope_theta=cfg.rope_theta, **model)
+    mc = cfg.model_config()  # the trainer's own: the plan read once, by the model config
     mc.max_position_embeddings = max(mc.max_position_embeddings, cfg.seq_len)
     return mc
 
