@@ -13,7 +13,7 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
 
 Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8, int4 weights; f32 or 16-bit cache), and
 `llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
-when llama-cpp-python is installed and its source distribution is given (`fusedkv.bench.llamacpp`).
+when llama-cpp-python is installed and its source distribution is given (`fusedkv.speed.llamacpp`).
 fusedkv rows decode as `fusedkv.generation.generate` does by default (the native step where it covers
 the model); `--step both` adds each row again decoded module by module (`... modules`).
 Every (threads, prompt, batch) cell runs all rows round-robin, the order rotated per repeat, and
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-from fusedkv.bench.inference import HF, BenchShape, build_models
 from fusedkv.cache import StaticKVCache
 from fusedkv.engine import select_runtime
 from fusedkv.engine.precision import half_dtype, kv_dtype_for, reduce_precision, weight_format, weight_nbytes
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
+from fusedkv.speed.inference import HF, BenchShape, build_models
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8", "int4": "int4"}
 
@@ -87,7 +87,7 @@ LLAMA_BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 i
 
 
 def llama_models(hf_model, src: str, workdir: Path, types: list[str]) -> dict[str, Path]:
-    from fusedkv.bench.llamacpp import convert_to_gguf, export_hf_checkpoint, find_converter
+    from fusedkv.speed.llamacpp import convert_to_gguf, export_hf_checkpoint, find_converter
 
     root = find_converter(src, workdir)
     hf_dir = export_hf_checkpoint(hf_model, workdir / "hf")
@@ -120,7 +120,7 @@ def run(args) -> list[dict]:
     llama: dict[str, Path] = {}
     workdir = Path(tempfile.mkdtemp(prefix="fusedkv-llamacpp-"))
     if args.llamacpp_src:
-        from fusedkv.bench.llamacpp import available
+        from fusedkv.speed.llamacpp import available
 
         why = available()
         if why:
@@ -136,7 +136,7 @@ def run(args) -> list[dict]:
         torch.set_num_threads(t)
         runners = {}
         if llama:
-            from fusedkv.bench.llamacpp import LlamaCppRunner
+            from fusedkv.speed.llamacpp import LlamaCppRunner
 
             for spec in args.llama_rows.split(","):
                 ty, kv = spec.split("/")

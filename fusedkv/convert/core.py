@@ -18,11 +18,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..checkpoints import check_destination, check_finite_model, write_directory_atomically
 from ..config import FusedKVConfig
 from ..errors import UsageError
 from ..model import FusedKVForCausalLM
 from ..model.fusion import KVFusion
+from ..model_dirs import check_destination, check_finite_model, write_directory_atomically
 from ..plan import VANILLA
 from .families import MODEL_TYPES, family_for
 from .family import with_plan_kv_heads

@@ -246,7 +246,7 @@ def _resolved(fields: dict, name: str) -> dict:
 def _resumable(train_dir: Path) -> bool:
     """A run killed part-way: it has a checkpoint but no final model (a run killed after its final model
     was written, while being evaluated, is trained again: there is nothing left to resume)."""
-    from ..train import checkpoint as ckpt_io
+    from ..train import full_checkpoint as ckpt_io
 
     root = ckpt_io.checkpoint_root(train_dir)
     return root.is_dir() and bool(ckpt_io.list_checkpoints(root)) and not (train_dir / "final").exists()

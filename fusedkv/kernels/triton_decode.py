@@ -282,7 +282,7 @@ def default_launch(d: int, block_g: int, use_dot: bool, n_sources: int) -> tuple
     the broadcast (non-dot) path holds a [BLOCK_G, BLOCK_N, D] fp32 product per source in registers,
     so its key block shrinks with G*D and the number of sources (MHA D=128: 64 keys, FusedKV: 32);
     the dot path keeps 64 keys (32 with 4 sources and 64 padded heads) and uses 8 warps for 64 heads.
-    Override with ``block_n=`` / ``num_warps=`` (``python -m fusedkv.bench.gpu_suite --tune`` sweeps them).
+    Override with ``block_n=`` / ``num_warps=`` (``python -m fusedkv.speed.gpu_suite --tune`` sweeps them).
     """
     if use_dot:
         if block_g >= 64:

@@ -1,7 +1,7 @@
 """`fusedkv serve CHECKPOINT`: vLLM's OpenAI-compatible server for a FusedKV checkpoint.
 
 Runs from the project's environment. The checkpoint is checked here first, with the same messages as
-`fusedkv generate` (`fusedkv.checkpoints.check_checkpoint_dir`, the config's own validation), so a
+`fusedkv generate` (`fusedkv.model_dirs.check_checkpoint_dir`, the config's own validation), so a
 bad checkpoint fails in a second instead of after vLLM's start-up. The server itself runs with the
 vLLM environment's Python (vLLM pins its own transformers; `scripts/install-vllm.sh` makes that
 environment and installs fusedkv into it, which registers the plugin), found in this order:
@@ -85,8 +85,8 @@ def register(sub) -> None:
 
 def check_servable_checkpoint(checkpoint: str):
     """The checks `fusedkv generate` makes, plus what the plugin cannot serve; returns the config."""
-    from ..checkpoints import check_checkpoint_dir
     from ..config import FusedKVConfig
+    from ..model_dirs import check_checkpoint_dir
     from .plugin import check_servable
 
     path = Path(checkpoint)

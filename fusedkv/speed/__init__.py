@@ -1,4 +1,6 @@
-"""Benchmarks of inference speed and memory (`fusedkv bench`)."""
+"""The `fusedkv bench` command's library: inference speed and memory of the shipped engine per plan (TTFT, TPOT,
+cache bytes; llama.cpp rows), the Triton kernel and paged-decode throughput, the GPU suite. Shipped and tested;
+the stand-alone scripts that compare alternatives during development live in the repository's `benchmarks/`."""
 
 from .inference import BenchShape, format_table, run_inference_bench
 

@@ -42,17 +42,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoints import check_checkpoint_dir, write_manifest
 from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
 from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
 from ..model.loss import causal_lm_loss, lm_loss
+from ..model_dirs import check_checkpoint_dir, write_manifest
 from ..utils import replace_dir, write_json_atomic
-from . import checkpoint as ckpt_io
 from . import data as data_setup
-from . import dcp as dcp_io
 from . import distributed as D
+from . import full_checkpoint as ckpt_io
+from . import sharded_checkpoint as dcp_io
 from .config import TrainConfig, normalise
 from .distill import TEACHER_MODEL_TYPES, Distiller, check_teacher
 from .metrics import MetricsLogger, format_summary, plot_learning_curves
@@ -171,7 +171,7 @@ class _Run:
         self.cfg, self.env = cfg, env
         self.out = Path(cfg.out_dir)
         self.verbose = cfg.progress and env.is_main
-        self.sharded = None  # dcp.ShardedCheckpointer, made at the first sharded save
+        self.sharded = None  # sharded_checkpoint.ShardedCheckpointer, made at the first sharded save
         self.pbar = None
         self.mc = self.ds = self.batches = self.model = self.wrapped = self.opt = self.sched = None
         self.accum = self.total = 0
@@ -511,7 +511,7 @@ class _Run:
         return path
 
     def _save_sharded(self, step: int, tokens: int, history: list[dict]) -> Path:
-        """Every rank writes its shard in the background (dcp.py); returns the path it will have."""
+        """Every rank writes its shard in the background (sharded_checkpoint.py); returns the path it will have."""
         if self.sharded is None:  # collective (a process group for the checkpoint thread): all ranks at once
             self.sharded = dcp_io.ShardedCheckpointer(ckpt_io.checkpoint_root(self.out), self.env.rank,
                                                       self.env.world_size)

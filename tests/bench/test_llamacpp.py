@@ -1,4 +1,4 @@
-"""llama.cpp as an optional bench peer (fusedkv.bench.llamacpp): locating the converter in an sdist,
+"""llama.cpp as an optional bench peer (fusedkv.speed.llamacpp): locating the converter in an sdist,
 and, where llama-cpp-python and its sdist are installed, that the converted model reproduces
 transformers' logits through the bindings (CPU-PEERS: f32 to ~1e-6)."""
 
@@ -9,8 +9,8 @@ import tarfile
 import pytest
 import torch
 
-from fusedkv.bench import llamacpp
-from fusedkv.bench.llamacpp import CONVERTER, SRC_ENV, available, find_converter
+from fusedkv.speed import llamacpp
+from fusedkv.speed.llamacpp import CONVERTER, SRC_ENV, available, find_converter
 
 
 def _sdist(path, files):

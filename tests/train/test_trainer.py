@@ -198,8 +198,8 @@ def test_checkpoint_written_before_the_field_rename_still_resumes(tmp_path, nano
     """Checkpoints saved before `plan`/`rope_base` became `kv_sharing`/`rope_theta` keep resuming."""
     import json
 
-    from fusedkv.checkpoints import write_manifest
-    from fusedkv.train import checkpoint as ck
+    from fusedkv.model_dirs import write_manifest
+    from fusedkv.train import full_checkpoint as ck
 
     out = tmp_path / "old"
     train(nano_config(out, nano_data, max_steps=4, ckpt_every=2, kv_sharing="yoco"))
