@@ -39,8 +39,8 @@ from ..train import data as data_setup
 from ..train import distributed as D
 from ..train import full_checkpoint as ckpt_io
 from ..train.distill import TEACHER_MODEL_TYPES, check_teacher, load_teacher, teacher_student_configs
+from ..train.run_setup import RESUME_MAY_CHANGE
 from ..train.rundir import RunDirLock
-from ..train.trainer import RESUME_MAY_CHANGE
 from ..utils import write_json_atomic
 from .report import write_report
 
