@@ -274,7 +274,7 @@ class RunSetup:
         distiller = None  # replaces the trainer's compute_loss when distilling
         if cfg.distill_from is not None:
             distiller = Distiller(cfg.distill_from, mc, env.device, cfg.distill_alpha, cfg.distill_temperature,
-                                       cfg.distill_hidden_weight)
+                                  cfg.distill_hidden_weight)
             self.say(f"distilling from {cfg.distill_from} (alpha {cfg.distill_alpha:g}, temperature "
                      f"{cfg.distill_temperature:g}, hidden-state weight {cfg.distill_hidden_weight:g})")
         # Config validated, data ready, model built: only now may an old run be replaced. Nothing in
@@ -308,7 +308,6 @@ class RunSetup:
             del ckpt  # the state dicts can be large
         return Prepared(cfg, mc, ds, batches, model, wrapped, opt, sched, accum, total, distiller, step, tokens,
                         history)
-
 
     def build(self, mc: FusedKVConfig, ckpt):
         cfg, env = self.cfg, self.env

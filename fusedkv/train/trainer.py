@@ -4,14 +4,10 @@ What a run does, in order (everything that can fail on bad input fails before an
 
 0. Lock `out_dir` (rundir.RunDirLock, an OS lock held until the run ends): a second run there is
    refused at once, naming the holder.
-1. Look at `out_dir`: pick and verify the checkpoint to resume (rundir.find_resume_checkpoint: the
-   newest that verifies), or refuse to start over an existing run unless `overwrite`; check a resumed
-   config against the saved one; a finished run has nothing to resume.
-2. Build the model config (preset dims + plan, or `init_from`'s config with a new RoPE base/context).
-3. Prepare the data (rank 0; a tokenizer of the model's vocab size) and the batch streams.
-4. Build the model (seeded), load `init_from` weights, activation checkpointing, compile, DDP/FSDP2
-   wrap, AdamW + warm-up/cosine schedule. Only now does `overwrite` remove the old run's files; then
-   restore everything from the checkpoint when resuming.
+1-4. Set up (`run_setup.RunSetup.prepare`, where each step is spelled out): the checkpoint to resume (or
+   a refusal to start over an existing run), the model config, the data and batch streams, the model,
+   its wrapping, optimiser and schedule; only then does `overwrite` remove the old run's files, and a
+   resumed run gets its checkpoint's state back.
 5. Train: gradient accumulation to the global batch, clipping, periodic validation, metrics to
    CSV/TensorBoard, checkpoints every `ckpt_every` steps and on SIGINT/SIGTERM. A non-finite loss
    or gradient stops the run with `TrainingDiverged` (exit 1) and leaves the last good checkpoint
