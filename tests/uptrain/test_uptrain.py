@@ -171,3 +171,20 @@ def test_uptrain_under_torchrun_ddp(tmp_path, corpus, tokenizer_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     _check_report(out, "fusedkv", 2)
     assert "2 ranks" in proc.stdout
+
+
+def test_uptrain_padded_vocabulary(tmp_path, corpus, tokenizer_dir):
+    """A Llama whose vocab_size (384) is padded past its tokenizer (320 tokens), as published Llama / Qwen2.5 /
+    DeepSeek checkpoints are: the data is tokenised with the 320 tokens and the whole journey runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def padded():
+        return LlamaForCausalLM(LlamaConfig(**{**SHAPE, "vocab_size": VOCAB + 64}, num_key_value_heads=2,
+                                            intermediate_size=128))
+
+    src = _checkpoint(tmp_path, "llama", padded, tokenizer_dir)
+    out = tmp_path / "run"
+    proc = _uptrain(tmp_path, src, out, "--plan", "fusedkv-lite", "--data", corpus, "--max-steps", 2, *RECIPE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_report(out, "fusedkv-lite", 2)
+    assert json.loads((out / "converted" / "config.json").read_text())["vocab_size"] == VOCAB + 64
