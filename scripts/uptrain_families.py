@@ -159,7 +159,7 @@ def _mean_sd(xs: list[float], fmt: str) -> str:
     xs = [x for x in xs if x is not None]
     if len(xs) < 2:
         return format(xs[0], fmt) if xs else "-"
-    return f"{format(statistics.mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt)}"
+    return f"{format(statistics.mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt.lstrip('+'))}"
 
 
 def table(rows: list[dict]) -> str:
