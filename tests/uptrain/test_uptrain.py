@@ -174,6 +174,7 @@ def test_uptrain_under_torchrun_ddp(tmp_path, corpus, tokenizer_dir):
     assert "2 ranks" in proc.stdout
 
 
+@pytest.mark.slow
 def test_uptrain_padded_vocabulary(tmp_path, corpus, tokenizer_dir):
     """A Llama whose vocab_size (384) is padded past its tokenizer (320 tokens), as published Llama / Qwen2.5 /
     DeepSeek checkpoints are: the data is tokenised with the 320 tokens and the whole journey runs."""
