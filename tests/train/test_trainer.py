@@ -119,8 +119,8 @@ def test_bad_inputs_fail_before_writing(tmp_path, nano_data, corpus_file):
     empty.write_text("   \n\n  ")
     with pytest.raises(ValueError, match="no non-empty documents"):
         train(nano_config(out, empty, data_dir=str(tmp_path / "d")))
-    with pytest.raises(ValueError, match="vocabulary of 512 tokens but the model's vocab_size is 1024"):
-        train(nano_config(out, nano_data, vocab_size=1024))
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens but the model's vocab_size is 480"):
+        train(nano_config(out, nano_data, vocab_size=480))
     with pytest.raises(ValueError, match="vocabulary of 512 tokens but the model's vocab_size is 256"):
         train(nano_config(out, corpus_file, vocab_size=256, tokenizer=str(nano_data / "tokenizer")))
     assert not out.exists()
