@@ -79,7 +79,8 @@ def attention(q: torch.Tensor, cache, k_layers: Sequence[int], k_w: Sequence[tor
               pending: bool = False) -> torch.Tensor:
     """softmax(q K^T * scale) V over a reserved `KIVICache`, K = sum a_k (.) K_k, V = sum b_v (.) V_v, the
     sources being storage layers of the cache (indices). `q` [B, H_q, 1, D] f32. `pending`: each layer holds
-    one token appended (`append`) but not yet counted and flushed (as inside a native step). Returns [B, H_q, 1, D] f32."""
+    one token appended (`append`) but not yet counted and flushed (as inside a native step). Returns
+    [B, H_q, 1, D] f32."""
     b, h_q, _, d = q.shape
     shape = shape_of(cache)
     k_rows = [row_table(cache.layers[i], b) for i in k_layers]

@@ -10,10 +10,11 @@
  *     sum_t p_t V_td  = sum_t (p_t s_t,g(d)) c_td + sum_g(d) (sum_t p_t z_t,g)   (value group g(d) of channel d)
  *
  * so a key group costs one product of the query with its [D] scales, and a value row one product of its
- * probability with its D/G scales. Codes are packed 8/bits per byte along the channels, lowest first; the
- * query and the accumulator are kept split by a code's place in its byte ("phase": channel pb*i + p is
- * byte i, phase p), so every inner loop reads bytes contiguously and vectorises (the compiler picks AVX-512
- * or AVX2 for the processor, -march=native, as for the other kernels).
+ * probability with its D/G scales. Codes are packed 8/bits per byte with the channels split into 8/bits
+ * parts, byte i holding channel i of each part (`fusedkv.quant.kivi.pack_codes`), so one bit field of a row's
+ * contiguous bytes meets one contiguous part of the query (keys) or of the accumulator (values). The loops
+ * are written once over AVX-512 or AVX2 vectors (whichever the compiler targets, -march=native, as for the
+ * other kernels), with portable loops for other processors and shapes (a part not a whole number of vectors).
  *
  * Layout of one row of one KIVI storage layer (`KiviRow`, fusedkv.kernels.cpu_kivi.row_tables), per kv head:
  *   key codes [k_cap, D/pb] u8, key scale / zero [k_cap/G, D] f16, key residual [R, D] f32,
@@ -46,85 +47,149 @@ static HeadStrides strides_of(const KiviShape* s, const KiviRow* r) {
     return h;
 }
 
-/* Scores of the quantised keys t < nq (whole groups) against one query row qw [D] (weights and scale on it):
- * s[t] = or += q . K_t. `qsp` [D]: scratch for the query times one group's scales, split by phase. */
+/* The vector primitives of the two loops below: AVX-512 (16 lanes) or AVX2 + FMA + F16C (8 lanes), whichever
+ * the compiler targets (-march=native); neither: the portable loops only. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KV_W 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define V_BYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p)))  /* W bytes -> W int32 */
+#define V_FIELD(x, sh, m) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32((x), _mm512_set1_epi32(sh)), (m)))
+#define V_MASK(m) _mm512_set1_epi32(m)
+#define V_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))  /* W fp16 -> W f32 */
+#define V_LOAD _mm512_loadu_ps
+#define V_STORE _mm512_storeu_ps
+#define V_SET1 _mm512_set1_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_MUL _mm512_mul_ps
+#define V_FMA _mm512_fmadd_ps
+#define V_SUM _mm512_reduce_add_ps
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KV_W 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define V_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p)))
+#define V_FIELD(x, sh, m) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32((x), _mm256_set1_epi32(sh)), (m)))
+#define V_MASK(m) _mm256_set1_epi32(m)
+#define V_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define V_LOAD _mm256_loadu_ps
+#define V_STORE _mm256_storeu_ps
+#define V_SET1 _mm256_set1_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_MUL _mm256_mul_ps
+#define V_FMA _mm256_fmadd_ps
+static inline float V_SUM(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+/* Whether the vector loops take these shapes: whole vectors of bytes per part, and (values) of channels per
+ * group, so that one vector of a part never straddles two value groups. */
+static inline int vector_fits(int D, int G, int bits) {
+#ifdef KV_W
+    return (D * bits / 8) % KV_W == 0 && G % KV_W == 0;
+#else
+    (void)D; (void)G; (void)bits;
+    return 0;
+#endif
+}
+
+/* Scores of the quantised keys t < nq (whole groups of G) against one query row qw [D] (weights and scale on
+ * it): s[t] = or += q . K_t. `qsc` [D]: scratch for the query times one group's scales. Channel p * nb + i
+ * is bit field p of byte i (`pack_codes`), so field p of a row's bytes meets the query's part p. */
 static inline __attribute__((always_inline)) void key_scores_q(const float* qw, const uint8_t* codes,
                                                                const uint16_t* sc, const uint16_t* zr, long nq,
-                                                               int D, int G, float* s, int add, float* qsp,
+                                                               int D, int G, float* s, int add, float* qsc,
                                                                const int bits) {
     const int pb = 8 / bits, nb = D / pb, mask = (1 << bits) - 1;
+    const int vec = vector_fits(D, G, bits);
     for (long grp = 0; grp < nq / G; grp++) {
         const uint16_t *gs = sc + grp * D, *gz = zr + grp * D;
         float c0 = 0.f;
         for (int d = 0; d < D; d++) {
-            const float w = qw[d] * h2f(gs[d]);
-            qsp[(d % pb) * nb + d / pb] = w;
+            qsc[d] = qw[d] * h2f(gs[d]);
             c0 += qw[d] * h2f(gz[d]);
         }
         const long t0 = grp * G;
         long t = t0;
-        for (; t + 4 <= t0 + G; t += 4) {  /* four keys at a time: independent sums (cpu_decode_attention.c) */
-            const uint8_t *r0 = codes + t * nb, *r1 = r0 + nb, *r2 = r1 + nb, *r3 = r2 + nb;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+:a0,a1,a2,a3)
-            for (int i = 0; i < nb; i++) {
-                const int b0 = r0[i], b1 = r1[i], b2 = r2[i], b3 = r3[i];
-                for (int p = 0; p < pb; p++) {
-                    const float w = qsp[p * nb + i];
-                    const int sh = bits * p;
-                    a0 += w * (float)((b0 >> sh) & mask); a1 += w * (float)((b1 >> sh) & mask);
-                    a2 += w * (float)((b2 >> sh) & mask); a3 += w * (float)((b3 >> sh) & mask);
+#ifdef KV_W
+        if (vec) {
+            const vi m = V_MASK(mask);
+            for (; t + 4 <= t0 + G; t += 4) {  /* four keys at a time: independent sums (cpu_decode_attention.c) */
+                const uint8_t* r0 = codes + t * nb;
+                vf a0 = V_ZERO(), a1 = V_ZERO(), a2 = V_ZERO(), a3 = V_ZERO();
+                for (int i = 0; i < nb; i += KV_W) {
+                    const vi x0 = V_BYTES(r0 + i), x1 = V_BYTES(r0 + nb + i);
+                    const vi x2 = V_BYTES(r0 + 2 * nb + i), x3 = V_BYTES(r0 + 3 * nb + i);
+                    for (int p = 0; p < pb; p++) {
+                        const vf w = V_LOAD(qsc + p * nb + i);
+                        a0 = V_FMA(w, V_FIELD(x0, bits * p, m), a0); a1 = V_FMA(w, V_FIELD(x1, bits * p, m), a1);
+                        a2 = V_FMA(w, V_FIELD(x2, bits * p, m), a2); a3 = V_FMA(w, V_FIELD(x3, bits * p, m), a3);
+                    }
                 }
+                const float d0 = V_SUM(a0) + c0, d1 = V_SUM(a1) + c0, d2 = V_SUM(a2) + c0, d3 = V_SUM(a3) + c0;
+                if (add) { s[t] += d0; s[t + 1] += d1; s[t + 2] += d2; s[t + 3] += d3; }
+                else { s[t] = d0; s[t + 1] = d1; s[t + 2] = d2; s[t + 3] = d3; }
             }
-            if (add) { s[t] += a0 + c0; s[t + 1] += a1 + c0; s[t + 2] += a2 + c0; s[t + 3] += a3 + c0; }
-            else { s[t] = a0 + c0; s[t + 1] = a1 + c0; s[t + 2] = a2 + c0; s[t + 3] = a3 + c0; }
         }
+#endif
+        (void)vec;
         for (; t < t0 + G; t++) {
             const uint8_t* r0 = codes + t * nb;
             float a0 = 0.f;
-#pragma omp simd reduction(+:a0)
-            for (int i = 0; i < nb; i++)
-                for (int p = 0; p < pb; p++) a0 += qsp[p * nb + i] * (float)((r0[i] >> (bits * p)) & mask);
+            for (int p = 0; p < pb; p++)
+                for (int i = 0; i < nb; i++) a0 += qsc[p * nb + i] * (float)((r0[i] >> (bits * p)) & mask);
             s[t] = add ? s[t] + a0 + c0 : a0 + c0;
         }
     }
 }
 
-/* acc (split by phase, [pb, D/pb]) += sum_t p_t (c_t * s_t) and zacc [D/G] += sum_t p_t z_t over the
- * quantised values t < nq. Four rows at a time: one load and store of the accumulator per four. */
+/* acc [D] += sum_t p_t (c_t * s_t) and zacc [D/G] += sum_t p_t z_t over the quantised values t < nq. Four rows
+ * at a time in the vector loop: one load and store of the accumulator per four. */
 static inline __attribute__((always_inline)) void value_acc_q(const float* p, const uint8_t* codes,
                                                               const uint16_t* sc, const uint16_t* zr, long nq,
                                                               int D, int G, float* acc, float* zacc, const int bits) {
-    const int pb = 8 / bits, nb = D / pb, mask = (1 << bits) - 1, ng = D / G, gb = G / pb;
+    const int pb = 8 / bits, nb = D / pb, mask = (1 << bits) - 1, ng = D / G;
     long t = 0;
-    for (; t + 4 <= nq; t += 4) {
-        const uint8_t *r0 = codes + t * nb, *r1 = r0 + nb, *r2 = r1 + nb, *r3 = r2 + nb;
-        for (int g = 0; g < ng; g++) {
-            const float w0 = p[t] * h2f(sc[t * ng + g]), w1 = p[t + 1] * h2f(sc[(t + 1) * ng + g]);
-            const float w2 = p[t + 2] * h2f(sc[(t + 2) * ng + g]), w3 = p[t + 3] * h2f(sc[(t + 3) * ng + g]);
-            zacc[g] += p[t] * h2f(zr[t * ng + g]) + p[t + 1] * h2f(zr[(t + 1) * ng + g])
-                     + p[t + 2] * h2f(zr[(t + 2) * ng + g]) + p[t + 3] * h2f(zr[(t + 3) * ng + g]);
-            for (int ph = 0; ph < pb; ph++) {
-                float* a = acc + ph * nb;
-                const int sh = bits * ph;
-#pragma omp simd
-                for (int i = g * gb; i < (g + 1) * gb; i++)
-                    a[i] += w0 * (float)((r0[i] >> sh) & mask) + w1 * (float)((r1[i] >> sh) & mask)
-                          + w2 * (float)((r2[i] >> sh) & mask) + w3 * (float)((r3[i] >> sh) & mask);
+#ifdef KV_W
+    if (vector_fits(D, G, bits) && ng <= KIVI_MAX_D / KV_W) {
+        const vi m = V_MASK(mask);
+        float w[4][KIVI_MAX_D / KV_W];
+        for (; t + 4 <= nq; t += 4) {
+            const uint8_t* r0 = codes + t * nb;
+            for (int k = 0; k < 4; k++)
+                for (int g = 0; g < ng; g++) {
+                    w[k][g] = p[t + k] * h2f(sc[(t + k) * ng + g]);
+                    zacc[g] += p[t + k] * h2f(zr[(t + k) * ng + g]);
+                }
+            for (int i = 0; i < nb; i += KV_W) {
+                const vi x0 = V_BYTES(r0 + i), x1 = V_BYTES(r0 + nb + i);
+                const vi x2 = V_BYTES(r0 + 2 * nb + i), x3 = V_BYTES(r0 + 3 * nb + i);
+                for (int ph = 0; ph < pb; ph++) {
+                    const int d0 = ph * nb + i, g = d0 / G;
+                    vf a = V_LOAD(acc + d0);
+                    a = V_FMA(V_SET1(w[0][g]), V_FIELD(x0, bits * ph, m), a);
+                    a = V_FMA(V_SET1(w[1][g]), V_FIELD(x1, bits * ph, m), a);
+                    a = V_FMA(V_SET1(w[2][g]), V_FIELD(x2, bits * ph, m), a);
+                    a = V_FMA(V_SET1(w[3][g]), V_FIELD(x3, bits * ph, m), a);
+                    V_STORE(acc + d0, a);
+                }
             }
         }
     }
+#endif
     for (; t < nq; t++) {
         const uint8_t* r0 = codes + t * nb;
-        for (int g = 0; g < ng; g++) {
-            const float w0 = p[t] * h2f(sc[t * ng + g]);
-            zacc[g] += p[t] * h2f(zr[t * ng + g]);
-            for (int ph = 0; ph < pb; ph++) {
-                float* a = acc + ph * nb;
-#pragma omp simd
-                for (int i = g * gb; i < (g + 1) * gb; i++) a[i] += w0 * (float)((r0[i] >> (bits * ph)) & mask);
+        for (int ph = 0; ph < pb; ph++)
+            for (int i = 0; i < nb; i++) {
+                const int d = ph * nb + i;
+                acc[d] += p[t] * h2f(sc[t * ng + d / G]) * (float)((r0[i] >> (bits * ph)) & mask);
             }
-        }
+        for (int g = 0; g < ng; g++) zacc[g] += p[t] * h2f(zr[t * ng + g]);
     }
 }
 
@@ -176,10 +241,10 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
         float* scores = malloc(sizeof(float) * ((size_t)group * T + (size_t)(group * (n_k + 2 * n_v) + 2) * D));
         if (!scores) { failed = 1; continue; }
         float* qs = scores + (size_t)group * T;       /* [group, n_k, D]: query with key weights and scale */
-        float* acc = qs + (size_t)group * n_k * D;     /* [group, n_v, D]: quantised values, split by phase */
+        float* acc = qs + (size_t)group * n_k * D;     /* [group, n_v, D]: quantised values */
         float* accr = acc + (size_t)group * n_v * D;   /* [group, n_v, D]: residual values, natural order */
-        float* qsp = accr + (size_t)group * n_v * D;   /* [D] */
-        float* zacc = qsp + D;                         /* [D] (D/G used) */
+        float* qsc = accr + (size_t)group * n_v * D;   /* [D] */
+        float* zacc = qsc + D;                         /* [D] (D/G used) */
         for (int j = 0; j < group; j++)
             for (int k = 0; k < n_k; k++)
                 for (int d = 0; d < D; d++) {
@@ -194,8 +259,8 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
             for (int j = 0; j < group; j++) {
                 const float* qw = qs + ((long)j * n_k + k) * D;
                 float* s = scores + (long)j * T;
-                if (bits == 4) key_scores_q(qw, codes, sc, zr, kq, D, G, s, k > 0, qsp, 4);
-                else key_scores_q(qw, codes, sc, zr, kq, D, G, s, k > 0, qsp, 2);
+                if (bits == 4) key_scores_q(qw, codes, sc, zr, kq, D, G, s, k > 0, qsc, 4);
+                else key_scores_q(qw, codes, sc, zr, kq, D, G, s, k > 0, qsc, 2);
                 key_scores_f(qw, r->k_res + g * hs.kr, T - kq, D, s + kq, k > 0);
             }
         }
@@ -225,9 +290,8 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
                 else value_acc_q(p, codes, sc, zr, vq, D, G, a, zacc, 2);
                 value_acc_f(p + vq, r->v_res + g * hs.vr, T - vq, D, ar);
                 const float* w = v_w[v] ? v_w[v] + (long)g * vb_hs : NULL;
-                const int nb = D / pb;
                 for (int d = 0; d < D; d++) {
-                    const float y = a[(d % pb) * nb + d / pb] + zacc[d / G] + ar[d];
+                    const float y = a[d] + zacc[d / G] + ar[d];
                     o[d] += w ? w[d] * y : y;
                 }
             }
@@ -296,7 +360,7 @@ int kivi_flush(const KiviShape* shape, const KiviRow* r, long n) {
                                      r->k_zero + g * hs.ks + at + d, codes))
                         return 1;
                     for (int t = 0; t < G; t++)
-                        kc[((long)grp * G + t) * nb + d / pb] |= (uint8_t)(codes[t] << (bits * (d % pb)));
+                        kc[((long)grp * G + t) * nb + d % nb] |= (uint8_t)(codes[t] << (bits * (d / nb)));
                 }
             }
         }
@@ -311,7 +375,7 @@ int kivi_flush(const KiviShape* shape, const KiviRow* r, long n) {
                     return 1;
                 for (int c = 0; c < G; c++) {
                     const int d = grp * G + c;
-                    vc[d / pb] |= (uint8_t)(codes[c] << (bits * (d % pb)));
+                    vc[d % nb] |= (uint8_t)(codes[c] << (bits * (d / nb)));
                 }
             }
             memmove(vr, vr + D, sizeof(float) * (size_t)R * D);

@@ -76,17 +76,20 @@ def check_kivi_settings(bits: int, group_size: int, residual_length: int, head_d
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes < 2**bits, [..., D] -> [..., D * bits / 8]: 8 / bits codes per byte, lowest first."""
+    """uint8 codes < 2**bits, [..., D] -> [..., D * bits / 8]: 8 / bits codes per byte, the channels split into
+    8 / bits consecutive parts of D * bits / 8, byte i holding channel i of each, the first part in the lowest
+    bits (as llama.cpp's Q4_0 puts a block's first half in the low nibbles): a native kernel then reads one
+    part of the query against one bit field of contiguous bytes (`fusedkv/kernels/cpu_kivi_attention.c`)."""
     per_byte = 8 // bits
-    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(-1, dtype=torch.uint8)  # disjoint bit fields: the sum is a bitwise or
+    parts = codes.reshape(*codes.shape[:-1], per_byte, codes.shape[-1] // per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).unsqueeze(-1)
+    return (parts << shifts).sum(-2, dtype=torch.uint8)  # disjoint bit fields: the sum is a bitwise or
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of `pack_codes`."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).unsqueeze(-1)
+    codes = (packed.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 

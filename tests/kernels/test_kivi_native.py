@@ -82,14 +82,27 @@ SOURCES = {  # (key layers, value layers, weighted): vanilla's own, Lite's reuse
 }
 
 
+# (head_dim, group, residual): the portable loops (16 channels in groups of 4), and the vector loops
+# (64 channels: 16 or 32 bytes a row, groups of 16 channels: whole AVX-512 / AVX2 vectors).
+SHAPES = {"portable": (16, G, R), "vector": (64, 16, 32)}
+LENGTHS = {  # tokens held, from the group size g and the residual length r: each side of every boundary
+    "1": lambda g, r: 1, "G-1": lambda g, r: g - 1, "G+1": lambda g, r: g + 1, "R-1": lambda g, r: r - 1,
+    "R": lambda g, r: r, "R+1": lambda g, r: r + 1, "2R-1": lambda g, r: 2 * r - 1, "2R+3": lambda g, r: 2 * r + 3,
+    "5R": lambda g, r: 5 * r,
+}
+
+
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("n", [1, G - 1, G + 1, R - 1, R, R + 1, 2 * R + 3, 5 * R])
+@pytest.mark.parametrize("at", ["1", "G-1", "G+1", "R-1", "R", "R+1", "2R+3", "5R"])
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("sources", list(SOURCES))
-def test_attention_matches_float64(bits, n, sources):
-    h_q, h_kv, d, batch = 4, 2, 16, 2
+def test_attention_matches_float64(bits, at, shape, sources):
+    d, g_size, r_len = SHAPES[shape]
+    n = LENGTHS[at](g_size, r_len)
+    h_q, h_kv, batch = 4, 2, 2
     cfg = tiny_config(num_hidden_layers=2, num_key_value_heads=h_kv, head_dim=d, num_attention_heads=h_q,
-                      kv_sharing="vanilla")
-    cache = KIVICache(cfg, bits, G, R, max_len=5 * R + 2)
+                      kv_sharing="vanilla", max_position_embeddings=512)
+    cache = KIVICache(cfg, bits, g_size, r_len, max_len=5 * r_len + 2)
     _fill(cache, n, batch, h_kv, d, seed=n)
     k_layers, v_layers, weighted = SOURCES[sources]
     g = torch.Generator().manual_seed(1)
@@ -102,15 +115,18 @@ def test_attention_matches_float64(bits, n, sources):
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("n", [R - 1, R, 2 * R - 1, 2 * R + 3])
-def test_pending_token_and_flush_match_the_module_path(bits, n):
+@pytest.mark.parametrize("at", ["R-1", "R", "2R-1", "2R+3"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_pending_token_and_flush_match_the_module_path(bits, at, shape):
     """Inside a step: one appended token is attended over in full precision, then flushed; the flushed cache
     holds the same bits as the module path's `update` of that token, with left padding (rows of their own)."""
-    h_q, h_kv, d, batch = 4, 2, 16, 3
+    d, g_size, r_len = SHAPES[shape]
+    n = LENGTHS[at](g_size, r_len)
+    h_q, h_kv, batch = 4, 2, 3
     starts = [0, 3, 5]
     cfg = tiny_config(num_hidden_layers=2, num_key_value_heads=h_kv, head_dim=d, num_attention_heads=h_q,
-                      kv_sharing="vanilla")
-    native_cache, module_cache = (KIVICache(cfg, bits, G, R, max_len=n + 2) for _ in range(2))
+                      kv_sharing="vanilla", max_position_embeddings=512)
+    native_cache, module_cache = (KIVICache(cfg, bits, g_size, r_len, max_len=n + 2) for _ in range(2))
     _fill(native_cache, n, batch, h_kv, d, starts, seed=n)
     _fill(module_cache, n, batch, h_kv, d, starts, seed=n, reserve=False)
     g = torch.Generator().manual_seed(2)
