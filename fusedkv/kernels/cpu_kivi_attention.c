@@ -55,8 +55,12 @@ static HeadStrides strides_of(const KiviShape* s, const KiviRow* r) {
 typedef __m512 vf;
 typedef __m512i vi;
 #define V_BYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p)))  /* W bytes -> W int32 */
-#define V_FIELD(x, sh, m) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32((x), _mm512_set1_epi32(sh)), (m)))
-#define V_MASK(m) _mm512_set1_epi32(m)
+/* Bit field `sh` of each lane as f32 in one permute: vpermps reads the low 4 bits of each index lane, and the
+ * table maps them to the field's value (4 bits: i; 2 bits: i & 3), so neither a mask nor a conversion. */
+#define V_FIELD(x, sh, t) _mm512_permutexvar_ps((sh) != 0 ? _mm512_srlv_epi32((x), _mm512_set1_epi32(sh)) : (x), (t))
+#define V_TABLE(bits) ((bits) == 4 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) \
+                                   : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3))
+typedef __m512 vtable;
 #define V_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))  /* W fp16 -> W f32 */
 #define V_LOAD _mm512_loadu_ps
 #define V_STORE _mm512_storeu_ps
@@ -65,6 +69,9 @@ typedef __m512i vi;
 #define V_MUL _mm512_mul_ps
 #define V_FMA _mm512_fmadd_ps
 #define V_SUM _mm512_reduce_add_ps
+static inline __m256 v_half_sum(__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KV_W 8
@@ -72,7 +79,8 @@ typedef __m256 vf;
 typedef __m256i vi;
 #define V_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p)))
 #define V_FIELD(x, sh, m) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32((x), _mm256_set1_epi32(sh)), (m)))
-#define V_MASK(m) _mm256_set1_epi32(m)
+#define V_TABLE(bits) _mm256_set1_epi32((1 << (bits)) - 1)  /* here a mask */
+typedef __m256i vtable;
 #define V_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
 #define V_LOAD _mm256_loadu_ps
 #define V_STORE _mm256_storeu_ps
@@ -80,10 +88,20 @@ typedef __m256i vi;
 #define V_ZERO _mm256_setzero_ps
 #define V_MUL _mm256_mul_ps
 #define V_FMA _mm256_fmadd_ps
+static inline __m256 v_half_sum(__m256 x) { return x; }
 static inline float V_SUM(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#ifdef KV_W
+/* The sums of four vectors at once (fewer shuffles than four reductions): out[k] = sum of x_k's lanes. */
+static inline void v_sum4(vf x0, vf x1, vf x2, vf x3, float* out) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v_half_sum(x0), v_half_sum(x1)),
+                                    _mm256_hadd_ps(v_half_sum(x2), v_half_sum(x3)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 #endif
 
@@ -110,15 +128,18 @@ static inline __attribute__((always_inline)) void key_scores_q(const float* qw, 
     for (long grp = 0; grp < nq / G; grp++) {
         const uint16_t *gs = sc + grp * D, *gz = zr + grp * D;
         float c0 = 0.f;
-        for (int d = 0; d < D; d++) {
-            qsc[d] = qw[d] * h2f(gs[d]);
-            c0 += qw[d] * h2f(gz[d]);
-        }
         const long t0 = grp * G;
         long t = t0;
 #ifdef KV_W
         if (vec) {
-            const vi m = V_MASK(mask);
+            vf c = V_ZERO();
+            for (int d = 0; d < D; d += KV_W) {
+                const vf qv = V_LOAD(qw + d);
+                V_STORE(qsc + d, V_MUL(qv, V_HALF(gs + d)));
+                c = V_FMA(qv, V_HALF(gz + d), c);
+            }
+            c0 = V_SUM(c);
+            const vtable m = V_TABLE(bits);
             for (; t + 4 <= t0 + G; t += 4) {  /* four keys at a time: independent sums (cpu_decode_attention.c) */
                 const uint8_t* r0 = codes + t * nb;
                 vf a0 = V_ZERO(), a1 = V_ZERO(), a2 = V_ZERO(), a3 = V_ZERO();
@@ -131,12 +152,16 @@ static inline __attribute__((always_inline)) void key_scores_q(const float* qw, 
                         a2 = V_FMA(w, V_FIELD(x2, bits * p, m), a2); a3 = V_FMA(w, V_FIELD(x3, bits * p, m), a3);
                     }
                 }
-                const float d0 = V_SUM(a0) + c0, d1 = V_SUM(a1) + c0, d2 = V_SUM(a2) + c0, d3 = V_SUM(a3) + c0;
-                if (add) { s[t] += d0; s[t + 1] += d1; s[t + 2] += d2; s[t + 3] += d3; }
-                else { s[t] = d0; s[t + 1] = d1; s[t + 2] = d2; s[t + 3] = d3; }
+                float dots[4];
+                v_sum4(a0, a1, a2, a3, dots);
+                for (int k = 0; k < 4; k++) s[t + k] = (add ? s[t + k] : 0.f) + dots[k] + c0;
             }
-        }
+        } else
 #endif
+            for (int d = 0; d < D; d++) {
+                qsc[d] = qw[d] * h2f(gs[d]);
+                c0 += qw[d] * h2f(gz[d]);
+            }
         (void)vec;
         for (; t < t0 + G; t++) {
             const uint8_t* r0 = codes + t * nb;
@@ -157,7 +182,7 @@ static inline __attribute__((always_inline)) void value_acc_q(const float* p, co
     long t = 0;
 #ifdef KV_W
     if (vector_fits(D, G, bits) && ng <= KIVI_MAX_D / KV_W) {
-        const vi m = V_MASK(mask);
+        const vtable m = V_TABLE(bits);
         float w[4][KIVI_MAX_D / KV_W];
         for (; t + 4 <= nq; t += 4) {
             const uint8_t* r0 = codes + t * nb;

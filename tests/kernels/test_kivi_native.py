@@ -149,8 +149,11 @@ def test_pending_token_and_flush_match_the_module_path(bits, at, shape):
                 assert torch.equal(x, y)
 
 
+STEP_G, STEP_R = SHAPES["vector"][1:]  # the step's model has 64-channel heads: the vector loops
+
+
 def _kivi_model(plan):
-    model = tiny_model(plan, head_dim=16, max_position_embeddings=96)
+    model = tiny_model(plan, head_dim=SHAPES["vector"][0], max_position_embeddings=128)
     set_decode_layout(model, "packed")
     return model
 
@@ -161,10 +164,10 @@ def test_native_step_matches_the_forward(plan, bits):
     """The step over a reserved KIVI cache against the model's forward over a KIVI cache fed the same tokens
     one at a time (whose storage layers dequantise, and whose reconstruction layers fuse what they return)."""
     model = _kivi_model(plan)
-    batch, prompt, total = 2, 13, 13 + 2 * R + 3
+    batch, prompt, total = 2, 13, 13 + 2 * STEP_R + 3
     ids = torch.randint(1, 97, (batch, total), generator=torch.Generator().manual_seed(0))
-    native_cache = KIVICache(model.config, bits, G, R, max_len=total)
-    module_cache = KIVICache(model.config, bits, G, R)
+    native_cache = KIVICache(model.config, bits, STEP_G, STEP_R, max_len=total)
+    module_cache = KIVICache(model.config, bits, STEP_G, STEP_R)
     with torch.inference_mode():
         step = NativeDecodeStep(model, {}, {}, batch, kivi=native_cache)
         model(ids[:, :prompt], cache=native_cache, use_cache=True)
@@ -185,10 +188,10 @@ def test_generate_same_tokens_with_and_without_the_native_step(plan, bits):
     ids = torch.randint(1, 97, (3, 14), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    mask[2, :R + 2] = 0
-    factory = kivi_cache_factory(bits, G, R)
-    native_run = generate(model, ids, 2 * R + 5, attention_mask=mask, cache_factory=factory)
-    module_run = generate(model, ids, 2 * R + 5, attention_mask=mask, cache_factory=factory, native_step=False)
+    mask[2, :9] = 0
+    factory = kivi_cache_factory(bits, STEP_G, STEP_R)
+    native_run = generate(model, ids, 2 * STEP_R + 5, attention_mask=mask, cache_factory=factory)
+    module_run = generate(model, ids, 2 * STEP_R + 5, attention_mask=mask, cache_factory=factory, native_step=False)
     assert native_run.native_step and not module_run.native_step
     assert torch.equal(native_run.tokens, module_run.tokens)
     assert native_run.cache_bytes == module_run.cache_bytes
