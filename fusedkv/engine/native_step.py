@@ -13,7 +13,9 @@ moved onto the query and output, paper Sec. 2.5), checked against the model's fo
 It covers what the fast CPU path is for: weights f32 in the packed decode layout, bf16 / int8 in the
 block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16), or int4 blocks (any); batch
 <= 4; full attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of
-`fusedkv.plan`); dense SwiGLU MLPs. `unsupported` names the first thing it does not cover, and the caller then keeps the
+`fusedkv.plan`); dense SwiGLU MLPs; a static cache or a KIVI cache (`fusedkv.quant.KIVICache`, read in place by
+`fusedkv.kernels.cpu_kivi`: the step appends each token to its residual and quantises what leaves the window after
+every layer has read it). `unsupported` names the first thing it does not cover, and the caller then keeps the
 module-by-module step, which runs everything (MoE, MLA, sliding windows, f16 weights).
 """
 

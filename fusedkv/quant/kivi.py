@@ -22,6 +22,11 @@ In a FusedKV model only storage layers write a cache (`fusedkv.model.attention`)
 `cache.update` and attend over what it returns, and reconstruction layers fuse those same returned
 (dequantised) tensors, so every plan, `model.generate()` and the lean loop work unchanged.
 
+Decoding on CPU: the native decode step (`fusedkv.engine.native_step`) reads the codes, scales and residual
+in place (`fusedkv/kernels/cpu_kivi_attention.c`), so nothing is dequantised per step. It takes a cache that
+knows its `max_len` (`kivi_cache_factory` passes generate's) and preallocates it once (`KIVICache.reserve`,
+`KIVIStore`), then appends and quantises in those buffers itself, with the same arithmetic as here.
+
 Padding: KIVI's key groups are runs of G tokens and its flushes follow the token count, so a left-padded
 row must not count its padding, or its groups would straddle padding and real tokens (pad keys joining
 the per-channel min/max) and fall on other columns than the same prompt's alone. `KIVICache.set_padding`
