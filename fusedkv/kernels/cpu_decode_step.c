@@ -162,7 +162,7 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
             for (int g = 0; g < Hkv; g++) {
                 const long at = b * sb + g * sh + length * D;
                 norm_rope(row + (long)(Hq + g) * D, L->k_norm, cos, sin, k, D, s->eps);
-                if (s->kivi) {
+                if (s->kivi) {  /* this layer's own row table; the token joins the residuals at the row's end */
                     kivi_append(s->kivi, (const KiviRow*)L->k_src[0] + b, g, pos, k, row + (long)(Hq + Hkv + g) * D);
                     continue;
                 }
@@ -170,7 +170,8 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
                 store(L->v_cache, at, row + (long)(Hq + Hkv + g) * D, D, s->kind);
             }
         }
-        int status = s->kivi ? kivi_layer_attention(s, L, kv_start, length, threads) : decode_attention(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->kind,
+        int status = s->kivi ? kivi_layer_attention(s, L, kv_start, length, threads)
+                   : decode_attention(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->kind,
                                       L->n_k, L->k_src[0], L->k_src[L->n_k - 1], sb, sh, D,
                                       L->k_w[0], L->k_w[1], L->k_w_hs,
                                       L->n_v, L->v_src[0], L->v_src[L->n_v - 1], sb, sh, D,
@@ -190,8 +191,9 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
         for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
     }
     for (int l = 0; s->kivi && l < s->n_layers; l++)  /* after every layer has read the new token */
-        for (int b = 0; b < B && s->layers[l].stores; b++)
-            if (kivi_flush(s->kivi, (const KiviRow*)s->layers[l].k_src[0] + b, length - (kv_start ? kv_start[b] : 0)))
-                return 4;
+        for (int b = 0; b < B && s->layers[l].stores; b++) {
+            const KiviRow* rows = (const KiviRow*)s->layers[l].k_src[0];
+            if (kivi_flush(s->kivi, rows + b, length - (kv_start ? kv_start[b] : 0))) return 4;
+        }
     return 0;
 }

@@ -16,7 +16,7 @@
  * are written once over AVX-512 or AVX2 vectors (whichever the compiler targets, -march=native, as for the
  * other kernels), with portable loops for other processors and shapes (a part not a whole number of vectors).
  *
- * Layout of one row of one KIVI storage layer (`KiviRow`, fusedkv.kernels.cpu_kivi.row_tables), per kv head:
+ * Layout of one row of one KIVI storage layer (`KiviRow`, fusedkv.kernels.cpu_kivi.row_table), per kv head:
  *   key codes [k_cap, D/pb] u8, key scale / zero [k_cap/G, D] f16, key residual [R, D] f32,
  *   value codes [v_cap, D/pb] u8, value scale / zero [v_cap, D/G] f16, value residual [R + 1, D] f32.
  * A row holding n tokens (its own: padding is never stored) has (n/R)R keys and max(n - R, 0) values
@@ -394,10 +394,8 @@ int kivi_flush(const KiviShape* shape, const KiviRow* r, long n) {
             uint8_t* vc = r->v_codes + g * hs.vc + vq * nb;
             memset(vc, 0, (size_t)nb);
             for (int grp = 0; grp < D / G; grp++) {
-                const long at = vq * (D / G) + grp;
-                if (quantize_run(vr + (long)grp * G, 1, G, bits, r->v_scale + g * hs.vs + at, r->v_zero + g * hs.vs + at,
-                                 codes))
-                    return 1;
+                const long at = g * hs.vs + vq * (D / G) + grp;
+                if (quantize_run(vr + (long)grp * G, 1, G, bits, r->v_scale + at, r->v_zero + at, codes)) return 1;
                 for (int c = 0; c < G; c++) {
                     const int d = grp * G + c;
                     vc[d % nb] |= (uint8_t)(codes[c] << (bits * (d / nb)));
