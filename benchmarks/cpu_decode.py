@@ -10,6 +10,8 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
     python benchmarks/cpu_decode.py --quality RUN/final --weights float32,bfloat16,int8,int4 --kv float32
                                                        # logits vs f32 and perplexity per precision
     python benchmarks/cpu_decode.py --overhead --kv float32  # one step's CPU time: products, rest, floor
+    python benchmarks/cpu_decode.py --kivi --plans vanilla,fusedkv --threads 1 --prompt-lens 2048,32768 \\
+        --steps 8 --repeats 5                          # native step over KIVI-4 / KIVI-2 vs the bf16 cache
 
 Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8, int4 weights; f32 or 16-bit cache), and
 `llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
@@ -444,6 +446,71 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+# ---- KIVI cache ---------------------------------------------------------------------------------------
+def kivi_table(plans: list[str], threads: int, contexts: list[int], steps: int, repeats: int) -> str:
+    """TPOT of the native decode step over a KIVI-4 and a KIVI-2 cache (`fusedkv.kernels.cpu_kivi`: codes read
+    in place) against the same step over a bf16 static cache, f32 weights, batch 1, at each context. The
+    caches are filled with random post-RoPE K/V of the bench shape (no prefill: 32k tokens of it would take
+    minutes); KIVI's through its own `update`, so they hold its codes, scales and 128-token residual. Each
+    repeat times `steps` steps of every row, order rotated; ratios are per repeat, then medians."""
+    from fusedkv.engine.native_step import NativeDecodeStep
+    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.quant import KIVICache
+
+    torch.set_num_threads(threads)
+    room = steps * (repeats + 1) + 1
+    models = build_models(BenchShape(), plans, max(contexts) + room, "cpu", torch.float32, include_hf=False)
+    lines = [f"{threads} thread(s), native decode step, f32 weights, batch 1; TPOT ms (median of {repeats} "
+             f"interleaved repeats of {steps} steps) and its ratio to the bf16 cache (median of per-repeat ratios)",
+             "| plan | context | bf16 cache | KIVI-4 | KIVI-4 / bf16 | KIVI-2 | KIVI-2 / bf16 |",
+             "|---|---|---|---|---|---|---|"]
+    for plan in plans:
+        model = set_decode_layout(models[plan], "packed")
+        config = model.config
+        for context in contexts:
+            gen = torch.Generator().manual_seed(context)
+            h_kv, d = config.num_key_value_heads, config.head_dim
+            kv = {i: [torch.randn(1, h_kv, context, d, generator=gen) for _ in range(2)]
+                  for i in config.plan.storage_layers}
+            rows = {}
+            static = StaticKVCache(config, 1, context + room, torch.bfloat16)
+            for i, (k, v) in kv.items():
+                static.keys[i][:, :, :context], static.values[i][:, :, :context] = k, v
+            static.advance(context)
+            rows["bf16"] = (NativeDecodeStep(model, static.keys, static.values, 1), static)
+            for bits in (4, 2):
+                cache = KIVICache(config, bits, max_len=context + room)
+                step = NativeDecodeStep(model, {}, {}, 1, kivi=cache)  # reserves the cache's buffers
+                for i, (k, v) in kv.items():
+                    cache.layers[i].update(k, v)
+                rows[f"KIVI-{bits}"] = (step, cache)
+            del kv
+            names = list(rows)
+            for name in names:  # warm-up
+                _step_tpot(*rows[name], steps)
+            samples = {name: [] for name in names}
+            for r in range(repeats):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    samples[name].append(_step_tpot(*rows[name], steps))
+            med = {name: statistics.median(samples[name]) * 1e3 for name in names}
+            ratio = {name: statistics.median(a / b for a, b in zip(samples[name], samples["bf16"])) for name in names}
+            lines.append(f"| {plan} | {context} | {med['bf16']:.2f} | {med['KIVI-4']:.2f} | {ratio['KIVI-4']:.2f} | "
+                         f"{med['KIVI-2']:.2f} | {ratio['KIVI-2']:.2f} |")
+            print(lines[-1], file=sys.stderr)
+    return "\n".join(lines)
+
+
+def _step_tpot(step, cache, steps: int) -> float:
+    """Median seconds of `steps` native decode steps (one token each) appended to `cache`."""
+    token, times = torch.ones(1, 1, dtype=torch.long), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step(token, None, cache.get_seq_length())
+        cache.advance(1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 # ---- quality -----------------------------------------------------------------------------------------
 def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[torch.dtype]) -> str:
     """Per precision (`weights` x `kvs`): on held-out windows of the built-in corpus, (1) full-forward
@@ -512,6 +579,8 @@ def main() -> None:
                     help="how fusedkv rows decode: the layers in one native call where it covers the model "
                     "(generate's default), the modules one by one, or both as separate rows ('... modules')")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
+    ap.add_argument("--kivi", action="store_true", help="print the KIVI-4 / KIVI-2 cache against the bf16 cache "
+                    "instead: native step TPOT at each --prompt-lens tokens of cache (e.g. 2048,32768), --steps each")
     ap.add_argument("--attention", action="store_true", help="print the native attention table instead "
                     "(--threads, --prompt-lens as the context lengths, --repeats)")
     ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
@@ -531,6 +600,11 @@ def main() -> None:
     if args.attention:
         for t in [int(x) for x in args.threads.split(",")]:
             print(attention_table(t, [int(c) for c in args.prompt_lens.split(",")], args.repeats))
+        return
+    if args.kivi:
+        for t in [int(x) for x in args.threads.split(",")]:
+            print(kivi_table(args.plans.split(","), t, [int(c) for c in args.prompt_lens.split(",")], args.steps,
+                             args.repeats))
         return
     if args.kernels:
         for t in [int(x) for x in args.threads.split(",")]:

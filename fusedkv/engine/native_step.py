@@ -13,7 +13,9 @@ moved onto the query and output, paper Sec. 2.5), checked against the model's fo
 It covers what the fast CPU path is for: weights f32 in the packed decode layout, bf16 / int8 in the
 block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16), or int4 blocks (any); batch
 <= 4; full attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of
-`fusedkv.plan`); dense SwiGLU MLPs. `unsupported` names the first thing it does not cover, and the caller then keeps the
+`fusedkv.plan`); dense SwiGLU MLPs; a static cache or a KIVI cache (`fusedkv.quant.KIVICache`, read in place by
+`fusedkv.kernels.cpu_kivi`: the step appends each token to its residual and quantises what leaves the window after
+every layer has read it). `unsupported` names the first thing it does not cover, and the caller then keeps the
 module-by-module step, which runs everything (MoE, MLA, sliding windows, f16 weights).
 """
 
@@ -23,7 +25,7 @@ import ctypes
 
 import torch
 
-from ..kernels import cpu_attention, cpu_gemv, native
+from ..kernels import cpu_attention, cpu_gemv, cpu_kivi, native
 from ..model.attention import Attention
 from ..model.layers import SwiGLU, rope_inv_freq, rope_tables
 from .packing import decode_products
@@ -49,7 +51,7 @@ class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
     _fields_ = [("n_layers", I), ("hidden", I), ("n_heads", I), ("n_kv_heads", I), ("head_dim", I), ("inter", I),
                 ("batch", I), ("kind", I), ("cache_len", L), ("eps", F), ("scale", F), ("cos", P), ("sin", P),
                 ("layers", ctypes.POINTER(_Layer)),
-                ("h", P), ("proj", P), ("q", P), ("attn", P), ("gu", P), ("act", P), ("xb", P)]
+                ("h", P), ("proj", P), ("q", P), ("attn", P), ("gu", P), ("act", P), ("xb", P), ("kivi", P)]
 
 
 def _product(module) -> _Product | None:
@@ -90,8 +92,18 @@ def _products(layer) -> dict[str, _Product] | None:
     return None if None in products.values() else products
 
 
-def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int) -> str | None:
-    """Why the native step cannot run `model` over these cache buffers at this batch, or None when it can."""
+def _kivi_unsupported(config, cache) -> str | None:
+    """Why the step cannot read this `fusedkv.quant.KIVICache` (`fusedkv.kernels.cpu_kivi`), or None."""
+    if cache.max_len is None:
+        return "the KIVI cache does not know its max_len (build it with kivi_cache_factory)"
+    return cpu_kivi.supports(cache.bits, cache.group_size, cache.residual_length, config.head_dim,
+                             config.num_attention_heads, config.num_key_value_heads)
+
+
+def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int,
+                kivi=None) -> str | None:
+    """Why the native step cannot run `model` over these cache buffers (or this KIVI cache) at this batch, or
+    None when it can."""
     config = model.config
     if not native.available():
         return "the native CPU kernels are not built here"
@@ -106,11 +118,15 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return f"{', '.join(features)} run module by module"
     if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
         return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
-    if sorted(config.plan.storage_layers) != sorted(keys):
+    if kivi is not None:
+        reason = _kivi_unsupported(config, kivi)
+        if reason is not None:
+            return reason
+    elif sorted(config.plan.storage_layers) != sorted(keys):
         return "the cache does not hold exactly the plan's storage layers"
-    buffers = [*keys.values(), *values.values()]
-    first = buffers[0]
-    if first.dtype not in cpu_attention.KINDS or any(
+    buffers = [*keys.values(), *values.values()] if kivi is None else []
+    first = buffers[0] if buffers else None
+    if buffers and first.dtype not in cpu_attention.KINDS or any(
             b.dtype != first.dtype or b.shape != first.shape or not b.is_contiguous() or b.shape[0] != batch
             for b in buffers):
         return "the cache buffers are not one contiguous [B, H_kv, S, D] shape and dtype (a window cache?)"
@@ -129,6 +145,18 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
     return None
 
 
+class _Source:
+    """A KIVI storage layer's row table where the step takes a static buffer: only its address is read."""
+
+    dtype = torch.float32  # the residual's (the model's) dtype
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
 class Unsupported(ValueError):
     """The native step does not cover this model, cache or batch (the message says why)."""
 
@@ -137,18 +165,25 @@ class NativeDecodeStep:
     """`step(token, kv_start, length)` -> logits [B, 1, V] of one new token per row, with its K/V written into
     `keys` / `values` (the static cache's storage-layer buffers, [B, H_kv, S, D]) at column `length`; the
     caller counts the token in its cache. `kv_start` [B]: each row's first real key (left padding), or None.
-    Built once per generation; raises `Unsupported` (a ValueError) with what `unsupported` names."""
+    Built once per generation; raises `Unsupported` (a ValueError) with what `unsupported` names.
+    `kivi`: a `fusedkv.quant.KIVICache` instead of static buffers (keys / values ignored): reserved here for
+    its max_len tokens before the prompt is stored, read and written in place (`fusedkv.kernels.cpu_kivi`)."""
 
-    def __init__(self, model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int):
-        reason = unsupported(model, keys, values, batch)
+    def __init__(self, model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int,
+                 kivi=None):
+        reason = unsupported(model, keys, values, batch, kivi)
         if reason is not None:
             raise Unsupported(f"the native decode step does not cover this model: {reason}")
         self.model = model
         config = model.config
         d, h_q, h_kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         hidden, inter = config.hidden_size, config.intermediate_size
-        cache_len = next(iter(keys.values())).shape[2]
         self._keep: list[torch.Tensor] = []  # every tensor a pointer in the table refers to stays alive here
+        self._kivi = None
+        if kivi is not None:
+            keys, values, cache_len = self._kivi_tables(kivi, batch)
+        else:
+            cache_len = next(iter(keys.values())).shape[2]
         positions = torch.arange(cache_len).unsqueeze(0)
         cos, sin = rope_tables(positions, rope_inv_freq(config)[0], torch.float32)
         cos, sin = self._hold(cos.reshape(cache_len, d)), self._hold(sin.reshape(cache_len, d))
@@ -164,9 +199,19 @@ class NativeDecodeStep:
         self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
                            cpu_attention.KINDS[next(iter(keys.values())).dtype], cache_len, config.rms_norm_eps,
                            d**-0.5, cos.data_ptr(), sin.data_ptr(), layers,
-                           *(t.data_ptr() for t in scratch))
+                           *(t.data_ptr() for t in scratch), self._kivi)
         self._address = ctypes.addressof(self._step)
         self._lib = native.library()
+
+    def _kivi_tables(self, cache, batch: int):
+        """Reserve the KIVI cache and describe each storage layer's rows to C (`cpu_kivi.row_table`): the step
+        reads those tables where it reads static buffers otherwise (`_Source` stands in for a buffer)."""
+        cache.reserve(batch, torch.float32)
+        self._kivi_shape = cpu_kivi.shape_of(cache)
+        self._kivi = ctypes.addressof(self._kivi_shape)
+        self._tables = {i: cpu_kivi.row_table(cache.layers[i], batch) for i in self.model.config.plan.storage_layers}
+        sources = {i: _Source(ctypes.addressof(t)) for i, t in self._tables.items()}
+        return sources, sources, cache.max_len
 
     def _hold(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().to(torch.float32).contiguous()

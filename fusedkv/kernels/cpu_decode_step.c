@@ -64,6 +64,8 @@ typedef struct {
      * and [B, widest input + 1] uint16 for inputs rounded to bf16 */
     float *h, *proj, *q, *attn, *gu, *act;
     uint16_t* xb;
+    const KiviShape* kivi;             /* a KIVI cache (cpu_kivi_attention.c): the layers' k_src / v_src are
+                                          KiviRow[B] tables, the step appends, then flushes; NULL otherwise */
 } Step;
 
 
@@ -121,6 +123,18 @@ static void store(void* dst, long at, const float* src, int n, int kind) {
     else for (int i = 0; i < n; i++) ((_Float16*)dst)[at + i] = (_Float16)src[i];
 }
 
+/* Attention of one layer over a KIVI cache: each row holds its own length - kv_start[b] tokens plus the
+ * pending one (padding is never stored). */
+static int kivi_layer_attention(const Step* s, const StepLayer* L, const int64_t* kv_start, long length,
+                                int threads) {
+    int64_t n[MAX_ROWS];
+    for (int b = 0; b < s->batch; b++) n[b] = length - (kv_start ? kv_start[b] : 0);
+    return kivi_attention(s->q, s->batch, s->n_heads, s->n_kv_heads, s->scale, s->kivi,
+                          L->n_k, L->k_src[0], L->k_src[L->n_k - 1], L->k_w[0], L->k_w[1], L->k_w_hs,
+                          L->n_v, L->v_src[0], L->v_src[L->n_v - 1], L->v_w[0], L->v_w[1], L->v_w_hs,
+                          n, 1, s->attn, threads);
+}
+
 /* x [B, H]: the residual stream of one new token per row, updated in place through every layer. The
  * token is written into the cache at column `length` (the same for every row: rows are left-padded);
  * row b's first real key is kv_start[b] (NULL: 0), so its RoPE position is length - kv_start[b].
@@ -148,11 +162,16 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
             for (int g = 0; g < Hkv; g++) {
                 const long at = b * sb + g * sh + length * D;
                 norm_rope(row + (long)(Hq + g) * D, L->k_norm, cos, sin, k, D, s->eps);
+                if (s->kivi) {  /* this layer's own row table; the token joins the residuals at the row's end */
+                    kivi_append(s->kivi, (const KiviRow*)L->k_src[0] + b, g, pos, k, row + (long)(Hq + Hkv + g) * D);
+                    continue;
+                }
                 store(L->k_cache, at, k, D, s->kind);
                 store(L->v_cache, at, row + (long)(Hq + Hkv + g) * D, D, s->kind);
             }
         }
-        int status = decode_attention(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->kind,
+        int status = s->kivi ? kivi_layer_attention(s, L, kv_start, length, threads)
+                   : decode_attention(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->kind,
                                       L->n_k, L->k_src[0], L->k_src[L->n_k - 1], sb, sh, D,
                                       L->k_w[0], L->k_w[1], L->k_w_hs,
                                       L->n_v, L->v_src[0], L->v_src[L->n_v - 1], sb, sh, D,
@@ -171,5 +190,10 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
         if (product(&L->down, s->act, B, s->h, s->xb, threads)) return 3;
         for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
     }
+    for (int l = 0; s->kivi && l < s->n_layers; l++)  /* after every layer has read the new token */
+        for (int b = 0; b < B && s->layers[l].stores; b++) {
+            const KiviRow* rows = (const KiviRow*)s->layers[l].k_src[0];
+            if (kivi_flush(s->kivi, rows + b, length - (kv_start ? kv_start[b] : 0))) return 4;
+        }
     return 0;
 }

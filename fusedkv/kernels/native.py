@@ -28,7 +28,7 @@ import torch
 from ..utils import cache_dir, cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_decode_step.c",
-                                                       "cpu_paged_attention.c")]
+                                                       "cpu_paged_attention.c", "cpu_kivi_attention.c")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
@@ -39,6 +39,9 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "has_bf16_blocks": ([], I),
     "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
     "decode_step": ([P, P, P, L, I], I),
+    # cpu_kivi_attention.c (the KIVI cache read in place, fusedkv.kernels.cpu_kivi)
+    "kivi_attention": ([P, I, I, I, F, P, I, P, P, P, P, L, I, P, P, P, P, L, P, I, P, I], I),
+    "kivi_flush": ([P, P, L], I),
     # cpu_paged_attention.c (vLLM's paged cache, fusedkv.serving.paged)
     "paged_attention": ([P, I, I, I, I, F, I, P, P, P, L, I, L, L, I, I, P, P, P, P, L, I, P, P, P, P, L, P, I], I),
 }
