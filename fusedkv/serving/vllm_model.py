@@ -122,12 +122,23 @@ class FusedKVAttention(nn.Module):
         return out
 
 
+def make_attention(config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str) -> nn.Module:
+    """The attention module of one decoder layer: `forward(positions, hidden_states) -> hidden_states`.
+    The one place that chooses it (other attention kinds, e.g. latent attention, hook in here)."""
+    return FusedKVAttention(config, layer, cache_config, quant_config, model_prefix, prefix)
+
+
+def make_mlp(config, layer: LayerKV, quant_config, prefix: str) -> nn.Module:
+    """The MLP of one decoder layer: `forward(hidden_states) -> hidden_states`. The one place that chooses
+    it (other kinds, e.g. mixture-of-experts layers, hook in here)."""
+    return SwiGLU(config.hidden_size, config.intermediate_size, quant_config, prefix)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
         super().__init__()
-        self.self_attn = FusedKVAttention(config, layer, cache_config, quant_config, model_prefix,
-                                          f"{prefix}.self_attn")
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
+        self.self_attn = make_attention(config, layer, cache_config, quant_config, model_prefix, f"{prefix}.self_attn")
+        self.mlp = make_mlp(config, layer, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
