@@ -209,6 +209,9 @@ def run(args) -> int:
                                                                                            "--chat-template"):
         chat_template = preflight.DEFAULT_CHAT_TEMPLATE
     args.vllm_args = vllm_args
+    # vLLM's default max_model_len multiplies max_position_embeddings by a linear / dynamic RoPE factor; the
+    # model (like transformers' with its fixed-base frequencies) ends at max_position_embeddings.
+    args.max_model_len = args.max_model_len or config.max_position_embeddings
     cmd = server_command(args, python, dtype, chat_template)
 
     plan = config.plan

@@ -324,7 +324,9 @@ class CrossLayerAttention:
         t = attn_metadata.num_actual_tokens
         q, out = query[:t], output[:t]
         if self.gathered:
-            if not self._native(layer, q, keys, k_weights, values, v_weights, attn_metadata, out):
+            # The native kernel has no window: window layers (sliding_window >= 0) take the gathered path.
+            if self.base.sliding_window not in (None, -1) or not self._native(
+                    layer, q, keys, k_weights, values, v_weights, attn_metadata, out):
                 self._gathered(layer, q, keys, k_weights, values, v_weights, attn_metadata, out)
         else:
             self._with_cpu_op(layer, q, keys[0], k_weights[0], values, v_weights, attn_metadata, out)
@@ -395,6 +397,7 @@ class CrossLayerAttention:
         num_reqs = len(starts) - 1
         seq_lens = meta.seq_lens[:num_reqs].tolist()
         decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
+        window = self.base.sliding_window or -1  # the CPU backend's -1: no window
         if decodes:
             # One-token steps, batched: pad to the longest sequence and mask the tail.
             rows = torch.tensor(decodes)
@@ -403,7 +406,10 @@ class CrossLayerAttention:
             blocks = meta.block_table[rows, :n_blocks]
             k_src = [gather_blocks(c, blocks, key_layout) for c in keys]
             v_src = [gather_blocks(c, blocks, value_layout) for c in values]
-            mask = torch.arange(n_blocks * block_size)[None, :] < lens[:, None]  # [R, S]
+            key_pos = torch.arange(n_blocks * block_size)[None, :]
+            mask = key_pos < lens[:, None]  # [R, S]
+            if window > 0:  # a window layer's query at position s - 1 sees keys s - W .. s - 1
+                mask &= key_pos >= lens[:, None] - window
             token_rows = torch.tensor([starts[r] for r in decodes])
             o = factored_attention(q[token_rows].unsqueeze(2), k_src, k_weights, v_src, v_weights,  # [R, H, 1, D]
                                    mask=mask[:, None, None, :], scale=self.base.scale)
@@ -417,7 +423,10 @@ class CrossLayerAttention:
             k_src = [gather_blocks(c, blocks, key_layout)[:, :, :s] for c in keys]
             v_src = [gather_blocks(c, blocks, value_layout)[:, :, :s] for c in values]
             # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i.
-            mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+            q_pos, key_pos = torch.arange(s - t, s)[:, None], torch.arange(s)[None, :]
+            mask = key_pos <= q_pos
+            if window > 0:
+                mask &= q_pos - key_pos < window
             qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
             o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask, scale=self.base.scale)
             out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
