@@ -45,6 +45,7 @@ import torch
 from ..checkpoints import check_checkpoint_dir, write_manifest
 from ..config import FusedKVConfig
 from ..data import TokenBatches, iter_eval_batches
+from ..data.tokenizer import with_chat_template
 from ..errors import RunError, UsageError, describe_os_error
 from ..model import FusedKVForCausalLM
 from ..model.loss import causal_lm_loss, lm_loss
@@ -706,7 +707,7 @@ class _Run:
                     plain = FusedKVForCausalLM(self.mc)  # unwrapped, on CPU, whatever the training layout
                     plain.load_state_dict(sd, strict=True)
                     plain.save_pretrained(str(tmp))
-                    self.ds.load_tokenizer().save_pretrained(str(tmp))
+                    with_chat_template(self.ds.load_tokenizer()).save_pretrained(str(tmp))  # chat requests work
                 write_manifest(tmp)  # sizes + SHA-256, verified by from_pretrained (checkpoints.py)
                 replace_dir(tmp, final)
             except Exception as e:

@@ -183,7 +183,7 @@ def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints
     from transformers import AutoTokenizer
 
     from fusedkv import FusedKVForCausalLM
-    from fusedkv.serving.preflight import DEFAULT_CHAT_TEMPLATE
+    from fusedkv.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
     messages = [{"role": "system", "content": "Speak as Juliet."}, {"role": "user", "content": "Who is there?"}]
     body = {"model": server["model"], "messages": messages, "max_tokens": 12, "temperature": 0,
@@ -205,6 +205,44 @@ def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints
     # The text is the tokens' (vLLM holds back a trailing incomplete UTF-8 sequence of byte-level BPE).
     content = choice["message"]["content"]
     assert content and tok.decode(expected, skip_special_tokens=True).startswith(content)
+
+
+@pytest.mark.slow
+def test_chat_completions_on_a_trained_checkpoint_use_the_template_it_carries(vllm_python, tmp_path):
+    """`fusedkv train` saves a chat template with its tokenizer: a trained checkpoint serves chat completions
+    without `--chat-template` and without fusedkv serve's fallback."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from fusedkv import FusedKVForCausalLM
+    from fusedkv.data.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+    out = tmp_path / "run"
+    env = {**vllm_env(), "FUSEDKV_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
+    trained = subprocess.run([sys.executable, "-m", "fusedkv.cli", "train", "--preset", "nano", "--max-steps", "2",
+                              "--set", "model.head_dim=32", "--set", "threads=1", "--out", str(out), "--quiet"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    path = out / "final"
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+    s = start_server(vllm_python, path, tmp_path / "server.log")
+    try:
+        messages = [{"role": "user", "content": "Who is there?"}]
+        body = {"model": s["model"], "messages": messages, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True}
+        reply = post(s["port"], "/v1/chat/completions", body, key=None)
+        assert "no chat template" not in s["log"].read_text()
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # the saved template
+        assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
+        model = FusedKVForCausalLM.from_pretrained(path).eval()
+        ids = torch.tensor([reply["prompt_token_ids"]])
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        assert reply["choices"][0]["token_ids"] == expected
+    finally:
+        stop(s)
 
 
 @pytest.mark.slow
