@@ -107,11 +107,11 @@ class Rotary(nn.Module):
                                          torch.get_default_dtype(), torch.empty(0).device)
         self.head_dim = config.head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H * D] -> rotated, the same shape."""
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each x: [T, H * D] -> rotated, the same shape (the tables are looked up once for all)."""
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
-        by_head = x.view(x.shape[0], -1, self.head_dim)
-        return apply_rope(by_head, cos.to(x.dtype), sin.to(x.dtype)).view(x.shape)
+        return tuple(apply_rope(x.view(x.shape[0], -1, self.head_dim), cos.to(x.dtype), sin.to(x.dtype)).view(x.shape)
+                     for x in xs)
 
 
 class FusedKVAttention(nn.Module):
@@ -169,12 +169,14 @@ class FusedKVAttention(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm:
                 q, k = self._heads_norm(q, self.q_norm), self._heads_norm(k, self.k_norm)
-            out = self.attn(self.rotary(positions, q), self.rotary(positions, k), v)
+            q, k = self.rotary(positions, q, k)
+            out = self.attn(q, k, v)
         else:
             q, _ = self.q_proj(hidden_states)
             if self.qk_norm:
                 q = self._heads_norm(q, self.q_norm)
-            out = self.attn(self.rotary(positions, q), None, None)
+            (q,) = self.rotary(positions, q)
+            out = self.attn(q, None, None)
         out, _ = self.o_proj(out)
         return out
 
