@@ -28,8 +28,11 @@ from .families import MODEL_TYPES, family_for
 from .family import with_plan_kv_heads
 from .qwen3 import fuse_experts
 
+# The tokenizer travels with the weights, its chat template too (tokenizer_config.json's "chat_template", or
+# transformers 5's chat_template.jinja, or the older chat_template.json), so chat requests work on the result.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "generation_config.json", "chat_template.jinja")
+                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
+                    "chat_template.jinja", "chat_template.json")
 
 
 def fusedkv_to_plan_config(saved: dict, kv_sharing: str, origin: str = "checkpoint", **overrides) -> FusedKVConfig:

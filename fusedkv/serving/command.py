@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from .. import argtypes
+from ..data.tokenizer import DEFAULT_CHAT_TEMPLATE
 from ..errors import UsageError
 from . import preflight
 from .supervisor import Server
@@ -207,8 +208,11 @@ def run(args) -> int:
     chat_template = None
     if not preflight.has_chat_template(Path(args.checkpoint)) and not preflight.has_option(vllm_args,
                                                                                            "--chat-template"):
-        chat_template = preflight.DEFAULT_CHAT_TEMPLATE
+        chat_template = DEFAULT_CHAT_TEMPLATE
     args.vllm_args = vllm_args
+    # vLLM's default max_model_len multiplies max_position_embeddings by a linear / dynamic RoPE factor; the
+    # model (like transformers' with its fixed-base frequencies) ends at max_position_embeddings.
+    args.max_model_len = args.max_model_len or config.max_position_embeddings
     cmd = server_command(args, python, dtype, chat_template)
 
     plan = config.plan

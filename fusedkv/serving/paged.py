@@ -385,6 +385,7 @@ class CrossLayerAttention:
         num_reqs = len(starts) - 1
         seq_lens = meta.seq_lens[:num_reqs].tolist()
         decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
+        window = self.base.sliding_window or -1  # the CPU backend's -1: no window
         if decodes:
             # One-token steps, batched: pad to the longest sequence and mask the tail.
             rows = torch.tensor(decodes)
@@ -393,7 +394,10 @@ class CrossLayerAttention:
             blocks = meta.block_table[rows, :n_blocks]
             k_src = [gather_blocks(c, blocks, key_layout) for c in keys]
             v_src = [gather_blocks(c, blocks, value_layout) for c in values]
-            mask = torch.arange(n_blocks * block_size)[None, :] < lens[:, None]  # [R, S]
+            key_pos = torch.arange(n_blocks * block_size)[None, :]
+            mask = key_pos < lens[:, None]  # [R, S]
+            if window > 0:  # a window layer's query at position s - 1 sees keys s - W .. s - 1
+                mask &= key_pos >= lens[:, None] - window
             token_rows = torch.tensor([starts[r] for r in decodes])
             o = factored_attention(q[token_rows].unsqueeze(2), k_src, k_weights, v_src, v_weights,  # [R, H, 1, D]
                                    mask=mask[:, None, None, :], scale=self.base.scale)
@@ -407,7 +411,10 @@ class CrossLayerAttention:
             k_src = [gather_blocks(c, blocks, key_layout)[:, :, :s] for c in keys]
             v_src = [gather_blocks(c, blocks, value_layout)[:, :, :s] for c in values]
             # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i.
-            mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+            q_pos, key_pos = torch.arange(s - t, s)[:, None], torch.arange(s)[None, :]
+            mask = key_pos <= q_pos
+            if window > 0:
+                mask &= q_pos - key_pos < window
             qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
             o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask, scale=self.base.scale)
             out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
@@ -436,5 +443,6 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
             layout = cpu_cache_layout(model_dtype, dtype, impl.kv_cache_dtype, block_size, impl.head_size)
         path = select_paged_attention(impl.k_layers, impl.v_layers, gpu=impl.on_gpu, head_dim=impl.head_size,
                                       device=device, dtype=dtype, query_dtype=model_dtype,
-                                      native_layout=layout[1] is None and layout[0] in (None, TRANSPOSED))
+                                      native_layout=layout[1] is None and layout[0] in (None, TRANSPOSED),
+                                      window=impl.base.sliding_window not in (None, -1))
         impl.use(path, layout)

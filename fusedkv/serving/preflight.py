@@ -14,7 +14,8 @@ a second, each failure one line and exit 2 (`fusedkv.errors`):
     disagree with fusedkv's), and the combinations the plugin refuses at load time are refused now;
   * the dtype: `auto` is the checkpoint's own dtype, so greedy output equals transformers' by default;
     serving below the checkpoint's precision is said in one warning line;
-  * the chat template: the checkpoint's, else `DEFAULT_CHAT_TEMPLATE` (documented in docs/serving.md).
+  * the chat template: the checkpoint's (`fusedkv train` saves one, `fusedkv convert` keeps the source's), else
+    `fusedkv.data.tokenizer.DEFAULT_CHAT_TEMPLATE` (documented in docs/serving.md).
 """
 
 from __future__ import annotations
@@ -34,12 +35,6 @@ CPU_BLOCK_MULTIPLE = 32
 # Precision order of the dtypes vLLM serves: a lower rank loses mantissa bits.
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 
-# Used when a checkpoint has no chat template (models trained by `fusedkv train` have none): a plain
-# transcript, "Role: text" paragraphs, ending in "Assistant:" for the model to continue.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n\n"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 
 # vLLM options that `fusedkv serve` sets from its own flags (vLLM name -> fusedkv flag).
 OWN_OPTIONS = {

@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..data.tokenizer import with_chat_template
 from ..errors import RunError
 from ..model import FusedKVForCausalLM
 from ..model_dirs import write_manifest
@@ -104,7 +105,7 @@ class RunCheckpoints:
                     plain = FusedKVForCausalLM(self.run.mc)  # unwrapped, on CPU, whatever the training layout
                     plain.load_state_dict(sd, strict=True)
                     plain.save_pretrained(str(tmp))
-                    self.run.ds.load_tokenizer().save_pretrained(str(tmp))
+                    with_chat_template(self.run.ds.load_tokenizer()).save_pretrained(str(tmp))  # chat requests work
                 write_manifest(tmp)  # sizes + SHA-256, verified by from_pretrained (fusedkv/model_dirs.py)
                 replace_dir(tmp, final)
             except Exception as e:

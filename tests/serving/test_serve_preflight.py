@@ -46,6 +46,35 @@ def test_head_size_the_cpu_backend_cannot_run_is_refused(vllm_python, tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_soft_capping_with_fused_k_sources_is_refused(vllm_python, tmp_path):
+    """Gemma 2's attention soft-capping is served for vanilla, CLA, YOCO and Lite (vLLM's attention applies
+    it), not where a layer fuses two K sources (the paged cross-layer attention has no soft-capping)."""
+    from tiny_checkpoints import write_checkpoints
+
+    path = write_checkpoints(tmp_path, plans=("fusedkv",), attn_logit_softcapping=5.0)["fusedkv"]
+    refused(serve(str(path)), "attn_logit_softcapping", "two or more K sources", "fusedkv-lite")
+
+
+def test_imported_family_features_are_served():
+    """The features of the imported dense families (biases, no QK-norm, scaled RoPE, Gemma's norms and
+    scalings, windows) pass the plugin's check (served: tests/serving/test_vllm_families.py)."""
+    from tiny_checkpoints import tiny_config
+
+    from fusedkv.serving.plugin import check_servable
+
+    for plan in ("vanilla", "fusedkv", "fusedkv-lite"):
+        config = tiny_config(plan, 320, attention_bias=True, mlp_bias=True, use_qk_norm=False,
+                             rms_norm_unit_offset=True, use_post_norms=True, embedding_multiplier=11.0,
+                             hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                             sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        assert config.extra_block_features()
+        check_servable(config)
+    check_servable(tiny_config("fusedkv-lite", 320, attn_logit_softcapping=5.0))
+
+
 def test_block_size_the_cpu_backend_cannot_run_is_refused(ckpt):
     refused(serve(ckpt, "--block-size", "48"), "--block-size 48", "multiple of 32")
 
