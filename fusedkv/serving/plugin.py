@@ -37,14 +37,6 @@ def serving_config_class():
 
 def check_servable(config) -> None:
     """Raise ValueError naming what the vLLM plugin cannot serve yet (the HF model can)."""
-    if getattr(config, "num_experts", 0):
-        raise ValueError("num_experts > 0: mixture-of-experts FusedKV models are not served by the vLLM plugin yet "
-                         "(its model has no MoE MLP: vLLM's FusedMoE layer and the expert weight mapping are not "
-                         "wired in); use `fusedkv generate`")
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError("kv_lora_rank is set: latent-attention (MLA) FusedKV models are not served by the vLLM "
-                         "plugin yet (vLLM's CPU build has MLA attention, CPU_MLA/AMX_MLA, but the plugin has no MLA "
-                         "layers and no cross-layer reads of a latent cache); use `fusedkv generate`")
     if "sliding_attention" in config.layer_types:
         raise ValueError("layer_types: sliding-window layers are not served by the vLLM plugin yet (its layers "
                          "take no per-layer window and reconstruction layers do not read window caches); use "

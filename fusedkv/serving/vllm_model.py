@@ -49,6 +49,8 @@ from ..model.fusion import KVFusion
 from ..plan import LayerKV
 from .paged import CrossLayerAttention
 from .plugin import check_servable
+from .vllm_mla import make_mla
+from .vllm_moe import make_moe_mlp
 
 
 def check_backend_runs(config) -> None:
@@ -56,7 +58,7 @@ def check_backend_runs(config) -> None:
     request (for users of `vllm serve`; `fusedkv serve` checks before starting vLLM)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() and config.kv_lora_rank is None:  # MLA caches use vllm_mla's own head size
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         sizes = CPUAttentionBackend.get_supported_head_sizes()
@@ -125,9 +127,10 @@ class FusedKVAttention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
         super().__init__()
-        self.self_attn = FusedKVAttention(config, layer, cache_config, quant_config, model_prefix,
-                                          f"{prefix}.self_attn")
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
+        self.self_attn = make_mla(config, layer, cache_config, model_prefix, f"{prefix}.self_attn") or FusedKVAttention(
+            config, layer, cache_config, quant_config, model_prefix, f"{prefix}.self_attn")
+        self.mlp = make_moe_mlp(config, layer.index, f"{prefix}.mlp") or SwiGLU(
+            config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -264,7 +267,7 @@ class FusedKVForCausalLM(nn.Module):
                    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
                    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
                    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1)]
-        params = dict(self.named_parameters())
+        params = {**dict(self.named_buffers()), **dict(self.named_parameters())}  # buffers: MoE score bias
         loaded: set[str] = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
