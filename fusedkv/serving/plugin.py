@@ -44,6 +44,11 @@ def check_servable(config) -> None:
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: the FusedKV model uses SwiGLU (silu)")
     features = getattr(config, "extra_block_features", list)()  # imported families (fusedkv convert)
+    if getattr(config, "kv_lora_rank", None) is not None:  # MLA layers build the model's own RoPE tables (vllm_mla)
+        if config.rope_parameters.get("rope_type") == "dynamic":
+            raise ValueError("rope_type='dynamic': MLA layers served by the vLLM plugin take fixed RoPE tables; use "
+                             "`fusedkv generate`")
+        features = [f for f in features if f != "rope_parameters"]
     if features:
         raise ValueError(f"{', '.join(features)}: models with these fields (imported Llama / Mistral / Qwen2 / "
                          "Gemma blocks) are not served by the vLLM plugin yet")
