@@ -5,8 +5,11 @@ KV sharing touches attention only (paper App. A.6), so a sparse layer's MLP is t
 `e_score_correction_bias`, grouped top-k, `norm_topk_prob`, `routed_scaling_factor`), its grouped
 expert GEMM and its shared experts, with the checkpoint's parameter names. It is transformers'
 arithmetic step for step (`fusedkv.model.moe`), so float32 greedy tokens equal transformers' and
-`fusedkv generate`'s; vLLM's `FusedMoE` would reorder it (its own top-k kernels, the routed scale and
-the shared experts applied around its fused experts) and is not used.
+`fusedkv generate`'s (tests/serving/test_vllm_moe_mla.py). vLLM's `FusedMoE` is not used yet: its CPU
+router (vLLM 0.32 `fused_moe/router/cpu_router.py`) does express this routing (softmax or sigmoid scores,
+e_score_correction_bias, grouped top-k, renormalisation, routed_scaling_factor on the weights), but its
+experts run in its own fused CPU kernel with another summation order, and wiring it (expert weight
+mapping, shared experts beside it) was not tried against the exactness bar.
 
 Under torch.compile the layer runs as one opaque custom op (`torch.ops.vllm.fusedkv_moe`), as
 vLLM's own MoE layers do: the routing has data-dependent shapes (tokens per expert) that the graph
