@@ -45,14 +45,9 @@ def serving_config_class():
 
 def check_servable(config) -> None:
     """Raise ValueError naming what the vLLM plugin cannot serve yet (the HF model can)."""
-    if getattr(config, "num_experts", 0):
-        raise ValueError("num_experts > 0: mixture-of-experts FusedKV models are not served by the vLLM plugin yet "
-                         "(its model has no MoE MLP: vLLM's FusedMoE layer and the expert weight mapping are not "
-                         "wired in); use `fusedkv generate`")
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError("kv_lora_rank is set: latent-attention (MLA) FusedKV models are not served by the vLLM "
-                         "plugin yet (vLLM's CPU build has MLA attention, CPU_MLA/AMX_MLA, but the plugin has no MLA "
-                         "layers and no cross-layer reads of a latent cache); use `fusedkv generate`")
+    if getattr(config, "kv_lora_rank", None) is not None and config.rope_parameters.get("rope_type") == "dynamic":
+        raise ValueError("rope_type='dynamic': MLA layers served by the vLLM plugin take fixed RoPE tables (vllm_mla "
+                         "builds the model's own); use `fusedkv generate`")
     if getattr(config, "attn_logit_softcapping", None) and any(
             not layer.stores and len(set(layer.k_sources)) > 1 for layer in config.plan.layers):
         raise ValueError("attn_logit_softcapping with reconstruction layers that fuse two or more K sources "

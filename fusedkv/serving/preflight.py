@@ -95,6 +95,9 @@ def check_vllm_args(vllm_args: list[str], config, enforce_eager: bool, cpu_build
     if cache_dtype not in (None, "auto", "float32", "bfloat16", "float16") and reads_other_layers(config):
         raise UsageError(f"--kv-cache-dtype {cache_dtype}: FusedKV reconstruction layers read unquantised caches; "
                          "serve with the default (auto)")
+    if cache_dtype not in (None, "auto", "float32", "bfloat16", "float16") and getattr(config, "kv_lora_rank", None):
+        raise UsageError(f"--kv-cache-dtype {cache_dtype}: the plugin's latent-attention (MLA) layers keep their "
+                         "latents unquantised; serve with the default (auto)")
     if cpu_build and cache_dtype is not None and cache_dtype.startswith("fp8") and config.head_dim % 32:
         raise UsageError(f"--kv-cache-dtype {cache_dtype}: vLLM's CPU backend needs head_dim divisible by 32")
 
@@ -108,7 +111,7 @@ def reads_other_layers(config) -> bool:
 
 def check_cpu_backend(config, block_size: int | None) -> None:
     """Head and block sizes vLLM's CPU attention runs; it accepts others at start-up and fails later."""
-    if config.head_dim not in CPU_HEAD_SIZES:
+    if config.head_dim not in CPU_HEAD_SIZES and getattr(config, "kv_lora_rank", None) is None:  # MLA: vllm_mla
         raise UsageError(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes "
                          f"{', '.join(map(str, CPU_HEAD_SIZES))} only (it would fail at the first request); "
                          "serve this model with `fusedkv generate`, or train one with such a head_dim")

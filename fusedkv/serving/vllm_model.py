@@ -59,6 +59,8 @@ from ..model.layers import apply_rope, rope_inv_freq, rope_tables
 from ..plan import SLIDING, LayerKV
 from .paged import CrossLayerAttention, select_paths
 from .plugin import check_servable
+from .vllm_mla import make_mla
+from .vllm_moe import make_moe_mlp
 
 
 def check_backend_runs(config) -> None:
@@ -66,7 +68,7 @@ def check_backend_runs(config) -> None:
     request (for users of `vllm serve`; `fusedkv serve` checks before starting vLLM)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() and config.kv_lora_rank is None:  # MLA caches use vllm_mla's own head size
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         sizes = CPUAttentionBackend.get_supported_head_sizes()
@@ -183,15 +185,16 @@ class FusedKVAttention(nn.Module):
 
 def make_attention(config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str) -> nn.Module:
     """The attention module of one decoder layer: `forward(positions, hidden_states) -> hidden_states`.
-    The one place that chooses it (other attention kinds, e.g. latent attention, hook in here)."""
-    return FusedKVAttention(config, layer, cache_config, quant_config, model_prefix, prefix)
+    The one place that chooses it: latent attention (MLA, `vllm_mla`) or the multi-head kind."""
+    return make_mla(config, layer, cache_config, model_prefix, prefix) or FusedKVAttention(
+        config, layer, cache_config, quant_config, model_prefix, prefix)
 
 
 def make_mlp(config, layer: LayerKV, quant_config, prefix: str) -> nn.Module:
     """The MLP of one decoder layer: `forward(hidden_states) -> hidden_states`. The one place that chooses
-    it (other kinds, e.g. mixture-of-experts layers, hook in here)."""
-    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, quant_config,
-                    prefix)
+    it: a mixture of experts (`vllm_moe`) or the gated MLP."""
+    return make_moe_mlp(config, layer.index, prefix) or GatedMLP(
+        config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, quant_config, prefix)
 
 
 class DecoderLayer(nn.Module):
@@ -365,7 +368,7 @@ class FusedKVForCausalLM(nn.Module):
                    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
                    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
                    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1)]
-        params = dict(self.named_parameters())
+        params = {**dict(self.named_buffers()), **dict(self.named_parameters())}  # buffers: MoE score bias
         loaded: set[str] = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -386,8 +389,8 @@ class FusedKVForCausalLM(nn.Module):
                                  "checkpoint and its config.json disagree (re-save it with save_pretrained)")
         self._serve_fusion_weights()
         # How every reconstruction layer attends, decided here once (the engine's selection).
-        select_paths([d.self_attn.attn.impl for d in self.model.layers
-                      if isinstance(d.self_attn.attn.impl, CrossLayerAttention)], self.model_dtype,
+        impls = [getattr(getattr(d.self_attn, "attn", None), "impl", None) for d in self.model.layers]
+        select_paths([impl for impl in impls if isinstance(impl, CrossLayerAttention)], self.model_dtype,
                      self.model.embed_tokens.weight.device, self.block_size)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")

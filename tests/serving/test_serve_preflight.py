@@ -109,6 +109,41 @@ def test_options_the_plugin_cannot_run_are_refused(ckpt, extra, words):
     refused(serve(ckpt, "--", *extra), *words)
 
 
+MLA = dict(kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def mla_ckpt(vllm_python, tmp_path_factory):
+    from tiny_checkpoints import write_checkpoints
+
+    return str(write_checkpoints(tmp_path_factory.mktemp("mla"), plans=("vanilla",), **MLA)["vanilla"])
+
+
+def test_mla_latents_are_not_quantised(mla_ckpt):
+    """MLA's head_dim (the RoPE width, 16 here) is not a vLLM attention head: not refused as one; an fp8
+    cache is refused (the plugin's MLA layers keep their latents unquantised), even for vanilla."""
+    refused(serve(mla_ckpt, "--", "--kv-cache-dtype", "fp8"), "--kv-cache-dtype fp8", "MLA", "unquantised")
+
+
+def test_moe_and_mla_models_are_servable():
+    """What issue 26 added to the plugin is no longer refused; what it cannot take still is."""
+    from tiny_checkpoints import tiny_config
+
+    from fusedkv.serving.plugin import check_servable
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+               topk_method="noaux_tc", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale_all_dim": 0.707}
+    check_servable(tiny_config("fusedkv", 320, **moe))
+    check_servable(tiny_config("fusedkv", 320, **MLA, **moe, rope_parameters=yarn))
+    with pytest.raises(ValueError, match="rope_parameters"):  # scaled RoPE in Qwen3 attention: not yet
+        check_servable(tiny_config("fusedkv", 320, rope_parameters=yarn))
+    with pytest.raises(ValueError, match="dynamic"):
+        check_servable(tiny_config("fusedkv", 320, **MLA, rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
+
+
 def test_nan_weights_are_refused(ckpt, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
