@@ -137,8 +137,7 @@ def test_moe_and_mla_models_are_servable():
             "mscale_all_dim": 0.707}
     check_servable(tiny_config("fusedkv", 320, **moe))
     check_servable(tiny_config("fusedkv", 320, **MLA, **moe, rope_parameters=yarn))
-    with pytest.raises(ValueError, match="rope_parameters"):  # scaled RoPE in Qwen3 attention: not yet
-        check_servable(tiny_config("fusedkv", 320, rope_parameters=yarn))
+    check_servable(tiny_config("fusedkv", 320, rope_parameters=yarn))  # scaled RoPE in multi-head attention too
     with pytest.raises(ValueError, match="dynamic"):
         check_servable(tiny_config("fusedkv", 320, **MLA, rope_parameters={
             "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
