@@ -226,3 +226,38 @@ def test_converted_model_reproduces_transformers_logits(tmp_path):
     runner.close()
     assert out["tokens"] == ref and len(out["step_s"]) == 3
     assert (ours - want).abs().max() < 1e-3
+
+
+@pytest.mark.manual
+@pytest.mark.skipif(available() is not None or not os.environ.get(SRC_ENV),
+                    reason=f"needs llama-cpp-python and its sdist in ${SRC_ENV}")
+def test_q4_files_window_logits_and_a_filled_cache(tmp_path):
+    """llama.cpp's quantizer writes Q4_0 / Q4_K_M files a quarter the f32 size or less; the all-position
+    logits of a window match transformers at f32; a cache set from its own state decodes as after the
+    prompt itself, and one filled 3x longer decodes from there."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    hf_dir = llamacpp.export_hf_checkpoint(hf, tmp_path / "hf", text_chars=200_000)
+    root = find_converter(None, tmp_path)
+    f32 = llamacpp.convert_to_gguf(hf_dir, tmp_path / "m-f32.gguf", "f32", root)
+    for ty in llamacpp.QUANT_TYPES:
+        q = llamacpp.convert_to_gguf(hf_dir, tmp_path / f"m-{ty}.gguf", ty, root)
+        assert llamacpp.gguf_weight_nbytes(q) < llamacpp.gguf_weight_nbytes(f32) / 4
+    ids = list(range(1, 33))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(llamacpp.window_logits(f32, [ids])[0] - want).max() < 1e-3
+    runner = llamacpp.LlamaCppRunner(f32, n_ctx=256, threads=1, kv_type="f32", n_batch=32)
+    runner.llm.eval(ids + [7])
+    direct = runner.logits_last().copy()
+    runner.fill_cache(32, ids)
+    runner.llm.eval([7])
+    assert np.abs(runner.logits_last() - direct).max() < 1e-4
+    runner.fill_cache(96, ids)
+    assert runner.llm.n_tokens == 96 and len(runner.decode_from(96, 7, 3)) == 3
+    runner.close()
