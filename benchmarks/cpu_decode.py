@@ -10,14 +10,20 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
     python benchmarks/cpu_decode.py --quality RUN/final --weights float32,bfloat16,int8,int4 --kv float32
                                                        # logits vs f32 and perplexity per precision
     python benchmarks/cpu_decode.py --overhead --kv float32  # one step's CPU time: products, rest, floor
+    python benchmarks/cpu_decode.py --plans vanilla --weights int4 --kv half --llama-rows q4_0/f16,q4_k_m/f16
+                                                       # int4 against llama.cpp's Q4_0 and Q4_K_M
+    python benchmarks/cpu_decode.py --long 8192,32768 --kv half --llama-rows f32/f16   # TPOT after long caches
+    python benchmarks/cpu_decode.py --prefill --plans vanilla --weights float32,int4   # where prefill time goes
 
 Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8, int4 weights; f32 or 16-bit cache), and
-`llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
-when llama-cpp-python is installed and its source distribution is given (`fusedkv.bench.llamacpp`).
+`llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter, q4_0 / q4_k_m from
+its quantizer; f32 or f16 KV) when llama-cpp-python is installed (its source distribution, which holds the
+converter, is fetched from the package registry when not given; `fusedkv.bench.llamacpp`).
 fusedkv rows decode as `fusedkv.generation.generate` does by default (the native step where it covers
 the model); `--step both` adds each row again decoded module by module (`... modules`).
 Every (threads, prompt, batch) cell runs all rows round-robin, the order rotated per repeat, and
-reports medians; ratios are to llama.cpp with the same weight and KV kinds. llama.cpp runs one
+reports medians; ratios (medians of the per-round ratios) are to llama.cpp with the same weight and KV
+kinds (int4: both Q4 files). llama.cpp runs one
 sequence, so batch 4 compares fusedkv rows among themselves. GB/s = (weight bytes + KV bytes read)
 per step / TPOT; the ceiling is `torch.sum` over as many bytes (as `benchmarks/decode_layout.py`).
 """
