@@ -760,7 +760,10 @@ def main() -> None:
         from fusedkv.bench.llamacpp import available
 
         kvs = [kv_dtype_for(k) for k in args.kv.split(",")]
-        llama, llama_kv = ({}, {}) if args.no_llama or available() else quality_gguf(
+        why = None if args.no_llama else available()
+        if why:
+            print(why, file=sys.stderr)
+        llama, llama_kv = ({}, {}) if args.no_llama or why else quality_gguf(
             args.quality, args.llamacpp_src, args.llama_rows)
         print(quality_table(args.quality, args.windows, [weight_format(w) for w in args.weights.split(",")], kvs,
                             llama, llama_kv))
