@@ -4,7 +4,7 @@
 import subprocess
 from pathlib import Path
 
-from conftest import REPO, vllm_env
+from tests.serving.conftest import REPO, vllm_env
 
 
 def test_gathered_blocks_equal_the_tokens_vllm_wrote(vllm_python):

@@ -12,9 +12,9 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, vllm_env
 
 from fusedkv.serving import preflight
+from tests.serving.conftest import REPO, vllm_env
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:

@@ -24,7 +24,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import REPO, vllm_env
+
+from tests.serving.conftest import REPO, vllm_env
 
 STARTUP_TIMEOUT_S = 600  # first start on a busy 2-core machine includes vLLM's model inspection
 API_KEY = "fusedkv-test-key"
