@@ -8,18 +8,17 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
 from fusedkv.serving import preflight
+from tests import _cli as cli_process
 from tests.serving.conftest import REPO, vllm_env
 
 
-def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fusedkv.cli", "serve", *args], cwd=REPO, env=vllm_env(),
-                          capture_output=True, text=True, timeout=120)
+def serve(*args: str) -> cli_process.Result:
+    return cli_process.fusedkv("serve", *args, cwd=REPO, env=vllm_env(), timeout=120)
 
 
 def refused(r: subprocess.CompletedProcess, *words: str) -> str:

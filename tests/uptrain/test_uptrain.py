@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import _cli as cli_process
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 320
 STEPS = 4
@@ -87,9 +89,8 @@ def _env(tmp_path: Path, **extra) -> dict:
     return env
 
 
-def _uptrain(tmp_path, *args, env=None, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fusedkv.cli", "uptrain", *map(str, args)], cwd=REPO,
-                          env=env or _env(tmp_path), capture_output=True, text=True, timeout=timeout)
+def _uptrain(tmp_path, *args, env=None, timeout=600) -> cli_process.Result:
+    return cli_process.fusedkv("uptrain", *args, cwd=REPO, env=env or _env(tmp_path), timeout=timeout)
 
 
 def _check_report(out: Path, plan: str, steps: int) -> dict:
@@ -151,8 +152,7 @@ def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "train" / "final").exists() and not (out / "report.json").exists()
-    proc = subprocess.run(list(map(str, args)), cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=600)
+    proc = _uptrain(tmp_path, *args[4:])  # the same command
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "convert: done" in proc.stdout and "resuming" in proc.stdout
     report = _check_report(out, "fusedkv-lite", 6)
