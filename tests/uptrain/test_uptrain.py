@@ -46,7 +46,8 @@ def _deepseek_v3():
         kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))
 
 
-FAMILIES = [pytest.param(t, build, id=t) for t, build in
+# The fast tier (-m 'not slow') runs the pipeline for qwen3; the other families are the full suite's.
+FAMILIES = [pytest.param(t, build, id=t, marks=() if t == "qwen3" else pytest.mark.slow) for t, build in
             (("qwen3", _qwen3), ("llama", _llama), ("deepseek_v3", _deepseek_v3))]
 
 
@@ -134,6 +135,7 @@ def test_uptrain_end_to_end(model_type, build, tmp_path, corpus, tokenizer_dir):
                                                                 "train", "evaluate after"))
 
 
+@pytest.mark.slow
 def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     """SIGKILL in the middle of training; the same command finishes the run from its last checkpoint, with
     the report of an uninterrupted run (same steps, same structure)."""
@@ -159,6 +161,7 @@ def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     assert len(report["curve"]) == 6
 
 
+@pytest.mark.slow
 def test_uptrain_under_torchrun_ddp(tmp_path, corpus, tokenizer_dir):
     """Two ranks (gloo, CPU) train; rank 0 converts, evaluates and reports."""
     src = _checkpoint(tmp_path, "qwen3", _qwen3, tokenizer_dir)
