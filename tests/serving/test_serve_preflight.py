@@ -103,6 +103,7 @@ def test_auto_dtype_is_the_checkpoints_and_lower_precision_is_warned(checkpoints
     assert preflight.resolve_dtype("float32", config) == ("float32", None)
 
 
+@pytest.mark.slow  # imports vLLM in its own environment
 def test_cpu_limits_are_the_installed_vllms(vllm_python):
     """The constants `fusedkv serve` checks against, read from vLLM's CPU backend itself."""
     probe = ("import json; from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B; "
