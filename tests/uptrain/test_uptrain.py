@@ -141,11 +141,10 @@ def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     the report of an uninterrupted run (same steps, same structure)."""
     src = _checkpoint(tmp_path, "qwen3", _qwen3, tokenizer_dir)
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "fusedkv.cli", "uptrain", src, out, "--plan", "fusedkv-lite", "--data", corpus,
-            "--max-steps", 6, *RECIPE]
+    args = [src, out, "--plan", "fusedkv-lite", "--data", corpus, "--max-steps", 6, *RECIPE]
     env = _env(tmp_path, FUSEDKV_TRAIN_STEP_SLEEP="1.5")  # time to kill it between steps
-    proc = subprocess.Popen(list(map(str, args)), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fusedkv.cli", "uptrain", *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpts = out / "train" / "checkpoints"
     deadline = time.time() + 300
     while time.time() < deadline and not (ckpts.is_dir() and len(list(ckpts.glob("step-*"))) >= 2):
@@ -154,7 +153,7 @@ def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "train" / "final").exists() and not (out / "report.json").exists()
-    proc = _uptrain(tmp_path, *args[4:])  # the same command
+    proc = _uptrain(tmp_path, *args)  # the same command
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "convert: done" in proc.stdout and "resuming" in proc.stdout
     report = _check_report(out, "fusedkv-lite", 6)
