@@ -123,7 +123,7 @@ class Runner:
     """`runner.run(module, args, env=..., cwd=..., timeout=...)` runs `python -m module ARGS` in a child
     process and returns a Result; at most `keep` zygotes (one per start-up environment) live at once."""
 
-    def __init__(self, workdir: Path | None = None, keep: int = 3):
+    def __init__(self, workdir: Path | None = None, keep: int = 2):  # ~0.5 GB each
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fusedkv-cli-"))
         self.own_workdir = workdir is None
         self.keep = keep
