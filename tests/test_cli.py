@@ -1,17 +1,16 @@
 """The command line: help text, the plans table, generate/convert round trip, clear errors."""
 
-import subprocess
-import sys
-
 import pytest
 
 from fusedkv.cli import main
 from fusedkv.commands.plans import plans_table
+from tests import _cli as cli_process
 from tests.conftest import tiny_model
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "fusedkv.cli", *args], capture_output=True, text=True, timeout=300)
+    """`fusedkv ARGS` in a child process (forked from one that imported fusedkv once: tests/_cli.py)."""
+    return cli_process.fusedkv(*args, timeout=300)
 
 
 def test_help_lists_subcommands():

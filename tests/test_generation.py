@@ -84,19 +84,15 @@ def test_sampling_respects_top_p_and_stops_on_any_eos():
 def test_cli_generate_uses_the_package_loop_quietly(tmp_path):
     # `fusedkv generate --greedy` prints what the model's greedy continuation is (checked against
     # transformers' generate on the same weights), through fusedkv.generation, with no warning printed.
-    import subprocess
-    import sys
-
     from transformers import AutoTokenizer
 
-    from tests.test_cli import save_tokenizer
+    from tests.test_cli import run_cli, save_tokenizer
 
     save_tokenizer(tmp_path, 300)
     model = tiny_model("fusedkv", vocab_size=300)
     model.save_pretrained(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "fusedkv.cli", "generate", str(tmp_path), "--prompt", "ROMEO:",
-                        "--max-new-tokens", "6", "--greedy", "--num-samples", "2"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("generate", str(tmp_path), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--greedy",
+                "--num-samples", "2")
     assert r.returncode == 0, r.stderr
     assert "warn" not in r.stderr.lower() and "deprecat" not in r.stderr.lower(), r.stderr
     tok = AutoTokenizer.from_pretrained(tmp_path)

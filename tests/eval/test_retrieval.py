@@ -112,7 +112,7 @@ def _floors():
     return module
 
 
-@pytest.mark.parametrize("pairs", [2, 4, 8])
+@pytest.mark.parametrize("pairs", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_scripted_predictors_through_the_scorer_prove_the_floors(tokenizer, words, pairs):
     """Through the real scorer (`run_retrieval`'s sampling and `score_samples`): perfect lookup scores 100,
     copying a random value of the pair list ~1/P, answering by elimination no better than that (no earlier
@@ -175,6 +175,7 @@ def test_teacher_forced_score_equals_greedy_generation(tokenizer, words, fkv_mod
     assert r["answers"] == 12
 
 
+@pytest.mark.slow
 def test_run_retrieval_grid_table_and_plot(tokenizer, words, fkv_model, tmp_path):
     # With this 400-token BPE, 2 pairs take ~50 tokens, 8 pairs ~150 and a passkey question ~60.
     r = run_retrieval(fkv_model, tokenizer, lengths=[40, 96, 200], pairs=[2, 8], num_samples=2)

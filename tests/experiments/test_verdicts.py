@@ -119,15 +119,16 @@ def test_experiment_claims_measure_loss_and_mqar_with_the_floor_rule():
 
 def test_claims_from_a_json_record(tmp_path):
     import json
-    import subprocess
-    import sys
+
+    from tests import _cli as cli_process
 
     record = tmp_path / "claims.json"
     record.write_text(json.dumps([{"label": "fusedkv − vanilla", "paper": -0.02, "source": "Table 2",
                                    "diffs": [-0.053, -0.039, -0.018]}]))
     assert v.claims_from_json(record)[0].diffs == [-0.053, -0.039, -0.018]
-    out = subprocess.run([sys.executable, "-m", "fusedkv.experiments.verdicts", str(record)], capture_output=True,
-                         text=True, check=True).stdout
+    r = cli_process.run_module("fusedkv.experiments.verdicts", record)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
     assert "| fusedkv − vanilla | -0.02 (Table 2) |" in out and "same direction, inconclusive" in out
 
 

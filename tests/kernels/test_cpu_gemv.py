@@ -67,6 +67,7 @@ def test_declines_what_it_does_not_run():
 
 
 @needs_native
+@pytest.mark.slow  # compiles the kernels into a fresh cache: the full suite's
 def test_build_is_cached_and_reused(tmp_path, monkeypatch):
     """A fresh cache directory gets one library, written whole (no temporary left behind); deciding again
     finds it and does not rebuild."""

@@ -170,6 +170,7 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error():
         decode_attention(q, ks, kw, vs, vw, backend="triton")
 
 
+@pytest.mark.slow  # a fresh interpreter: the fast tier (-m 'not slow') leaves it to the full suite
 def test_package_works_without_triton():
     """With triton unimportable: the package imports, reports it, and dispatches to torch."""
     code = (

@@ -45,6 +45,7 @@ def test_gpu_benchmark_kernel_part_dry_run():
     assert "**WRONG**" not in out and "ours FusedKV" in out and "sdpa" in out
 
 
+@pytest.mark.slow
 def test_cpu_attention_paths_benchmark_quick():
     r = _run([sys.executable, str(REPO / "benchmarks" / "attention_paths_cpu.py"), "--quick"], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -2,83 +2,24 @@
 session, and a full disk.
 
 Every case runs `python -m fusedkv.cli ARGS` as its own process, so exit codes, stderr and tracebacks are
-the ones a user sees. Starting Python with torch and transformers costs seconds per process on a small
-machine, so by default a "zygote" process imports fusedkv once and forks one child per case; the child
-runs the `fusedkv.cli` module as `__main__` (as `python -m` does) with the case's argv, environment and
-working directory, and its file descriptors 1 and 2 go to files. FUSEDKV_TEST_FRESH=1 starts a fresh
-interpreter for every case instead (slower, same assertions); `test_cli_policy.py` checks that both agree.
+the ones a user sees: forked from a process that imported fusedkv once (tests/_cli.py), or a fresh
+interpreter with FUSEDKV_TEST_FRESH=1 (slower, same assertions); `test_cli_policy.py` checks that both agree.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests._cli import Result, Runner
+
 REPO = Path(__file__).resolve().parents[2]
-
-_ZYGOTE = textwrap.dedent(r'''
-    import json, os, runpy, signal, sys, time, traceback
-    import fusedkv, fusedkv.cli, fusedkv.data, fusedkv.eval.command  # the slow imports, paid once
-    sys.stdout.write("ready\n"); sys.stdout.flush()
-    for line in sys.stdin:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            os.setsid()
-            out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(out, 1); os.dup2(err, 2)
-            sys.stdin.close()
-            os.environ.clear(); os.environ.update(req["env"]); os.chdir(req["cwd"])
-            sys.argv = ["fusedkv", *req["argv"]]
-            del sys.modules["fusedkv.cli"]  # run it as __main__, as `python -m fusedkv.cli` does
-            try:
-                runpy.run_module("fusedkv.cli", run_name="__main__", alter_sys=True)
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)
-            except BaseException:
-                sys.excepthook(*sys.exc_info())
-                code = 1
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-        deadline = time.monotonic() + req["timeout"]
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL); os.waitpid(pid, 0)
-                code = "timeout"
-                break
-            time.sleep(0.01)
-        sys.stdout.write(json.dumps({"rc": code}) + "\n"); sys.stdout.flush()
-''')
-
-
-@dataclass
-class Result:
-    args: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def error_line(self) -> str:
-        """The last non-empty stderr line (progress bars and warnings may come before it)."""
-        lines = [ln for ln in self.stderr.splitlines() if ln.strip()]
-        return lines[-1] if lines else ""
 
 
 def base_env(**extra) -> dict:
@@ -91,43 +32,18 @@ def base_env(**extra) -> dict:
 
 
 class CLI:
-    """`cli(*args, env=..., cwd=..., timeout=...)` runs `fusedkv ARGS` in a child process."""
+    """`cli(*args, env=..., cwd=..., timeout=...)` runs `fusedkv ARGS` in a child process (tests/_cli.py)."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
-        self.zygote = None
-        self.count = 0
-
-    def _start(self):
-        self.zygote = subprocess.Popen([sys.executable, "-c", _ZYGOTE], cwd=REPO, env=base_env(), text=True,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        if self.zygote.stdout.readline().strip() != "ready":
-            raise RuntimeError("the CLI zygote did not start")
+        self.runner = Runner(workdir)
 
     def __call__(self, *args, env: dict | None = None, cwd: Path | None = None, timeout: float = 120) -> Result:
-        argv = [str(a) for a in args]
-        env = base_env(**(env or {}))
-        cwd = Path(cwd or self.workdir)
-        if os.environ.get("FUSEDKV_TEST_FRESH") == "1":
-            p = subprocess.run([sys.executable, "-m", "fusedkv.cli", *argv], capture_output=True, text=True,
-                               env=env, cwd=cwd, timeout=timeout)
-            return Result(argv, p.returncode, p.stdout, p.stderr)
-        if self.zygote is None or self.zygote.poll() is not None:
-            self._start()
-        self.count += 1
-        out, err = self.workdir / f"case{self.count}.out", self.workdir / f"case{self.count}.err"
-        req = dict(argv=argv, env=env, cwd=str(cwd), out=str(out), err=str(err), timeout=timeout)
-        self.zygote.stdin.write(json.dumps(req) + "\n")
-        self.zygote.stdin.flush()
-        rc = json.loads(self.zygote.stdout.readline())["rc"]
-        if rc == "timeout":
-            raise subprocess.TimeoutExpired(["fusedkv", *argv], timeout)
-        return Result(argv, rc, out.read_text(errors="replace"), err.read_text(errors="replace"))
+        return self.runner.run("fusedkv.cli", args, env=base_env(**(env or {})), cwd=cwd or self.workdir,
+                               timeout=timeout)
 
     def close(self):
-        if self.zygote is not None and self.zygote.poll() is None:
-            self.zygote.stdin.close()
-            self.zygote.wait(timeout=30)
+        self.runner.close()
 
 
 @pytest.fixture(scope="session")

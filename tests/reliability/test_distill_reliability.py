@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error
+
+from tests.reliability.conftest import assert_one_line_error
 
 VOCAB = 300
 

@@ -18,6 +18,7 @@ import pytest
 
 from fusedkv import FusedKVForCausalLM
 from fusedkv.data import prepare_dataset, read_builtin_text
+from tests import _cli as cli_process
 from tests.train.train_helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,10 +57,10 @@ def start(env, *args, step_sleep: float = 0.0) -> subprocess.Popen:
     )
 
 
-def run(env, *args, timeout=300) -> subprocess.CompletedProcess:
-    p = start(env, *args)
-    out, err = p.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+def run(env, *args, timeout=300) -> cli_process.Result:
+    """What `start` runs, to its end: a child forked from a process that imported fusedkv once (tests/_cli.py)."""
+    return cli_process.run_module("fusedkv.train.command", *args, env={**env, "FUSEDKV_TRAIN_STEP_SLEEP": "0.0"},
+                                  cwd=REPO, timeout=timeout)
 
 
 def nano(data, out, *extra):
@@ -156,7 +157,7 @@ def test_corrupt_final_weights_are_refused_on_load(tmp_path, env, data):
         ("-m", "fusedkv.cli", "generate", final, "--greedy", "--max-new-tokens", 3),
         ("-m", "fusedkv.train.command", *nano(data, tmp_path / "next", "--init-from", final)),
     ):
-        p = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True)
+        p = cli_process.run_module(*args[1:], env=env, cwd=REPO)
         assert p.returncode == 2, p.stderr
         assert "Traceback" not in p.stderr and "does not match its SHA-256" in p.stderr
     # A model directory without a manifest (save_pretrained by a user, fusedkv convert) still loads.

@@ -4,9 +4,12 @@
 import subprocess
 from pathlib import Path
 
-from conftest import REPO, vllm_env
+import pytest
+
+from tests.serving.conftest import REPO, vllm_env
 
 
+@pytest.mark.slow  # vLLM's own cache writes, in the vLLM environment: the full suite's
 def test_gathered_blocks_equal_the_tokens_vllm_wrote(vllm_python):
     case = Path(__file__).with_name("_paged_layout_cases.py")
     r = subprocess.run([vllm_python, str(case)], cwd=REPO, env=vllm_env(), capture_output=True, text=True,

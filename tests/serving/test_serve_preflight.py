@@ -8,18 +8,17 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import REPO, vllm_env
 
 from fusedkv.serving import preflight
+from tests import _cli as cli_process
+from tests.serving.conftest import REPO, vllm_env
 
 
-def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fusedkv.cli", "serve", *args], cwd=REPO, env=vllm_env(),
-                          capture_output=True, text=True, timeout=120)
+def serve(*args: str) -> cli_process.Result:
+    return cli_process.fusedkv("serve", *args, cwd=REPO, env=vllm_env(), timeout=120)
 
 
 def refused(r: subprocess.CompletedProcess, *words: str) -> str:
@@ -167,6 +166,7 @@ def test_auto_dtype_is_the_checkpoints_and_lower_precision_is_warned(checkpoints
     assert preflight.resolve_dtype("float32", config) == ("float32", None)
 
 
+@pytest.mark.slow  # imports vLLM in its own environment
 def test_cpu_limits_are_the_installed_vllms(vllm_python):
     """The constants `fusedkv serve` checks against, read from vLLM's CPU backend itself."""
     probe = ("import json; from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B; "

@@ -11,7 +11,8 @@ skipping (vLLM's kv_sharing_fast_prefill).
 from __future__ import annotations
 
 import pytest
-from conftest import PLANS, run_offline
+
+from tests.serving.conftest import PLANS, run_offline
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
 

@@ -24,7 +24,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import REPO, vllm_env
+
+from tests import _cli as cli_process
+from tests.serving.conftest import REPO, vllm_env
 
 STARTUP_TIMEOUT_S = 600  # first start on a busy 2-core machine includes vLLM's model inspection
 API_KEY = "fusedkv-test-key"
@@ -36,9 +38,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fusedkv_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fusedkv.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, **kwargs)
+def fusedkv_cli(*args: str) -> cli_process.Result:
+    return cli_process.fusedkv(*args, cwd=REPO, timeout=120)
 
 
 def post(port: int, path: str, body: dict, key: str | None = API_KEY) -> dict:

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from train_helpers import REPO, subprocess_env
 
 from fusedkv.train.distill import distillation_loss
+from tests import _cli as cli_process
 
 
 def _direct(s, t, y, alpha, T, hs=(), ht=(), w=0.0):
@@ -95,8 +94,7 @@ def test_masked_positions_count_in_no_term():
 
 
 def _cli(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "fusedkv.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, env=subprocess_env(), timeout=timeout)
+    proc = cli_process.fusedkv(*args, cwd=REPO, env=subprocess_env(), timeout=timeout)
     assert proc.returncode == 0, f"fusedkv {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -124,9 +122,9 @@ def test_uptraining_by_distillation_through_the_cli(tmp_path, nano_data):
 
 
 def test_distilling_from_a_missing_teacher_is_a_one_line_error(tmp_path, nano_data):
-    proc = subprocess.run([sys.executable, "-m", "fusedkv.cli", "train", "--preset", "nano", "--set",
-                           f"data={nano_data}", "--distill-from", tmp_path / "nowhere", "--out", tmp_path / "run"],
-                          cwd=REPO, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    proc = cli_process.fusedkv("train", "--preset", "nano", "--set", f"data={nano_data}", "--distill-from",
+                               tmp_path / "nowhere", "--out", tmp_path / "run", cwd=REPO, env=subprocess_env(),
+                               timeout=120)
     assert proc.returncode == 2 and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import _cli as cli_process
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 320
 STEPS = 4
@@ -45,7 +47,8 @@ def _deepseek_v3():
         kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))
 
 
-FAMILIES = [pytest.param(t, build, id=t) for t, build in
+# The fast tier (-m 'not slow') runs the pipeline for qwen3; the other families are the full suite's.
+FAMILIES = [pytest.param(t, build, id=t, marks=() if t == "qwen3" else pytest.mark.slow) for t, build in
             (("qwen3", _qwen3), ("llama", _llama), ("deepseek_v3", _deepseek_v3))]
 
 
@@ -88,9 +91,8 @@ def _env(tmp_path: Path, **extra) -> dict:
     return env
 
 
-def _uptrain(tmp_path, *args, env=None, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fusedkv.cli", "uptrain", *map(str, args)], cwd=REPO,
-                          env=env or _env(tmp_path), capture_output=True, text=True, timeout=timeout)
+def _uptrain(tmp_path, *args, env=None, timeout=600) -> cli_process.Result:
+    return cli_process.fusedkv("uptrain", *args, cwd=REPO, env=env or _env(tmp_path), timeout=timeout)
 
 
 def _check_report(out: Path, plan: str, steps: int) -> dict:
@@ -134,16 +136,16 @@ def test_uptrain_end_to_end(model_type, build, tmp_path, corpus, tokenizer_dir):
                                                                 "train", "evaluate after"))
 
 
+@pytest.mark.slow
 def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     """SIGKILL in the middle of training; the same command finishes the run from its last checkpoint, with
     the report of an uninterrupted run (same steps, same structure)."""
     src = _checkpoint(tmp_path, "qwen3", _qwen3, tokenizer_dir)
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "fusedkv.cli", "uptrain", src, out, "--plan", "fusedkv-lite", "--data", corpus,
-            "--max-steps", 6, *RECIPE]
+    args = [src, out, "--plan", "fusedkv-lite", "--data", corpus, "--max-steps", 6, *RECIPE]
     env = _env(tmp_path, FUSEDKV_TRAIN_STEP_SLEEP="1.5")  # time to kill it between steps
-    proc = subprocess.Popen(list(map(str, args)), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fusedkv.cli", "uptrain", *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpts = out / "train" / "checkpoints"
     deadline = time.time() + 300
     while time.time() < deadline and not (ckpts.is_dir() and len(list(ckpts.glob("step-*"))) >= 2):
@@ -152,14 +154,14 @@ def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "train" / "final").exists() and not (out / "report.json").exists()
-    proc = subprocess.run(list(map(str, args)), cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=600)
+    proc = _uptrain(tmp_path, *args)  # the same command
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "convert: done" in proc.stdout and "resuming" in proc.stdout
     report = _check_report(out, "fusedkv-lite", 6)
     assert len(report["curve"]) == 6
 
 
+@pytest.mark.slow
 def test_uptrain_under_torchrun_ddp(tmp_path, corpus, tokenizer_dir):
     """Two ranks (gloo, CPU) train; rank 0 converts, evaluates and reports."""
     src = _checkpoint(tmp_path, "qwen3", _qwen3, tokenizer_dir)
