@@ -11,8 +11,9 @@ window plans, so the window layers' paged reads start mid-sequence.
 from __future__ import annotations
 
 import pytest
-from conftest import run_offline
 from family_checkpoints import FAMILIES, MAX_NEW_TOKENS, prompts, write_family_checkpoints
+
+from tests.serving.conftest import run_offline
 
 pytestmark = pytest.mark.slow  # starts vLLM
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_offline, vllm_env
 from tiny_checkpoints import MAX_NEW_TOKENS, PROMPTS, reference_outputs, tiny_config, write_tokenizer
+
+from tests.serving.conftest import REPO, run_offline, vllm_env
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
