@@ -25,12 +25,15 @@ import torch
 
 from ..kernels import cpu_attention, cpu_gemv, native
 from ..model.attention import Attention
-from ..model.layers import SwiGLU, rope_inv_freq, rope_tables
+from ..model.layers import RMSNorm, SwiGLU, rope_inv_freq, rope_tables
 from .packing import decode_products
 from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 MAX_HEAD_DIM = 512  # the C step's per-head buffers
+MAX_ROWS = 16  # batch rows (`MAX_ROWS` in cpu_decode_step.c)
+# The MLP activations the C step computes (`ACT_*` in cpu_decode_step.c), as transformers' ACT2FN does them.
+ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
 W_F32, W_BF16_BLOCKS, W_INT8_BLOCKS, W_INT4_BLOCKS = 0, 1, 2, 3  # the weight layouts of `Product` in cpu_decode_step.c
 
 
@@ -39,17 +42,20 @@ class _Product(ctypes.Structure):  # `Product` in cpu_decode_step.c, field for f
 
 
 class _Layer(ctypes.Structure):  # `StepLayer`
-    _fields_ = [("stores", I), ("attn_norm", P), ("mlp_norm", P), ("proj", _Product), ("q_norm", P), ("k_norm", P),
-                ("k_cache", P), ("v_cache", P), ("n_k", I), ("n_v", I), ("k_src", P * 2), ("v_src", P * 2),
+    _fields_ = [("stores", I), ("window", I), ("attn_norm", P), ("mlp_norm", P), ("post_attn_norm", P),
+                ("post_mlp_norm", P), ("cos", P), ("sin", P), ("proj", _Product), ("q_norm", P), ("k_norm", P),
+                ("k_cache", P), ("v_cache", P), ("k_pend", P), ("v_pend", P), ("n_k", I), ("n_v", I),
+                ("k_src", P * 2), ("v_src", P * 2), ("k_pend_src", P * 2), ("v_pend_src", P * 2),
                 ("k_w", P * 2), ("v_w", P * 2), ("k_w_hs", L), ("v_w_hs", L),
                 ("o", _Product), ("gate_up", _Product), ("down", _Product)]
 
 
 class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
     _fields_ = [("n_layers", I), ("hidden", I), ("n_heads", I), ("n_kv_heads", I), ("head_dim", I), ("inter", I),
-                ("batch", I), ("kind", I), ("cache_len", L), ("eps", F), ("scale", F), ("cos", P), ("sin", P),
-                ("layers", ctypes.POINTER(_Layer)),
-                ("h", P), ("proj", P), ("q", P), ("attn", P), ("gu", P), ("act", P), ("xb", P)]
+                ("batch", I), ("kind", I), ("act_kind", I), ("cache_len", L), ("eps", F), ("scale", F),
+                ("softcap", F), ("layers", ctypes.POINTER(_Layer)),
+                ("h", P), ("proj", P), ("q", P), ("attn", P), ("attn2", P), ("lse", P), ("lse2", P), ("gu", P),
+                ("act", P), ("ring_start", P), ("xb", P)]
 
 
 def _product(module) -> _Product | None:
@@ -90,20 +96,27 @@ def _products(layer) -> dict[str, _Product] | None:
     return None if None in products.values() else products
 
 
+def _window_capacity(model, index: int) -> int:
+    """Ring slots of storage layer `index`'s cache: W - 1 for a window layer, 0 for full attention."""
+    attn = model.model.layers[index].self_attn
+    return attn.window - 1 if attn.window else 0
+
+
 def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int) -> str | None:
     """Why the native step cannot run `model` over these cache buffers at this batch, or None when it can."""
     config = model.config
     if not native.available():
         return "the native CPU kernels are not built here"
-    if batch > cpu_gemv.MAX_ROWS:
-        return f"batch {batch} > {cpu_gemv.MAX_ROWS}"
+    if batch > MAX_ROWS:
+        return f"batch {batch} > {MAX_ROWS}"
     if model.device.type != "cpu" or model.dtype != torch.float32 or model.training:
         return "the model is not an f32 CPU model in eval mode"
-    if config.kv_lora_rank is not None or config.num_experts > 0 or config.hidden_act != "silu":
-        return "MLA, MoE and activations other than SiLU run module by module"
-    features = [f for f in config.extra_block_features() if f != "attention_output_bias"]  # O bias: read as set
-    if features:  # the C step computes the Qwen3 block only
-        return f"{', '.join(features)} run module by module"
+    if config.kv_lora_rank is not None or config.num_experts > 0:
+        return "MLA and MoE layers run module by module"
+    if config.hidden_act not in ACTIVATIONS:
+        return f"hidden_act {config.hidden_act!r} runs module by module"
+    if model.model.dynamic_rope:
+        return "dynamic NTK RoPE (frequencies that change with the length) runs module by module"
     if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
         return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
     if sorted(config.plan.storage_layers) != sorted(keys):
@@ -111,18 +124,27 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
     buffers = [*keys.values(), *values.values()]
     first = buffers[0]
     if first.dtype not in cpu_attention.KINDS or any(
-            b.dtype != first.dtype or b.shape != first.shape or not b.is_contiguous() or b.shape[0] != batch
-            for b in buffers):
-        return "the cache buffers are not one contiguous [B, H_kv, S, D] shape and dtype (a window cache?)"
+            b.dtype != first.dtype or not b.is_contiguous() or b.shape[0] != batch for b in buffers):
+        return "the cache buffers are not contiguous [B, H_kv, S, D] buffers of one dtype"
+    full = [keys[i].shape for i in keys if not _window_capacity(model, i)]
+    for i in keys:
+        slots = _window_capacity(model, i) or (full[0][2] if full else keys[i].shape[2])
+        shape = (batch, config.num_key_value_heads, slots, config.head_dim)
+        if keys[i].shape != shape or values[i].shape != shape:
+            return f"layer {i + 1}'s cache is not [B, H_kv, S, D] (a window layer: S = W - 1)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, SwiGLU):
             return "a layer is not Qwen3 attention with a dense MLP"
         kv = attn.layer
+        sources = [kv.index] if kv.stores else [*kv.k_sources, *kv.v_sources]
+        windows = {_window_capacity(model, i) for i in sources}
         counts = (1, 1) if kv.stores else (len(kv.k_sources), len(kv.v_sources))
-        if attn.window or "scalar" in (kv.k_fusion, kv.v_fusion) or not cpu_attention.supports(
+        if "scalar" in (kv.k_fusion, kv.v_fusion) or not cpu_attention.supports(
                 attn.head_dim, attn.num_heads, attn.num_kv_heads, *counts):
-            return f"layer {kv.index + 1}: a window, scalar weights or more than two sources"
+            return f"layer {kv.index + 1}: scalar weights or more than two sources"
+        if len(windows) > 1 or windows != {attn.window - 1 if attn.window else 0} or attn.window == 1:
+            return f"layer {kv.index + 1}: its window differs from its sources' caches"
         if _products(layer) is None:
             return ("the weights are not f32 in the packed decode layout (fusedkv.engine.packing.set_decode_layout) "
                     "or bf16 / int8 blocks or int4 blocks of fusedkv.engine.precision")
@@ -135,11 +157,15 @@ class Unsupported(ValueError):
 
 class NativeDecodeStep:
     """`step(token, kv_start, length)` -> logits [B, 1, V] of one new token per row, with its K/V written into
-    `keys` / `values` (the static cache's storage-layer buffers, [B, H_kv, S, D]) at column `length`; the
-    caller counts the token in its cache. `kv_start` [B]: each row's first real key (left padding), or None.
+    `keys` / `values` (the static cache's storage-layer buffers, [B, H_kv, S, D]; window layers' rings
+    [B, H_kv, W - 1, D]) at column `length`; the caller counts the token in its cache. `kv_start` [B]: each
+    row's first real key (left padding), or None; where the model has window layers it must be the
+    `window_start` their rings were filled with (`fusedkv.cache.StaticKVCache.window_start`), and `max_len`
+    bounds the columns of a model whose every layer is a window layer (the cache's `max_len`).
     Built once per generation; raises `Unsupported` (a ValueError) with what `unsupported` names."""
 
-    def __init__(self, model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int):
+    def __init__(self, model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int,
+                 window_start: torch.Tensor | None = None, max_len: int | None = None):
         reason = unsupported(model, keys, values, batch)
         if reason is not None:
             raise Unsupported(f"the native decode step does not cover this model: {reason}")
@@ -147,23 +173,37 @@ class NativeDecodeStep:
         config = model.config
         d, h_q, h_kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         hidden, inter = config.hidden_size, config.intermediate_size
-        cache_len = next(iter(keys.values())).shape[2]
+        self.windowed = any(_window_capacity(model, i) for i in keys)
+        self.window_start = None if window_start is None else window_start.to(torch.int64)
+        full = [keys[i].shape[2] for i in keys if not _window_capacity(model, i)]
+        cache_len = full[0] if full else (max_len or config.max_position_embeddings)  # columns the step may write
+        self.cache_len = cache_len
         self._keep: list[torch.Tensor] = []  # every tensor a pointer in the table refers to stays alive here
         positions = torch.arange(cache_len).unsqueeze(0)
-        cos, sin = rope_tables(positions, rope_inv_freq(config)[0], torch.float32)
-        cos, sin = self._hold(cos.reshape(cache_len, d)), self._hold(sin.reshape(cache_len, d))
-        layers = (_Layer * len(model.model.layers))()
-        for table, layer in zip(layers, model.model.layers):
-            self._fill(table, layer, keys, values, h_kv, d)
+        decoder = model.model
+        tables = {}
+        for key in decoder.rope_types:
+            inv_freq, scaling = rope_inv_freq(config, key)
+            cos, sin = rope_tables(positions, inv_freq, torch.float32, scaling)
+            tables[key] = (self._hold(cos.reshape(cache_len, d)), self._hold(sin.reshape(cache_len, d)))
+        # Window storage layers' K / V of the step, in the cache's dtype, until they enter the rings.
+        pending = {i: (torch.zeros(batch, h_kv, 1, d, dtype=keys[i].dtype),
+                       torch.zeros(batch, h_kv, 1, d, dtype=keys[i].dtype)) for i in keys if _window_capacity(model, i)}
+        self._keep += [t for pair in pending.values() for t in pair]
+        layers = (_Layer * len(decoder.layers))()
+        for table, layer, rope_key in zip(layers, decoder.layers, decoder.rope_keys):
+            self._fill(table, layer, keys, values, pending, tables[rope_key], h_kv, d)
         self._layers = layers
         proj_max = max(table.proj.out for table in layers)
         widest = max(p.in_padded for t in layers for p in (t.proj, t.o, t.gate_up, t.down))
-        scratch = [torch.empty(batch, n) for n in (hidden, proj_max, h_q * d, h_q * d, 2 * inter, inter)]
-        scratch.append(torch.empty(batch, widest, dtype=torch.bfloat16))
+        scratch = [torch.empty(batch, n) for n in (hidden, proj_max, h_q * d, h_q * d, h_q * d, h_q, h_q,
+                                                   2 * inter, inter)]
+        scratch += [torch.empty(batch, dtype=torch.int64), torch.empty(batch, widest, dtype=torch.bfloat16)]
         self._keep += scratch
+        attn = decoder.layers[0].self_attn
         self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
-                           cpu_attention.KINDS[next(iter(keys.values())).dtype], cache_len, config.rms_norm_eps,
-                           d**-0.5, cos.data_ptr(), sin.data_ptr(), layers,
+                           cpu_attention.KINDS[next(iter(keys.values())).dtype], ACTIVATIONS[config.hidden_act],
+                           cache_len, config.rms_norm_eps, attn.scale, attn.softcap or 0.0, layers,
                            *(t.data_ptr() for t in scratch))
         self._address = ctypes.addressof(self._step)
         self._lib = native.library()
@@ -173,26 +213,39 @@ class NativeDecodeStep:
         self._keep.append(t)
         return t
 
-    def _fill(self, table: _Layer, layer, keys, values, h_kv: int, d: int) -> None:
+    def _gain(self, norm) -> int | None:
+        """The pointer to a norm's f32 gain (Gemma's 1 + w computed once, as `RMSNorm.gain`), None for no norm."""
+        return None if not isinstance(norm, RMSNorm) else self._hold(norm.gain().float()).data_ptr()
+
+    def _fill(self, table: _Layer, layer, keys, values, pending, rope, h_kv: int, d: int) -> None:
         attn, kv = layer.self_attn, layer.self_attn.layer
         table.stores = kv.stores
-        table.attn_norm = self._hold(layer.input_layernorm.weight).data_ptr()
-        table.mlp_norm = self._hold(layer.post_attention_layernorm.weight).data_ptr()
+        table.window = attn.window - 1 if attn.window else 0
+        table.attn_norm, table.mlp_norm = self._gain(layer.input_layernorm), self._gain(layer.post_attention_layernorm)
+        if layer.post_norms:
+            table.post_attn_norm = self._gain(layer.post_attention_output_layernorm)
+            table.post_mlp_norm = self._gain(layer.post_feedforward_layernorm)
+        table.cos, table.sin = rope[0].data_ptr(), rope[1].data_ptr()
         for name, product in _products(layer).items():
             setattr(table, name, product)
-        table.q_norm = self._hold(attn.q_norm.weight).data_ptr()
+        table.q_norm = self._gain(attn.q_norm)
         if kv.stores:
-            table.k_norm = self._hold(attn.k_norm.weight).data_ptr()
+            table.k_norm = self._gain(attn.k_norm)
             table.k_cache, table.v_cache = keys[kv.index].data_ptr(), values[kv.index].data_ptr()
-            k_src, v_src, k_w, v_w = [keys[kv.index]], [values[kv.index]], [None], [None]
+            if kv.index in pending:
+                table.k_pend, table.v_pend = (t.data_ptr() for t in pending[kv.index])
+            k_srcs, v_srcs, k_w, v_w = [kv.index], [kv.index], [None], [None]
         else:
-            k_src, v_src = [keys[s] for s in kv.k_sources], [values[s] for s in kv.v_sources]
+            k_srcs, v_srcs = kv.k_sources, kv.v_sources
             key_weights, value_weights = attn.fusion.weights()
             k_w = [None if w is None else self._hold(w) for w in key_weights]
             v_w = [None if w is None else self._hold(w) for w in value_weights]
-        table.n_k, table.n_v = len(k_src), len(v_src)
-        table.k_src[:] = [k_src[0].data_ptr(), k_src[-1].data_ptr()]
-        table.v_src[:] = [v_src[0].data_ptr(), v_src[-1].data_ptr()]
+        table.n_k, table.n_v = len(k_srcs), len(v_srcs)
+        table.k_src[:] = [keys[k_srcs[0]].data_ptr(), keys[k_srcs[-1]].data_ptr()]
+        table.v_src[:] = [values[v_srcs[0]].data_ptr(), values[v_srcs[-1]].data_ptr()]
+        if table.window:
+            table.k_pend_src[:] = [pending[k_srcs[0]][0].data_ptr(), pending[k_srcs[-1]][0].data_ptr()]
+            table.v_pend_src[:] = [pending[v_srcs[0]][1].data_ptr(), pending[v_srcs[-1]][1].data_ptr()]
         (k0, k1, table.k_w_hs), (v0, v1, table.v_w_hs) = (cpu_attention.weight_pointers(k_w, h_kv, d),
                                                           cpu_attention.weight_pointers(v_w, h_kv, d))
         table.k_w[:], table.v_w[:] = [k0, k1], [v0, v1]
@@ -202,11 +255,26 @@ class NativeDecodeStep:
         if token.shape != (batch, 1) or kv_start is not None and kv_start.shape != (batch,):
             raise ValueError(f"the native decode step was built for {batch} rows of one token: token "
                              f"{tuple(token.shape)}, kv_start {None if kv_start is None else tuple(kv_start.shape)}")
-        model = self.model
-        x = model.model.embed_tokens(token).contiguous()  # [B, 1, H]: the residual stream, updated in place
         starts = None if kv_start is None else kv_start.to(torch.int64).contiguous()  # as the C side reads it
+        if self.windowed and not _same_starts(starts, self.window_start):
+            raise ValueError("kv_start differs from the window_start the window layers' rings were filled with "
+                             "(StaticKVCache.set_padding with the prompt's mask)")
+        model = self.model
+        x = model.model.embed_tokens(token)  # [B, 1, H]: the residual stream, updated in place
+        if model.config.embedding_multiplier != 1.0:  # as the model's forward scales it
+            x = x * torch.tensor(float(model.config.embedding_multiplier)).to(x.dtype)
+        x = x.contiguous()
         status = self._lib.decode_step(self._address, x.data_ptr(), None if starts is None else starts.data_ptr(),
                                        length, torch.get_num_threads())
         if status:
             raise RuntimeError(f"the native decode step refused its arguments (status {status}) at length {length}")
-        return model.lm_head(model.model.norm(x))
+        logits = model.lm_head(model.model.norm(x))
+        cap = model.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _same_starts(starts: torch.Tensor | None, window_start: torch.Tensor | None) -> bool:
+    """Whether the kv_start of a call is the window_start of the rings (None: every row from column 0)."""
+    if starts is None or window_start is None:
+        return (starts is None or not bool(starts.any())) and (window_start is None or not bool(window_start.any()))
+    return torch.equal(starts, window_start)

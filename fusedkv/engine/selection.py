@@ -85,7 +85,7 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
                    native_step: bool = False) -> Runtime:
     """Install, once, the attention implementation of every layer of `model` (a FusedKV model or its
     decoder), for its current device and dtype; with `native_step`, also build the one-call native decode
-    step over `cache` (a `StaticKVCache` without windows) for `batch` rows, where it covers them."""
+    step over `cache` (a `StaticKVCache`) for `batch` rows, where it covers them."""
     if path not in ATTENTION_PATHS:
         raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
     param = next(model.parameters())
@@ -109,9 +109,9 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
         attn.use(implementation)
         chosen[attn.layer.index] = type(attn.attend).__name__
     step = None
-    if native_step and type(cache) is StaticKVCache and not cache.windowed and path in ("auto", "native"):
+    if native_step and type(cache) is StaticKVCache and path in ("auto", "native"):
         try:  # the step checks, once, that it covers the model (`native_step.unsupported`)
-            step = NativeDecodeStep(model, cache.keys, cache.values, batch)
+            step = NativeDecodeStep(model, cache.keys, cache.values, batch, cache.window_start, cache.max_len)
         except Unsupported:
             step = None
     return Runtime(chosen, step, previous)

@@ -1,33 +1,40 @@
-/* A whole decode step of the decoder layers in one call, for CPU decoding at batch <= 4.
+/* A whole decode step of the decoder layers in one call, for CPU decoding at batch <= 16.
  *
  * A one-token step is a chain of ~40 small operations per layer (norms, QK-norm, RoPE, the cache write,
  * SiLU, residual adds) around a few matrix-vector products. Run as PyTorch ops, each costs a dispatch
  * and an allocation; together they are a floor of milliseconds per step that no faster product removes.
  * Here the same step is one C loop over the layers, reusing preallocated buffers, calling the native
  * products (cpu_gemv.c) and attention (cpu_decode_attention.c) directly. The arithmetic is the model's,
- * in the same order of operations (fusedkv/model/layers.py, attention.py):
+ * in the same order of operations (fusedkv/model/layers.py, attention.py, modeling.py):
  *
  *   h = RMSNorm(x);  [q | k | v] = h W_qkv^T (+ b)                (storage layer; Q only otherwise)
- *   q = RoPE(RMSNorm_head(q)), k = RoPE(RMSNorm_head(k)), written with v into the cache at `length`
+ *   q = RoPE(RMSNorm_head(q)), k = RoPE(RMSNorm_head(k)) (QK-norm where the model has it), written with v
+ *       into the cache at `length`
  *   a = attention of q over the layer's 1-2 K / V sources with their fusion weights (the factored form
- *       of cpu_decode_attention.c), keys from kv_start[b]
- *   x = x + a W_o^T;  h = RMSNorm(x);  x = x + (SiLU(h W_g^T) * h W_u^T) W_d^T
+ *       of cpu_decode_attention.c), keys from kv_start[b], scores soft-capped where the model caps them
+ *   x = x + [RMSNorm](a W_o^T);  h = RMSNorm(x);  x = x + [RMSNorm](act(h W_g^T) * h W_u^T) W_d^T
+ *
+ * with act SiLU or GELU (GeGLU) and the bracketed norms Gemma's post-norms. Norm weights come as gains (Gemma's
+ * 1 + w computed by the caller). Sliding-window layers read a ring buffer (`StepLayer.window`, below).
  *
  * The caller (fusedkv/engine/native_step.py) fills one `StepLayer` per layer once, with pointers to the
  * model's weights and to the static cache's buffers, and checks that the model is one this step covers;
  * it does the embedding, final norm and LM head itself. Each weight is a `Product` in one of the layouts
  * the native products read: f32 in the decode layout (W^T stored [in, out]), bf16 / int8 blocks
  * (cpu_gemv.c, processors with AVX-512 BF16) or int4 blocks (any), whose input the step rounds to bf16 itself.
- * RoPE tables [positions, D] come precomputed (the model's own `rope_cos_sin`), so they match exactly.
+ * RoPE tables [positions, D] come precomputed per layer (the model's own `rope_tables`, scaled RoPE and a
+ * separate base for window layers included), so they match exactly.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
 
-enum { MAX_ROWS = 4 };
+enum { MAX_ROWS = 16 };
 
 enum { W_F32 = 0, W_BF16_BLOCKS = 1, W_INT8_BLOCKS = 2, W_INT4_BLOCKS = 3 };
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };  /* SwiGLU; GeGLU with tanh-GELU or erf-GELU */
 
 typedef struct {
     int fmt, in, in_padded, out;       /* blocks pair the input channels: in_padded = in rounded up to even
@@ -37,16 +44,30 @@ typedef struct {
     const float* bias;                 /* [out] or NULL */
 } Product;
 
+/* Sliding-window layers. A window storage layer's cache is a ring of C = W - 1 slots per row ([B, H_kv, C, D],
+ * as fusedkv.cache.StaticKVCache keeps it): row b's token of column p lives in slot C - 1 - ((p - kv_start[b])
+ * mod C), so the tokens a row holds are always the slots [C - held, C), one key range per row. A query at
+ * column L sees the W keys of columns L - C .. L: the ring's C plus its own, whose slot still holds the
+ * oldest of them. So the step's new K / V wait in `k_pend` / `v_pend` ([B, H_kv, 1, D], the cache's kind,
+ * rounded as the cache rounds) while every layer reading them attends over the ring and over the pending
+ * token apart and merges the two softmaxes by their log-sum-exps; they enter the ring when the step ends. */
 typedef struct {
     int stores;                        /* 1: projects, caches and attends over its own K/V */
-    const float* attn_norm;            /* [H] */
+    int window;                        /* C: ring slots of this layer's (window) sources; 0: full attention */
+    const float* attn_norm;            /* [H] gains (Gemma's 1 + w given as such) */
     const float* mlp_norm;             /* [H] */
+    const float* post_attn_norm;       /* [H] or NULL: Gemma's norms of the block outputs */
+    const float* post_mlp_norm;        /* [H] or NULL */
+    const float* cos; const float* sin;  /* [S, D]: this layer's RoPE tables per cache column, sin signed as
+                                            rotate-half */
     Product proj;                      /* Q|K|V (storage layers) or Q: H_q D (+ 2 H_kv D) outputs */
-    const float* q_norm;               /* [D] */
-    const float* k_norm;               /* [D] (storage layers) */
-    void* k_cache; void* v_cache;      /* storage layers: this layer's cache, [B, H_kv, S, D] contiguous */
+    const float* q_norm;               /* [D] or NULL (no QK-norm) */
+    const float* k_norm;               /* [D] or NULL (storage layers) */
+    void* k_cache; void* v_cache;      /* storage layers: this layer's cache, [B, H_kv, S or C, D] contiguous */
+    void* k_pend; void* v_pend;        /* window storage layers: this step's K / V, [B, H_kv, 1, D] */
     int n_k, n_v;                      /* K / V sources attended over (1-2 each) */
     const void* k_src[2]; const void* v_src[2];
+    const void* k_pend_src[2]; const void* v_pend_src[2];  /* window layers: those sources' pending K / V */
     const float* k_w[2]; const float* v_w[2];  /* fusion weights, f32, NULL for plain reuse */
     long k_w_hs, v_w_hs;               /* elements between kv heads in those weights (0: one [D] weight) */
     Product o;                         /* H_q D -> H */
@@ -55,14 +76,14 @@ typedef struct {
 } StepLayer;
 
 typedef struct {
-    int n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, batch, kind;
-    long cache_len;                    /* S: positions the cache buffers hold */
-    float eps, scale;
-    const float* cos; const float* sin;  /* [S, D]: RoPE tables per cache position, sin signed as rotate-half */
+    int n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, batch, kind, act_kind;
+    long cache_len;                    /* S: positions the full caches (and the RoPE tables) hold */
+    float eps, scale, softcap;         /* softcap 0: scores not capped */
     StepLayer* layers;
-    /* scratch, preallocated by the caller: [B, H], [B, proj outputs max], [B, H_q D] twice, [B, 2 I], [B, I],
-     * and [B, widest input + 1] uint16 for inputs rounded to bf16 */
-    float *h, *proj, *q, *attn, *gu, *act;
+    /* scratch, preallocated by the caller: [B, H], [B, proj outputs max], [B, H_q D] three times, [B, H_q]
+     * twice, [B, 2 I], [B, I], [B] int64, and [B, widest input + 1] uint16 for inputs rounded to bf16 */
+    float *h, *proj, *q, *attn, *attn2, *lse, *lse2, *gu, *act;
+    int64_t* ring_start;
     uint16_t* xb;
 } Step;
 
@@ -76,11 +97,12 @@ static void rms_norm(const float* x, const float* w, float* y, int n, float eps)
     for (int i = 0; i < n; i++) y[i] = x[i] * r * w[i];
 }
 
-/* RMSNorm over one head, then RoPE: y = n * cos + roll(n, D/2) * signed_sin (layers.apply_rope). */
+/* RMSNorm over one head (w NULL: none), then RoPE: y = n * cos + roll(n, D/2) * signed_sin (layers.apply_rope). */
 static void norm_rope(const float* x, const float* w, const float* cos, const float* sin, float* y, int D,
                       float eps) {
     float n[512];
-    rms_norm(x, w, n, D, eps);
+    if (w) rms_norm(x, w, n, D, eps);
+    else memcpy(n, x, sizeof(float) * (size_t)D);
     const int half = D / 2;
 #pragma omp simd
     for (int d = 0; d < half; d++) y[d] = n[d] * cos[d] + n[d + half] * sin[d];
@@ -115,10 +137,122 @@ static int product(const Product* p, const float* x, int rows, float* y, uint16_
                             p->out, threads);
 }
 
+static inline int kind_size(int kind) { return kind == KV_F32 ? 4 : 2; }
+
 static void store(void* dst, long at, const float* src, int n, int kind) {
     if (kind == KV_F32) memcpy((float*)dst + at, src, sizeof(float) * (size_t)n);
     else if (kind == KV_BF16) for (int i = 0; i < n; i++) ((uint16_t*)dst)[at + i] = to_bf16(src[i]);
     else for (int i = 0; i < n; i++) ((_Float16*)dst)[at + i] = (_Float16)src[i];
+}
+
+/* x [B, H] += (post-norm of) y [B, H]; y is overwritten. */
+static void residual_add(float* x, float* y, const float* post_norm, int B, int H, float eps) {
+    if (post_norm)
+        for (int b = 0; b < B; b++) rms_norm(y + (long)b * H, post_norm, y + (long)b * H, H, eps);
+    for (long i = 0; i < (long)B * H; i++) x[i] += y[i];
+}
+
+/* The layer's QKV product, QK-norm and RoPE: s->q [B, H_q, D]; a storage layer's K / V written into its
+ * cache at column `length` (a window layer's into its pending buffers). */
+static int project(const Step* s, const StepLayer* L, const int64_t* kv_start, long length, int threads) {
+    const int B = s->batch, Hq = s->n_heads, Hkv = s->n_kv_heads, D = s->head_dim;
+    if (product(&L->proj, s->h, B, s->proj, s->xb, threads)) return 3;
+    const long S = s->cache_len;
+    for (int b = 0; b < B; b++) {
+        const long pos = length - (kv_start ? kv_start[b] : 0);
+        const float *cos = L->cos + pos * D, *sin = L->sin + pos * D;
+        const float* row = s->proj + (long)b * L->proj.out;
+        for (int h = 0; h < Hq; h++)
+            norm_rope(row + (long)h * D, L->q_norm, cos, sin, s->q + ((long)b * Hq + h) * D, D, s->eps);
+        if (!L->stores) continue;
+        float k[512];
+        for (int g = 0; g < Hkv; g++) {
+            void *kd = L->k_cache, *vd = L->v_cache;
+            long at = ((long)b * Hkv + g) * S * D + length * D;
+            if (L->window) kd = L->k_pend, vd = L->v_pend, at = ((long)b * Hkv + g) * D;
+            norm_rope(row + (long)(Hq + g) * D, L->k_norm, cos, sin, k, D, s->eps);
+            store(kd, at, k, D, s->kind);
+            store(vd, at, row + (long)(Hq + Hkv + g) * D, D, s->kind);
+        }
+    }
+    return 0;
+}
+
+/* s->attn [B, H_q, D]: the layer's attention. Full layers: one pass over columns [kv_start[b], length].
+ * Window layers: the ring (slots [C - held, C)) and the pending token, merged (see `StepLayer`). */
+static int attend(const Step* s, const StepLayer* L, const int64_t* kv_start, long length, int threads) {
+    const int B = s->batch, Hq = s->n_heads, Hkv = s->n_kv_heads, D = s->head_dim;
+    if (!L->window) {
+        const long S = s->cache_len, sb = (long)Hkv * S * D, sh = S * D;
+        return decode_attention_capped(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->softcap, s->kind,
+                                       L->n_k, L->k_src[0], L->k_src[L->n_k - 1], sb, sh, D,
+                                       L->k_w[0], L->k_w[1], L->k_w_hs,
+                                       L->n_v, L->v_src[0], L->v_src[L->n_v - 1], sb, sh, D,
+                                       L->v_w[0], L->v_w[1], L->v_w_hs, kv_start, s->attn, NULL, threads);
+    }
+    const long C = L->window, sb = (long)Hkv * C * D, sh = C * D;
+    for (int b = 0; b < B; b++) {
+        const long held = length - (kv_start ? kv_start[b] : 0);  /* the row's real tokens before this one */
+        s->ring_start[b] = C - (held < C ? held : C);
+    }
+    int status = decode_attention_capped(s->q, B, Hq, Hkv, D, (int)C, s->scale, s->softcap, s->kind,
+                                         L->n_k, L->k_src[0], L->k_src[L->n_k - 1], sb, sh, D,
+                                         L->k_w[0], L->k_w[1], L->k_w_hs,
+                                         L->n_v, L->v_src[0], L->v_src[L->n_v - 1], sb, sh, D,
+                                         L->v_w[0], L->v_w[1], L->v_w_hs, s->ring_start, s->attn, s->lse, threads);
+    if (status) return status;
+    status = decode_attention_capped(s->q, B, Hq, Hkv, D, 1, s->scale, s->softcap, s->kind,
+                                     L->n_k, L->k_pend_src[0], L->k_pend_src[L->n_k - 1], (long)Hkv * D, D, D,
+                                     L->k_w[0], L->k_w[1], L->k_w_hs,
+                                     L->n_v, L->v_pend_src[0], L->v_pend_src[L->n_v - 1], (long)Hkv * D, D, D,
+                                     L->v_w[0], L->v_w[1], L->v_w_hs, NULL, s->attn2, s->lse2, threads);
+    if (status) return status;
+    for (long r = 0; r < (long)B * Hq; r++) {  /* softmax over both sets = the two, weighted by their sums */
+        const float l1 = s->lse[r], l2 = s->lse2[r], m = l1 > l2 ? l1 : l2;
+        const float w1 = l1 == -INFINITY ? 0.f : expf(l1 - m), w2 = expf(l2 - m), inv = 1.f / (w1 + w2);
+        float *o = s->attn + r * D;
+        const float* o2 = s->attn2 + r * D;
+#pragma omp simd
+        for (int d = 0; d < D; d++) o[d] = (w1 * o[d] + w2 * o2[d]) * inv;
+    }
+    return 0;
+}
+
+/* The window storage layers' pending K / V into their rings, once every layer has read them. */
+static void commit_windows(const Step* s, const int64_t* kv_start, long length) {
+    const int B = s->batch, Hkv = s->n_kv_heads, D = s->head_dim;
+    const size_t row = (size_t)D * kind_size(s->kind);
+    for (int l = 0; l < s->n_layers; l++) {
+        const StepLayer* L = &s->layers[l];
+        if (!L->stores || !L->window) continue;
+        const long C = L->window;
+        for (int b = 0; b < B; b++) {
+            const long slot = C - 1 - (length - (kv_start ? kv_start[b] : 0)) % C;
+            for (int g = 0; g < Hkv; g++) {
+                const long from = ((long)b * Hkv + g) * (long)row, to = (((long)b * Hkv + g) * C + slot) * (long)row;
+                memcpy((char*)L->k_cache + to, (const char*)L->k_pend + from, row);
+                memcpy((char*)L->v_cache + to, (const char*)L->v_pend + from, row);
+            }
+        }
+    }
+}
+
+/* The gated MLP's activation, in place into s->act [B, I] from s->gu [B, 2 I] (gate | up). */
+static void activate(const Step* s) {
+    const int B = s->batch, I = s->inter;
+    for (int b = 0; b < B; b++) {
+        const float *g = s->gu + (long)b * 2 * I, *u = g + I;
+        float* a = s->act + (long)b * I;
+        if (s->act_kind == ACT_SILU) {
+#pragma omp simd
+            for (int i = 0; i < I; i++) a[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
+        } else if (s->act_kind == ACT_GELU_TANH) {  /* F.gelu(approximate="tanh") */
+            for (int i = 0; i < I; i++)
+                a[i] = 0.5f * g[i] * (1.f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+        } else {
+            for (int i = 0; i < I; i++) a[i] = 0.5f * g[i] * (1.f + erff(g[i] * 0.7071067811865476f)) * u[i];
+        }
+    }
 }
 
 /* x [B, H]: the residual stream of one new token per row, updated in place through every layer. The
@@ -126,9 +260,9 @@ static void store(void* dst, long at, const float* src, int n, int kind) {
  * row b's first real key is kv_start[b] (NULL: 0), so its RoPE position is length - kv_start[b].
  * Returns 0, or non-zero on a bad argument or a failed allocation in attention. */
 int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, int threads) {
-    const int B = s->batch, H = s->hidden, Hq = s->n_heads, Hkv = s->n_kv_heads, D = s->head_dim, I = s->inter;
-    if (B < 1 || B > MAX_ROWS || D > 512 || D % 2 || length < 0 || length >= s->cache_len) return 1;
-    const long S = s->cache_len, sb = (long)Hkv * S * D, sh = S * D;
+    const int B = s->batch, H = s->hidden;
+    if (B < 1 || B > MAX_ROWS || s->head_dim > 512 || s->head_dim % 2 || length < 0 || length >= s->cache_len)
+        return 1;
     for (int b = 0; b < B; b++) {
         const long pos = length - (kv_start ? kv_start[b] : 0);
         if (pos < 0) return 1;  /* pos <= length < S: inside the RoPE tables */
@@ -136,40 +270,17 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
     for (int l = 0; l < s->n_layers; l++) {
         const StepLayer* L = &s->layers[l];
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->attn_norm, s->h + (long)b * H, H, s->eps);
-        if (product(&L->proj, s->h, B, s->proj, s->xb, threads)) return 3;
-        for (int b = 0; b < B; b++) {
-            const long pos = length - (kv_start ? kv_start[b] : 0);
-            const float *cos = s->cos + pos * D, *sin = s->sin + pos * D;
-            const float* row = s->proj + (long)b * L->proj.out;
-            for (int h = 0; h < Hq; h++)
-                norm_rope(row + (long)h * D, L->q_norm, cos, sin, s->q + ((long)b * Hq + h) * D, D, s->eps);
-            if (!L->stores) continue;
-            float k[512];
-            for (int g = 0; g < Hkv; g++) {
-                const long at = b * sb + g * sh + length * D;
-                norm_rope(row + (long)(Hq + g) * D, L->k_norm, cos, sin, k, D, s->eps);
-                store(L->k_cache, at, k, D, s->kind);
-                store(L->v_cache, at, row + (long)(Hq + Hkv + g) * D, D, s->kind);
-            }
-        }
-        int status = decode_attention(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->kind,
-                                      L->n_k, L->k_src[0], L->k_src[L->n_k - 1], sb, sh, D,
-                                      L->k_w[0], L->k_w[1], L->k_w_hs,
-                                      L->n_v, L->v_src[0], L->v_src[L->n_v - 1], sb, sh, D,
-                                      L->v_w[0], L->v_w[1], L->v_w_hs, kv_start, s->attn, threads);
-        if (status) return 2;
+        int status = project(s, L, kv_start, length, threads);
+        if (status) return status;
+        if (attend(s, L, kv_start, length, threads)) return 2;
         if (product(&L->o, s->attn, B, s->h, s->xb, threads)) return 3;
-        for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
+        residual_add(x, s->h, L->post_attn_norm, B, H, s->eps);
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->mlp_norm, s->h + (long)b * H, H, s->eps);
         if (product(&L->gate_up, s->h, B, s->gu, s->xb, threads)) return 3;
-        for (int b = 0; b < B; b++) {
-            const float *g = s->gu + (long)b * 2 * I, *u = g + I;
-            float* a = s->act + (long)b * I;
-#pragma omp simd
-            for (int i = 0; i < I; i++) a[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
-        }
+        activate(s);
         if (product(&L->down, s->act, B, s->h, s->xb, threads)) return 3;
-        for (long i = 0; i < (long)B * H; i++) x[i] += s->h[i];
+        residual_add(x, s->h, L->post_mlp_norm, B, H, s->eps);
     }
+    commit_windows(s, kv_start, length);
     return 0;
 }
