@@ -26,6 +26,7 @@ import torch
 from ..kernels import cpu_attention, cpu_gemv, native
 from ..model.attention import Attention
 from ..model.layers import RMSNorm, SwiGLU, rope_inv_freq, rope_tables
+from ..model.moe import SparseMoE
 from .packing import decode_products
 from .precision import ReducedLinear
 
@@ -41,13 +42,20 @@ class _Product(ctypes.Structure):  # `Product` in cpu_decode_step.c, field for f
     _fields_ = [("fmt", I), ("in_", I), ("in_padded", I), ("out", I), ("w", P), ("ld", L), ("scale", P), ("bias", P)]
 
 
+class _MoE(ctypes.Structure):  # `MoE` in cpu_decode_step.c
+    _fields_ = [("n_experts", I), ("top_k", I), ("method", I), ("n_group", I), ("topk_group", I), ("norm_topk", I),
+                ("inter", I), ("routed_scaling", F), ("gate", P), ("score_bias", P), ("gate_up", P), ("gu_ld", L),
+                ("gu_es", L), ("down", P), ("d_ld", L), ("d_es", L), ("shared_inter", I),
+                ("shared_gate_up", _Product), ("shared_down", _Product)]
+
+
 class _Layer(ctypes.Structure):  # `StepLayer`
     _fields_ = [("stores", I), ("window", I), ("attn_norm", P), ("mlp_norm", P), ("post_attn_norm", P),
                 ("post_mlp_norm", P), ("cos", P), ("sin", P), ("proj", _Product), ("q_norm", P), ("k_norm", P),
                 ("k_cache", P), ("v_cache", P), ("k_pend", P), ("v_pend", P), ("n_k", I), ("n_v", I),
                 ("k_src", P * 2), ("v_src", P * 2), ("k_pend_src", P * 2), ("v_pend_src", P * 2),
                 ("k_w", P * 2), ("v_w", P * 2), ("k_w_hs", L), ("v_w_hs", L),
-                ("o", _Product), ("gate_up", _Product), ("down", _Product)]
+                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("moe", ctypes.POINTER(_MoE))]
 
 
 class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
@@ -55,7 +63,9 @@ class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
                 ("batch", I), ("kind", I), ("act_kind", I), ("cache_len", L), ("eps", F), ("scale", F),
                 ("softcap", F), ("layers", ctypes.POINTER(_Layer)),
                 ("h", P), ("proj", P), ("q", P), ("attn", P), ("attn2", P), ("lse", P), ("lse2", P), ("gu", P),
-                ("act", P), ("ring_start", P), ("xb", P)]
+                ("act", P), ("ring_start", P), ("xb", P),
+                ("m_scores", P), ("m_choice", P), ("m_x", P), ("m_gu", P), ("m_act", P), ("m_y", P), ("m_out", P),
+                ("m_idx", P), ("m_w", P)]
 
 
 def _product(module) -> _Product | None:
@@ -85,15 +95,31 @@ def _product(module) -> _Product | None:
 
 
 def _products(layer) -> dict[str, _Product] | None:
-    """The native descriptions of a decoder layer's four products as the engine laid them out
+    """The native descriptions of a decoder layer's products as the engine laid them out
     (`fusedkv.engine.packing.decode_products`: the packed group, or a reduced group's one module), or None
-    when one is in no layout the step reads."""
-    attn, mlp = decode_products(layer.self_attn), decode_products(layer.mlp)
+    when one is in no layout the step reads. A sparse MLP's shared experts count as the MLP (none: none)."""
+    attn = decode_products(layer.self_attn)
+    mlp = layer.mlp.shared_experts if isinstance(layer.mlp, SparseMoE) else layer.mlp
+    mlp = decode_products(mlp) if mlp is not None else {}
     if attn is None or mlp is None:
         return None
-    modules = {"proj": attn["q_proj"], "o": attn["o_proj"], "gate_up": mlp["gate_proj"], "down": mlp["down_proj"]}
+    modules = {"proj": attn["q_proj"], "o": attn["o_proj"]}
+    if mlp:
+        modules.update(gate_up=mlp["gate_proj"], down=mlp["down_proj"])
     products = {name: _product(m) for name, m in modules.items()}
     return None if None in products.values() else products
+
+
+def _experts_unsupported(moe: SparseMoE) -> str | None:
+    """Why the step cannot run this sparse MLP's experts, or None: f32 experts in the decode layout
+    (`fusedkv.engine.packing.experts_column_major`)."""
+    experts = moe.experts
+    for w in (experts.gate_up_proj, experts.down_proj):
+        if w.dtype != torch.float32 or w.stride()[1:] != (1, w.shape[1]) or w.stride(0) != w.shape[1] * w.shape[2]:
+            return "the MoE experts are not f32 in the decode layout (fusedkv.engine.packing.pack_for_decode)"
+    if moe.n_group > 256 or moe.topk_method == "noaux_tc" and moe.experts.num_experts // moe.n_group < 2:
+        return "MoE routing over more than 256 groups or groups of one expert"
+    return None
 
 
 def _window_capacity(model, index: int) -> int:
@@ -111,8 +137,8 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return f"batch {batch} > {MAX_ROWS}"
     if model.device.type != "cpu" or model.dtype != torch.float32 or model.training:
         return "the model is not an f32 CPU model in eval mode"
-    if config.kv_lora_rank is not None or config.num_experts > 0:
-        return "MLA and MoE layers run module by module"
+    if config.kv_lora_rank is not None:
+        return "MLA layers run module by module"
     if config.hidden_act not in ACTIVATIONS:
         return f"hidden_act {config.hidden_act!r} runs module by module"
     if model.model.dynamic_rope:
@@ -134,8 +160,10 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             return f"layer {i + 1}'s cache is not [B, H_kv, S, D] (a window layer: S = W - 1)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attn, Attention) or not isinstance(mlp, SwiGLU):
-            return "a layer is not Qwen3 attention with a dense MLP"
+        if not isinstance(attn, Attention) or not isinstance(mlp, (SwiGLU, SparseMoE)):
+            return "a layer is not Qwen3 attention with a dense or sparse MLP"
+        if isinstance(mlp, SparseMoE) and _experts_unsupported(mlp):
+            return _experts_unsupported(mlp)
         kv = attn.layer
         sources = [kv.index] if kv.stores else [*kv.k_sources, *kv.v_sources]
         windows = {_window_capacity(model, i) for i in sources}
@@ -191,14 +219,23 @@ class NativeDecodeStep:
                        torch.zeros(batch, h_kv, 1, d, dtype=keys[i].dtype)) for i in keys if _window_capacity(model, i)}
         self._keep += [t for pair in pending.values() for t in pair]
         layers = (_Layer * len(decoder.layers))()
+        self._moes: list[_MoE] = []
         for table, layer, rope_key in zip(layers, decoder.layers, decoder.rope_keys):
             self._fill(table, layer, keys, values, pending, tables[rope_key], h_kv, d)
         self._layers = layers
         proj_max = max(table.proj.out for table in layers)
-        widest = max(p.in_padded for t in layers for p in (t.proj, t.o, t.gate_up, t.down))
+        products = [p for t in layers for p in (t.proj, t.o, t.gate_up, t.down)]
+        products += [p for m in self._moes for p in (m.shared_gate_up, m.shared_down) if m.shared_inter]
+        widest = max(p.in_padded for p in products)
         scratch = [torch.empty(batch, n) for n in (hidden, proj_max, h_q * d, h_q * d, h_q * d, h_q, h_q,
                                                    2 * inter, inter)]
         scratch += [torch.empty(batch, dtype=torch.int64), torch.empty(batch, widest, dtype=torch.bfloat16)]
+        if self._moes:  # scores, choice, rows, gate|up, activation, expert output, sum; experts, weights
+            m_inter = max(max(m.inter, m.shared_inter) for m in self._moes)
+            experts, top_k = config.num_experts, config.num_experts_per_tok
+            scratch += [torch.empty(batch, n) for n in (experts, experts, hidden, 2 * m_inter, m_inter, hidden,
+                                                        hidden)]
+            scratch += [torch.empty(batch, top_k, dtype=torch.int32), torch.empty(batch, top_k)]
         self._keep += scratch
         attn = decoder.layers[0].self_attn
         self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
@@ -227,7 +264,11 @@ class NativeDecodeStep:
             table.post_mlp_norm = self._gain(layer.post_feedforward_layernorm)
         table.cos, table.sin = rope[0].data_ptr(), rope[1].data_ptr()
         for name, product in _products(layer).items():
+            if isinstance(layer.mlp, SparseMoE) and name in ("gate_up", "down"):
+                continue  # the shared experts' products: the MoE's
             setattr(table, name, product)
+        if isinstance(layer.mlp, SparseMoE):
+            table.moe = ctypes.pointer(self._moe(layer.mlp, _products(layer)))
         table.q_norm = self._gain(attn.q_norm)
         if kv.stores:
             table.k_norm = self._gain(attn.k_norm)
@@ -249,6 +290,22 @@ class NativeDecodeStep:
         (k0, k1, table.k_w_hs), (v0, v1, table.v_w_hs) = (cpu_attention.weight_pointers(k_w, h_kv, d),
                                                           cpu_attention.weight_pointers(v_w, h_kv, d))
         table.k_w[:], table.v_w[:] = [k0, k1], [v0, v1]
+
+    def _moe(self, moe: SparseMoE, products: dict[str, _Product]) -> _MoE:
+        """The native description of a sparse MLP (`MoE` in cpu_decode_step.c)."""
+        experts, gate = moe.experts, moe.gate
+        gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I], column-major per expert
+        method = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}[moe.topk_method]
+        bias = self._hold(gate.e_score_correction_bias).data_ptr() if method == 2 else None
+        table = _MoE(experts.num_experts, moe.top_k, method, moe.n_group, moe.topk_group, int(moe.norm_topk_prob),
+                     experts.intermediate_size, moe.routed_scaling_factor, self._hold(gate.weight.t()).data_ptr(),
+                     bias, gate_up.data_ptr(), gate_up.stride(2), gate_up.stride(0), down.data_ptr(), down.stride(2),
+                     down.stride(0))
+        if moe.shared_experts is not None:
+            table.shared_inter = moe.shared_experts.down_proj.in_features
+            table.shared_gate_up, table.shared_down = products["gate_up"], products["down"]
+        self._moes.append(table)
+        return table
 
     def __call__(self, token: torch.Tensor, kv_start: torch.Tensor | None, length: int) -> torch.Tensor:
         batch = self._step.batch

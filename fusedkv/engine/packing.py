@@ -14,6 +14,8 @@ names, values, `state_dict()` and the optimizer's references are unchanged, trai
 and `save_pretrained` writes ordinary contiguous tensors. Single projections that gain from the
 layout (O, the queries of reconstruction layers, the LM head) are re-stored column-major in place.
 The down projection ([hidden, intermediate], tall and thin) streams faster row-major and stays so.
+Where the native kernels are built, MoE experts are re-stored column-major per expert too
+(`experts_column_major`), for the native decode step.
 
 A packed group is only used while its parameters still view its buffer: `.to(device)`, `load_state_dict`
 with `assign=True` or FSDP replace parameter storage, and the modules then silently go back to
@@ -49,6 +51,7 @@ from torch import nn
 from ..kernels import cpu_gemv, native
 from ..model.attention import Attention
 from ..model.layers import SwiGLU
+from ..model.moe import Experts
 
 PACKED_MAX_ROWS = 2
 LAYOUTS = ("packed", "row-major")
@@ -172,11 +175,22 @@ def pack_for_decode(model: nn.Module) -> nn.Module:
             if names != ("down_proj",) or column_major_down():
                 to_column_major(linears[0])
             setattr(module, names[0], _rewrap(DecodeLinear, linears[0]))
+        if isinstance(module, Experts) and column_major_down():
+            experts_column_major(module)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
         to_column_major(head)
         model.set_output_embeddings(_rewrap(DecodeLinear, head))
     return model
+
+
+def experts_column_major(experts: Experts) -> None:
+    """Re-store each expert's weights column-major in place (W^T [in, out] per expert, same shapes and values),
+    the layout the native decode step's GEMVs stream; the module's grouped GEMM takes either layout."""
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)
+            param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def unpack_weights(model: nn.Module) -> nn.Module:

@@ -44,6 +44,23 @@ typedef struct {
     const float* bias;                 /* [out] or NULL */
 } Product;
 
+/* A sparse MoE MLP (fusedkv/model/moe.py, Qwen3-MoE and DeepSeekMoE): the router's scores, top-k routing
+ * (method 0: softmax, Qwen3-MoE; 1: DeepSeek-V2's group_limited_greedy; 2: DeepSeek-V3's noaux_tc, sigmoid
+ * scores chosen with the correction bias), the chosen weights renormalised (norm_topk) and scaled; then each
+ * expert chosen by some row runs once over the rows that chose it (native GEMVs over its slice of the expert
+ * tensors, in the decode layout: W^T [in, out] per expert), summed into the rows in expert order as the
+ * module's `index_add_`; plus the always-on shared experts (a dense gated MLP). */
+typedef struct {
+    int n_experts, top_k, method, n_group, topk_group, norm_topk, inter;  /* inter: one expert's I */
+    float routed_scaling;
+    const float* gate;                 /* router W^T [H, E] */
+    const float* score_bias;           /* noaux_tc: e_score_correction_bias [E]; else NULL */
+    const float* gate_up; long gu_ld, gu_es;  /* experts' W_gate|up^T: expert e's [H, 2 I] at e * gu_es, rows gu_ld */
+    const float* down; long d_ld, d_es;       /* experts' W_down^T: [I, H] per expert */
+    int shared_inter;                  /* 0: no shared experts */
+    Product shared_gate_up, shared_down;
+} MoE;
+
 /* Sliding-window layers. A window storage layer's cache is a ring of C = W - 1 slots per row ([B, H_kv, C, D],
  * as fusedkv.cache.StaticKVCache keeps it): row b's token of column p lives in slot C - 1 - ((p - kv_start[b])
  * mod C), so the tokens a row holds are always the slots [C - held, C), one key range per row. A query at
@@ -73,6 +90,7 @@ typedef struct {
     Product o;                         /* H_q D -> H */
     Product gate_up;                   /* H -> 2 I */
     Product down;                      /* I -> H */
+    const MoE* moe;                    /* a sparse MLP instead of gate_up / down, or NULL */
 } StepLayer;
 
 typedef struct {
@@ -85,6 +103,11 @@ typedef struct {
     float *h, *proj, *q, *attn, *attn2, *lse, *lse2, *gu, *act;
     int64_t* ring_start;
     uint16_t* xb;
+    /* MoE scratch (NULL without MoE layers): [B, E] scores, [B, E] choice, [B, H] rows, [B, 2 I_max], [B, I_max],
+     * [B, H] expert output, [B, H] sum; [B, k] experts and weights */
+    float *m_scores, *m_choice, *m_x, *m_gu, *m_act, *m_y, *m_out;
+    int* m_idx;
+    float* m_w;
 } Step;
 
 
@@ -237,22 +260,117 @@ static void commit_windows(const Step* s, const int64_t* kv_start, long length) 
     }
 }
 
-/* The gated MLP's activation, in place into s->act [B, I] from s->gu [B, 2 I] (gate | up). */
-static void activate(const Step* s) {
-    const int B = s->batch, I = s->inter;
+/* The gated MLP's activation: act [B, I] from gu [B, 2 I] (gate | up). */
+static void activate(const float* gu, float* act, int B, int I, int kind) {
     for (int b = 0; b < B; b++) {
-        const float *g = s->gu + (long)b * 2 * I, *u = g + I;
-        float* a = s->act + (long)b * I;
-        if (s->act_kind == ACT_SILU) {
+        const float *g = gu + (long)b * 2 * I, *u = g + I;
+        float* a = act + (long)b * I;
+        if (kind == ACT_SILU) {
 #pragma omp simd
             for (int i = 0; i < I; i++) a[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
-        } else if (s->act_kind == ACT_GELU_TANH) {  /* F.gelu(approximate="tanh") */
+        } else if (kind == ACT_GELU_TANH) {  /* F.gelu(approximate="tanh") */
             for (int i = 0; i < I; i++)
                 a[i] = 0.5f * g[i] * (1.f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
         } else {
             for (int i = 0; i < I; i++) a[i] = 0.5f * g[i] * (1.f + erff(g[i] * 0.7071067811865476f)) * u[i];
         }
     }
+}
+
+/* The `k` largest of v[0..n) (ties: the lower index, as the order torch.topk keeps in practice), into idx. */
+static void top_k(const float* v, int n, int k, int* idx) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= idx[i] == e;
+            if (!taken && (best < 0 || v[e] > v[best])) best = e;
+        }
+        idx[j] = best;
+    }
+}
+
+/* Keep, in choice [E], the experts of the topk_group best of n_group groups (ranked by their best score, or
+ * by the sum of their two best with noaux_tc); the others get `fill`. SparseMoE._within_groups. */
+static void within_groups(const MoE* m, float* choice, float fill) {
+    if (m->n_group <= 1) return;
+    const int per = m->n_experts / m->n_group;
+    float rank[256];
+    int keep[256];
+    for (int g = 0; g < m->n_group; g++) {
+        const float* c = choice + (long)g * per;
+        int two[2];
+        top_k(c, per, m->method == 2 ? 2 : 1, two);
+        rank[g] = m->method == 2 ? c[two[0]] + c[two[1]] : c[two[0]];
+    }
+    top_k(rank, m->n_group, m->topk_group, keep);
+    for (int g = 0; g < m->n_group; g++) {
+        int kept = 0;
+        for (int i = 0; i < m->topk_group; i++) kept |= keep[i] == g;
+        if (!kept) for (int e = 0; e < per; e++) choice[(long)g * per + e] = fill;
+    }
+}
+
+/* SparseMoE.route for each row of s->h: experts s->m_idx [B, k] and weights s->m_w [B, k]. */
+static void route(const Step* s, const MoE* m, int threads) {
+    const int B = s->batch, E = m->n_experts, k = m->top_k;
+    gemv_f32(s->h, B, s->hidden, m->gate, E, NULL, s->m_scores, E, threads);
+    for (int b = 0; b < B; b++) {
+        float *sc = s->m_scores + (long)b * E, *choice = s->m_choice + (long)b * E, *w = s->m_w + (long)b * k;
+        int* idx = s->m_idx + (long)b * k;
+        if (m->method == 2) {  /* sigmoid scores; choose on scores + bias within groups; weights the scores */
+            for (int e = 0; e < E; e++) {
+                sc[e] = 1.f / (1.f + expf(-sc[e]));
+                choice[e] = sc[e] + m->score_bias[e];
+            }
+            within_groups(m, choice, -INFINITY);
+        } else {  /* softmax (f32, as the module routes) */
+            float mx = -INFINITY, sum = 0.f;
+            for (int e = 0; e < E; e++) mx = sc[e] > mx ? sc[e] : mx;
+            for (int e = 0; e < E; e++) sum += (sc[e] = expf(sc[e] - mx));
+            for (int e = 0; e < E; e++) choice[e] = sc[e] /= sum;
+            if (m->method == 1) within_groups(m, choice, 0.f);
+        }
+        top_k(choice, E, k, idx);
+        float total = 0.f;
+        for (int j = 0; j < k; j++) total += (w[j] = m->method == 2 ? sc[idx[j]] : choice[idx[j]]);
+        if (m->norm_topk)
+            for (int j = 0; j < k; j++) w[j] = m->method == 2 ? w[j] / (total + 1e-20f) : w[j] / total;
+        for (int j = 0; j < k; j++) w[j] *= m->routed_scaling;
+    }
+}
+
+/* s->h [B, H] (the normed MLP input) -> the sparse MLP's output, into s->h. */
+static int sparse_mlp(const Step* s, const MoE* m, int threads) {
+    const int B = s->batch, H = s->hidden, I = m->inter, k = m->top_k;
+    route(s, m, threads);
+    memset(s->m_out, 0, sizeof(float) * (size_t)B * H);
+    for (int e = 0; e < m->n_experts; e++) {
+        int rows[MAX_ROWS], n = 0;
+        float weight[MAX_ROWS];
+        for (int b = 0; b < B; b++)
+            for (int j = 0; j < k; j++)
+                if (s->m_idx[(long)b * k + j] == e) { rows[n] = b; weight[n++] = s->m_w[(long)b * k + j]; }
+        if (!n) continue;
+        for (int r = 0; r < n; r++) memcpy(s->m_x + (long)r * H, s->h + (long)rows[r] * H, sizeof(float) * (size_t)H);
+        gemv_f32(s->m_x, n, H, m->gate_up + e * m->gu_es, m->gu_ld, NULL, s->m_gu, 2 * I, threads);
+        activate(s->m_gu, s->m_act, n, I, ACT_SILU);
+        gemv_f32(s->m_act, n, I, m->down + e * m->d_es, m->d_ld, NULL, s->m_y, H, threads);
+        for (int r = 0; r < n; r++) {
+            float *o = s->m_out + (long)rows[r] * H;
+            const float* y = s->m_y + (long)r * H;
+#pragma omp simd
+            for (int i = 0; i < H; i++) o[i] += y[i] * weight[r];
+        }
+    }
+    if (m->shared_inter) {
+        if (product(&m->shared_gate_up, s->h, B, s->m_gu, s->xb, threads)) return 3;
+        activate(s->m_gu, s->m_act, B, m->shared_inter, ACT_SILU);
+        if (product(&m->shared_down, s->m_act, B, s->m_y, s->xb, threads)) return 3;
+        for (long i = 0; i < (long)B * H; i++) s->m_out[i] += s->m_y[i];
+    }
+    memcpy(s->h, s->m_out, sizeof(float) * (size_t)B * H);
+    return 0;
 }
 
 /* x [B, H]: the residual stream of one new token per row, updated in place through every layer. The
@@ -276,9 +394,13 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
         if (product(&L->o, s->attn, B, s->h, s->xb, threads)) return 3;
         residual_add(x, s->h, L->post_attn_norm, B, H, s->eps);
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->mlp_norm, s->h + (long)b * H, H, s->eps);
-        if (product(&L->gate_up, s->h, B, s->gu, s->xb, threads)) return 3;
-        activate(s);
-        if (product(&L->down, s->act, B, s->h, s->xb, threads)) return 3;
+        if (L->moe) {
+            if (sparse_mlp(s, L->moe, threads)) return 3;
+        } else {
+            if (product(&L->gate_up, s->h, B, s->gu, s->xb, threads)) return 3;
+            activate(s->gu, s->act, B, s->inter, s->act_kind);
+            if (product(&L->down, s->act, B, s->h, s->xb, threads)) return 3;
+        }
         residual_add(x, s->h, L->post_mlp_norm, B, H, s->eps);
     }
     commit_windows(s, kv_start, length);

@@ -103,7 +103,7 @@ def test_generate_uses_the_step(monkeypatch):
 @pytest.mark.parametrize("case, overrides, batch, layout", [
     ("unpacked", {}, 1, "row-major"),
     ("batch above 16", {}, 17, "packed"),
-    ("moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 1, "packed"),
+    ("moe experts row-major", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 1, "row-major"),
     ("mla", dict(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16), 1,
      "packed"),
 ])

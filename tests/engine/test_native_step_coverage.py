@@ -165,3 +165,50 @@ def test_dynamic_rope_is_declined():
     model = _model("vanilla", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     cache = StaticKVCache(model.config, 1, 16)
     assert "dynamic" in unsupported(model, cache.keys, cache.values, 1)
+
+
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24)
+# Qwen3-MoE's routing, then DeepSeek-V2's and V3's (groups, shared experts, scaling), with a dense first layer.
+ROUTINGS = {
+    "qwen3-moe": dict(MOE, norm_topk_prob=True),
+    "qwen3-moe-sparse-step": dict(MOE, decoder_sparse_step=2, mlp_only_layers=[0]),
+    "deepseek-v2": dict(MOE, topk_method="group_limited_greedy", n_group=3, topk_group=2, n_shared_experts=1,
+                        routed_scaling_factor=1.5, mlp_only_layers=[0]),
+    "deepseek-v3": dict(MOE, topk_method="noaux_tc", n_group=3, topk_group=2, n_shared_experts=2,
+                        norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+
+
+def _moe_model(plan, routing, **overrides):
+    model = _model(plan, **ROUTINGS[routing], **overrides)
+    for layer in model.model.layers:  # a trained V3 router's correction bias is not zero
+        bias = getattr(layer.mlp, "gate", None) and getattr(layer.mlp.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(torch.randn(bias.shape) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("plan", ["vanilla", "fusedkv"])
+def test_moe_matches_the_full_forward(routing, plan):
+    """Sparse MLPs in the step: routing as the module routes, each chosen expert's GEMVs over its rows,
+    shared experts; a left-padded batch of 5, a window hybrid for the V3 case."""
+    model = _moe_model(plan, routing, **(HYBRID if routing == "deepseek-v3" else {}))
+    ids, mask = _padded(5, 13, 6, seed=6)
+    got, full = _teacher_forced(model, ids, mask, prompt=6)
+    _assert_close(got, full, mask[:, 6:], TOL[torch.float32])
+
+
+@pytest.mark.parametrize("routing, batch", [("qwen3-moe", 1), ("deepseek-v3", 16)])
+def test_moe_generate_with_and_without_the_step(routing, batch):
+    model = _moe_model("fusedkv", routing)
+    ids, mask = _padded(batch, 6, 6, seed=7)
+    fast = generate(model, ids, 10, attention_mask=mask)
+    slow = generate(model, ids, 10, attention_mask=mask, native_step=False)
+    assert fast.native_step and torch.equal(fast.tokens, slow.tokens)
+
+
+def test_moe_experts_outside_the_decode_layout_are_declined():
+    model = tiny_model("fusedkv", **MOE)  # not packed: experts row-major
+    cache = StaticKVCache(model.config, 1, 16)
+    assert "experts" in unsupported(model, cache.keys, cache.values, 1)
