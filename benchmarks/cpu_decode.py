@@ -45,9 +45,10 @@ SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8",
 
 
 # ---- fusedkv rows ------------------------------------------------------------------------------------
-def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int) -> dict[str, dict]:
+def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int,
+             shape: BenchShape | None = None) -> dict[str, dict]:
     """label -> dict(model, kv_dtype, weight_bytes): one model per (plan, weight format)."""
-    base = build_models(BenchShape(), plans, max_len, "cpu", torch.float32, include_hf=True)
+    base = build_models(shape or BenchShape(), plans, max_len, "cpu", torch.float32, include_hf=True)
     rows = {}
     for plan in plans:
         for fmt in weights:
@@ -113,7 +114,7 @@ def run(args) -> list[dict]:
     max_len = max(prompts) + args.new_tokens + 8
     weights = [weight_format(w) for w in args.weights.split(",")]
     kvs = ["float32" if k in ("float32", "f32") else "half" for k in args.kv.split(",")]
-    ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len)
+    ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len, _shape(args))
     if args.step != "native":  # the module-by-module loop, as rows of their own ("both") or instead
         modules = {f"{name} modules": dict(row, native_step=False) for name, row in ours.items()}
         ours = {**(ours if args.step == "both" else {}), **modules}
@@ -178,6 +179,11 @@ def run(args) -> list[dict]:
         for runner, _, _ in runners.values():
             runner.close()
     return out
+
+
+def _shape(args) -> BenchShape:
+    """The bench model, as a sliding-window hybrid with --sliding-window (three window layers, then a full one)."""
+    return BenchShape(sliding_window=args.sliding_window)
 
 
 def _one(name, ours, runners, ids, new_tokens):
@@ -511,6 +517,8 @@ def main() -> None:
     ap.add_argument("--step", choices=("native", "modules", "both"), default="native",
                     help="how fusedkv rows decode: the layers in one native call where it covers the model "
                     "(generate's default), the modules one by one, or both as separate rows ('... modules')")
+    ap.add_argument("--sliding-window", type=int, default=None, help="decode a sliding-window hybrid of the bench "
+                    "model (window layers over ring caches); llama.cpp rows, if any, stay full attention")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
     ap.add_argument("--attention", action="store_true", help="print the native attention table instead "
                     "(--threads, --prompt-lens as the context lengths, --repeats)")
@@ -544,7 +552,7 @@ def main() -> None:
 
     args.llamacpp_src = args.llamacpp_src or os.environ.get("FUSEDKV_LLAMA_CPP_SRC")
     rows = run(args)
-    print(f"\nbench model {vars(BenchShape())}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
+    print(f"\nbench model {vars(_shape(args))}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
           f"repeats; load average at the end {open('/proc/loadavg').read().split()[0]}; native CPU product "
           f"kernel: {'on' if native.available() else 'off'} (FUSEDKV_NATIVE_KERNELS)\n")
     print(format_rows(rows))

@@ -12,9 +12,17 @@ moved onto the query and output, paper Sec. 2.5), checked against the model's fo
 
 It covers what the fast CPU path is for: weights f32 in the packed decode layout, bf16 / int8 in the
 block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16), or int4 blocks (any); batch
-<= 4; full attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of
-`fusedkv.plan`); dense SwiGLU MLPs. `unsupported` names the first thing it does not cover, and the caller then keeps the
-module-by-module step, which runs everything (MoE, MLA, sliding windows, f16 weights).
+<= 16; attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of
+`fusedkv.plan` but the scalar-weighted fusedkv-dense); sliding-window layers over the static cache's
+window rings (`fusedkv.cache.StaticKVCache`); dense gated MLPs (SiLU, GELU, tanh-GELU) and sparse MoE
+MLPs (Qwen3-MoE and DeepSeekMoE routing, shared experts; f32 experts in the decode layout); and the
+imported families' block features: Q/K/V, O and MLP biases, QK-norm or none, Gemma's RMSNorm (1 + w) and
+post-norms, embedding scaling, `query_pre_attn_scalar`, attention and final logit soft-capping, every
+RoPE scaling but dynamic NTK, a separate RoPE per attention type. `unsupported` names the first thing
+it does not cover, and the caller then keeps the module-by-module step, which runs everything. What it
+declines, by name: MLA layers, dynamic NTK RoPE, fusedkv-dense's scalar fusion and more than two sources,
+batch above 16, f16 weights (and f32 ones not in the packed layout), MoE experts not in f32 decode layout,
+caches other than `StaticKVCache` (KIVI), head_dim odd or above 512.
 """
 
 from __future__ import annotations

@@ -212,3 +212,19 @@ def test_moe_experts_outside_the_decode_layout_are_declined():
     model = tiny_model("fusedkv", **MOE)  # not packed: experts row-major
     cache = StaticKVCache(model.config, 1, 16)
     assert "experts" in unsupported(model, cache.keys, cache.values, 1)
+
+
+def test_auto_layout_packs_for_the_step_up_to_16_rows():
+    """`weight_layout="auto"` packs the weights for the native step at batch 5-16 (the modules alone would
+    take the row-major layout there); a model the step declines (MLA) gets the row-major layout after all."""
+    from fusedkv.engine.packing import is_packed
+
+    ids = torch.randint(1, 97, (12, 5), generator=torch.Generator().manual_seed(8))
+    model = tiny_model("fusedkv")
+    fast = generate(model, ids, 4, weight_layout="auto")
+    assert fast.native_step and is_packed(model)
+    slow = generate(model, ids, 4, weight_layout="auto", native_step=False)
+    assert not is_packed(model) and torch.equal(fast.tokens, slow.tokens)
+    mla = tiny_model("fusedkv", kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                     v_head_dim=16)
+    assert not generate(mla, ids, 4, weight_layout="auto").native_step and not is_packed(mla)
