@@ -15,12 +15,13 @@ block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16), or in
 <= 16; attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of
 `fusedkv.plan` but the scalar-weighted fusedkv-dense); sliding-window layers over the static cache's
 window rings (`fusedkv.cache.StaticKVCache`); dense gated MLPs (SiLU, GELU, tanh-GELU) and sparse MoE
-MLPs (Qwen3-MoE and DeepSeekMoE routing, shared experts; f32 experts in the decode layout); and the
+MLPs (Qwen3-MoE and DeepSeekMoE routing, shared experts; f32 experts in the decode layout); MLA layers
+absorbed over the cached latents and RoPE keys (f32 cache; FusedKV on MLA included); and the
 imported families' block features: Q/K/V, O and MLP biases, QK-norm or none, Gemma's RMSNorm (1 + w) and
 post-norms, embedding scaling, `query_pre_attn_scalar`, attention and final logit soft-capping, every
 RoPE scaling but dynamic NTK, a separate RoPE per attention type. `unsupported` names the first thing
 it does not cover, and the caller then keeps the module-by-module step, which runs everything. What it
-declines, by name: MLA layers, dynamic NTK RoPE, fusedkv-dense's scalar fusion and more than two sources,
+declines, by name: MLA over a 16-bit cache, dynamic NTK RoPE, fusedkv-dense's scalar fusion and more than two sources,
 batch above 16, f16 weights (and f32 ones not in the packed layout), MoE experts not in f32 decode layout,
 caches other than `StaticKVCache` (KIVI), head_dim odd or above 512.
 """
@@ -34,6 +35,7 @@ import torch
 from ..kernels import cpu_attention, cpu_gemv, native
 from ..model.attention import Attention
 from ..model.layers import RMSNorm, SwiGLU, rope_inv_freq, rope_tables
+from ..model.mla import MLA
 from ..model.moe import SparseMoE
 from .packing import decode_products
 from .precision import ReducedLinear
@@ -57,13 +59,20 @@ class _MoE(ctypes.Structure):  # `MoE` in cpu_decode_step.c
                 ("shared_gate_up", _Product), ("shared_down", _Product)]
 
 
+class _Mla(ctypes.Structure):  # `Mla` in cpu_decode_step.c
+    _fields_ = [("heads", I), ("nope", I), ("rope", I), ("v_dim", I), ("rank", I), ("q_lora", I), ("interleave", I),
+                ("q_a", _Product), ("q_a_norm", P), ("q", _Product), ("kv_a", _Product), ("kv_a_norm", P),
+                ("kv_b", P), ("a", P), ("q_out", P), ("q_lat", P), ("o_lat", P), ("scores", P)]
+
+
 class _Layer(ctypes.Structure):  # `StepLayer`
     _fields_ = [("stores", I), ("window", I), ("attn_norm", P), ("mlp_norm", P), ("post_attn_norm", P),
                 ("post_mlp_norm", P), ("cos", P), ("sin", P), ("proj", _Product), ("q_norm", P), ("k_norm", P),
                 ("k_cache", P), ("v_cache", P), ("k_pend", P), ("v_pend", P), ("n_k", I), ("n_v", I),
                 ("k_src", P * 2), ("v_src", P * 2), ("k_pend_src", P * 2), ("v_pend_src", P * 2),
                 ("k_w", P * 2), ("v_w", P * 2), ("k_w_hs", L), ("v_w_hs", L),
-                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("moe", ctypes.POINTER(_MoE))]
+                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("moe", ctypes.POINTER(_MoE)),
+                ("mla", ctypes.POINTER(_Mla))]
 
 
 class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
@@ -106,16 +115,24 @@ def _products(layer) -> dict[str, _Product] | None:
     """The native descriptions of a decoder layer's products as the engine laid them out
     (`fusedkv.engine.packing.decode_products`: the packed group, or a reduced group's one module), or None
     when one is in no layout the step reads. A sparse MLP's shared experts count as the MLP (none: none)."""
-    attn = decode_products(layer.self_attn)
+    attn = _mla_products(layer.self_attn) if isinstance(layer.self_attn, MLA) else decode_products(layer.self_attn)
     mlp = layer.mlp.shared_experts if isinstance(layer.mlp, SparseMoE) else layer.mlp
     mlp = decode_products(mlp) if mlp is not None else {}
     if attn is None or mlp is None:
         return None
-    modules = {"proj": attn["q_proj"], "o": attn["o_proj"]}
+    modules = {"proj": attn["q_proj"], "o": attn["o_proj"]} if "proj" not in attn else dict(attn)
     if mlp:
         modules.update(gate_up=mlp["gate_proj"], down=mlp["down_proj"])
     products = {name: _product(m) for name, m in modules.items()}
     return None if None in products.values() else products
+
+
+def _mla_products(attn: MLA) -> dict[str, torch.nn.Module]:
+    """An MLA layer's projections the step multiplies, under the step's names ("proj" stands for the query
+    product, q_proj or q_b_proj; "o" the output)."""
+    names = {"proj": "q_proj" if attn.q_lora_rank is None else "q_b_proj", "q_a": "q_a_proj",
+             "kv_a": "kv_a_proj_with_mqa", "o": "o_proj"}
+    return {key: getattr(attn, name) for key, name in names.items() if hasattr(attn, name)}
 
 
 def _experts_unsupported(moe: SparseMoE) -> str | None:
@@ -131,9 +148,13 @@ def _experts_unsupported(moe: SparseMoE) -> str | None:
 
 
 def _window_capacity(model, index: int) -> int:
-    """Ring slots of storage layer `index`'s cache: W - 1 for a window layer, 0 for full attention."""
-    attn = model.model.layers[index].self_attn
-    return attn.window - 1 if attn.window else 0
+    """Ring slots of storage layer `index`'s cache: W - 1 for a window layer, 0 for full attention (MLA too)."""
+    return _window_capacity_of(model.model.layers[index].self_attn)
+
+
+def _window_capacity_of(attn) -> int:
+    window = getattr(attn, "window", None)
+    return window - 1 if window else 0
 
 
 def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int) -> str | None:
@@ -145,8 +166,6 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return f"batch {batch} > {MAX_ROWS}"
     if model.device.type != "cpu" or model.dtype != torch.float32 or model.training:
         return "the model is not an f32 CPU model in eval mode"
-    if config.kv_lora_rank is not None:
-        return "MLA layers run module by module"
     if config.hidden_act not in ACTIVATIONS:
         return f"hidden_act {config.hidden_act!r} runs module by module"
     if model.model.dynamic_rope:
@@ -163,16 +182,27 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
     full = [keys[i].shape for i in keys if not _window_capacity(model, i)]
     for i in keys:
         slots = _window_capacity(model, i) or (full[0][2] if full else keys[i].shape[2])
-        shape = (batch, config.num_key_value_heads, slots, config.head_dim)
-        if keys[i].shape != shape or values[i].shape != shape:
+        k_shape = v_shape = (batch, config.num_key_value_heads, slots, config.head_dim)
+        if config.kv_lora_rank is not None:  # MLA: latents and RoPE keys, one "head"
+            k_shape, v_shape = (batch, 1, slots, config.kv_lora_rank), (batch, 1, slots, config.head_dim)
+        if keys[i].shape != k_shape or values[i].shape != v_shape:
             return f"layer {i + 1}'s cache is not [B, H_kv, S, D] (a window layer: S = W - 1)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attn, Attention) or not isinstance(mlp, (SwiGLU, SparseMoE)):
-            return "a layer is not Qwen3 attention with a dense or sparse MLP"
+        if not isinstance(attn, (Attention, MLA)) or not isinstance(mlp, (SwiGLU, SparseMoE)):
+            return "a layer is not attention or MLA with a dense or sparse MLP"
         if isinstance(mlp, SparseMoE) and _experts_unsupported(mlp):
             return _experts_unsupported(mlp)
         kv = attn.layer
+        if isinstance(attn, MLA):
+            if (first.dtype != torch.float32 or attn.kv_b_proj.weight.dtype != torch.float32
+                    or not attn.kv_b_proj.weight.is_contiguous() or "scalar" in (kv.k_fusion, kv.v_fusion)
+                    or max(len(kv.k_sources), len(kv.v_sources)) > 2):
+                return (f"layer {kv.index + 1}: MLA runs natively over an f32 cache, kv_b_proj f32 row-major, "
+                        "1-2 sources with per-channel weights")
+            if _products(layer) is None:
+                return "MLA's projections are not f32 in the packed decode layout (fusedkv.engine.packing)"
+            continue
         sources = [kv.index] if kv.stores else [*kv.k_sources, *kv.v_sources]
         windows = {_window_capacity(model, i) for i in sources}
         counts = (1, 1) if kv.stores else (len(kv.k_sources), len(kv.v_sources))
@@ -228,14 +258,23 @@ class NativeDecodeStep:
         self._keep += [t for pair in pending.values() for t in pair]
         layers = (_Layer * len(decoder.layers))()
         self._moes: list[_MoE] = []
+        self._mlas: list[_Mla] = []
+        if config.kv_lora_rank is not None:  # MLA's scratch, shared by its layers (see `Mla` in the C step)
+            qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+            self._mla_scratch = [torch.empty(batch, max(config.q_lora_rank or 0, config.kv_lora_rank + d)),
+                                 torch.empty(batch, h_q * qk), torch.empty(config.kv_lora_rank),
+                                 torch.empty(config.kv_lora_rank), torch.empty(cache_len)]
+            self._keep += self._mla_scratch
         for table, layer, rope_key in zip(layers, decoder.layers, decoder.rope_keys):
             self._fill(table, layer, keys, values, pending, tables[rope_key], h_kv, d)
         self._layers = layers
         proj_max = max(table.proj.out for table in layers)
         products = [p for t in layers for p in (t.proj, t.o, t.gate_up, t.down)]
         products += [p for m in self._moes for p in (m.shared_gate_up, m.shared_down) if m.shared_inter]
+        products += [p for m in self._mlas for p in (m.q_a, m.q, m.kv_a)]
         widest = max(p.in_padded for p in products)
-        scratch = [torch.empty(batch, n) for n in (hidden, proj_max, h_q * d, h_q * d, h_q * d, h_q, h_q,
+        attn_width = h_q * (config.v_head_dim if config.kv_lora_rank is not None else d)  # MLA: v_head_dim wide
+        scratch = [torch.empty(batch, n) for n in (hidden, proj_max, h_q * d, attn_width, h_q * d, h_q, h_q,
                                                    2 * inter, inter)]
         scratch += [torch.empty(batch, dtype=torch.int64), torch.empty(batch, widest, dtype=torch.bfloat16)]
         if self._moes:  # scores, choice, rows, gate|up, activation, expert output, sum; experts, weights
@@ -248,7 +287,7 @@ class NativeDecodeStep:
         attn = decoder.layers[0].self_attn
         self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
                            cpu_attention.KINDS[next(iter(keys.values())).dtype], ACTIVATIONS[config.hidden_act],
-                           cache_len, config.rms_norm_eps, attn.scale, attn.softcap or 0.0, layers,
+                           cache_len, config.rms_norm_eps, attn.scale, getattr(attn, "softcap", None) or 0.0, layers,
                            *(t.data_ptr() for t in scratch))
         self._address = ctypes.addressof(self._step)
         self._lib = native.library()
@@ -265,18 +304,21 @@ class NativeDecodeStep:
     def _fill(self, table: _Layer, layer, keys, values, pending, rope, h_kv: int, d: int) -> None:
         attn, kv = layer.self_attn, layer.self_attn.layer
         table.stores = kv.stores
-        table.window = attn.window - 1 if attn.window else 0
+        table.window = _window_capacity_of(attn)
         table.attn_norm, table.mlp_norm = self._gain(layer.input_layernorm), self._gain(layer.post_attention_layernorm)
         if layer.post_norms:
             table.post_attn_norm = self._gain(layer.post_attention_output_layernorm)
             table.post_mlp_norm = self._gain(layer.post_feedforward_layernorm)
         table.cos, table.sin = rope[0].data_ptr(), rope[1].data_ptr()
-        for name, product in _products(layer).items():
-            if isinstance(layer.mlp, SparseMoE) and name in ("gate_up", "down"):
-                continue  # the shared experts' products: the MoE's
-            setattr(table, name, product)
+        products = _products(layer)
+        for name in ("proj", "o", "gate_up", "down"):
+            if name in products and not (isinstance(layer.mlp, SparseMoE) and name in ("gate_up", "down")):
+                setattr(table, name, products[name])  # (a sparse MLP's are its shared experts': the MoE's)
         if isinstance(layer.mlp, SparseMoE):
-            table.moe = ctypes.pointer(self._moe(layer.mlp, _products(layer)))
+            table.moe = ctypes.pointer(self._moe(layer.mlp, products))
+        if isinstance(attn, MLA):
+            self._fill_mla(table, attn, keys, values, products)
+            return
         table.q_norm = self._gain(attn.q_norm)
         if kv.stores:
             table.k_norm = self._gain(attn.k_norm)
@@ -298,6 +340,35 @@ class NativeDecodeStep:
         (k0, k1, table.k_w_hs), (v0, v1, table.v_w_hs) = (cpu_attention.weight_pointers(k_w, h_kv, d),
                                                           cpu_attention.weight_pointers(v_w, h_kv, d))
         table.k_w[:], table.v_w[:] = [k0, k1], [v0, v1]
+
+    def _fill_mla(self, table: _Layer, attn: MLA, keys, values, products: dict[str, _Product]) -> None:
+        """An MLA layer's entry: its `Mla` (projections, norms, kv_b_proj read in place, the shared scratch) and
+        its sources: RoPE keys as the key side, latents as the value side (`LatentFusion`'s slots); in the
+        cache, latents are the keys and RoPE keys the values."""
+        kv = attn.layer
+        mla = _Mla(attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank, attn.q_lora_rank or 0,
+                   int(attn.rope_interleave))
+        mla.q = products["proj"]
+        if attn.q_lora_rank is not None:
+            mla.q_a, mla.q_a_norm = products["q_a"], self._gain(attn.q_a_layernorm)
+        if kv.stores:
+            mla.kv_a, mla.kv_a_norm = products["kv_a"], self._gain(attn.kv_a_layernorm)
+            table.k_cache, table.v_cache = keys[kv.index].data_ptr(), values[kv.index].data_ptr()
+            k_srcs, v_srcs, k_w, v_w = [kv.index], [kv.index], [None], [None]
+        else:
+            k_srcs, v_srcs = kv.k_sources, kv.v_sources
+            key_weights, value_weights = attn.fusion.weights()
+            k_w = [None if w is None else self._hold(w) for w in key_weights]
+            v_w = [None if w is None else self._hold(w) for w in value_weights]
+        mla.kv_b = attn.kv_b_proj.weight.data_ptr()
+        mla.a, mla.q_out, mla.q_lat, mla.o_lat, mla.scores = (t.data_ptr() for t in self._mla_scratch)
+        table.n_k, table.n_v = len(k_srcs), len(v_srcs)
+        table.k_src[:] = [values[k_srcs[0]].data_ptr(), values[k_srcs[-1]].data_ptr()]
+        table.v_src[:] = [keys[v_srcs[0]].data_ptr(), keys[v_srcs[-1]].data_ptr()]
+        table.k_w[:] = [None if w is None else w.data_ptr() for w in (k_w[0], k_w[-1])]
+        table.v_w[:] = [None if w is None else w.data_ptr() for w in (v_w[0], v_w[-1])]
+        self._mlas.append(mla)
+        table.mla = ctypes.pointer(mla)
 
     def _moe(self, moe: SparseMoE, products: dict[str, _Product]) -> _MoE:
         """The native description of a sparse MLP (`MoE` in cpu_decode_step.c)."""

@@ -61,6 +61,26 @@ typedef struct {
     Product shared_gate_up, shared_down;
 } MoE;
 
+/* Multi-head latent attention (fusedkv/model/mla.py, DeepSeek-V2/V3), absorbed as the engine's AbsorbedMLA
+ * (fusedkv/engine/backends.py): the query's non-rotated part goes through W_UK into the latent space, so the
+ * scores are read straight off the cached latents c and RoPE keys k_R (f32 caches), and W_UV is applied to the
+ * softmax-weighted latent:
+ *     s_t = scale (q_C,h W_UK,h) . sum_s b_s (.) c_s[t] + scale q_R,h . sum_s w_s (.) k_R,s[t]
+ *     out_h = W_UV,h (sum_s b_s (.) sum_t p_t c_s[t])
+ * A storage layer writes c = RMSNorm(latent) and RoPE(k_R) into its cache (keys: latents [B, 1, S, r];
+ * values: RoPE keys [B, 1, S, d_R]); DeepSeek's interleaved RoPE layout is regrouped into rotate-half first. */
+typedef struct {
+    int heads, nope, rope, v_dim, rank, q_lora, interleave;
+    Product q_a;                       /* q_lora: H -> q_lora (then q_a_norm); else unused */
+    const float* q_a_norm;
+    Product q;                         /* q_proj (H ->) or q_b_proj (q_lora ->) heads * (nope + rope) */
+    Product kv_a;                      /* storage layers: H -> rank + rope */
+    const float* kv_a_norm;
+    const float* kv_b;                 /* kv_b_proj.weight [heads, nope + v_dim, rank] row-major: W_UK | W_UV */
+    /* scratch: [B, max(q_lora, rank + rope)], [B, heads * (nope + rope)], [rank] twice, [S] */
+    float *a, *q_out, *q_lat, *o_lat, *scores;
+} Mla;
+
 /* Sliding-window layers. A window storage layer's cache is a ring of C = W - 1 slots per row ([B, H_kv, C, D],
  * as fusedkv.cache.StaticKVCache keeps it): row b's token of column p lives in slot C - 1 - ((p - kv_start[b])
  * mod C), so the tokens a row holds are always the slots [C - held, C), one key range per row. A query at
@@ -91,6 +111,7 @@ typedef struct {
     Product gate_up;                   /* H -> 2 I */
     Product down;                      /* I -> H */
     const MoE* moe;                    /* a sparse MLP instead of gate_up / down, or NULL */
+    const Mla* mla;                    /* MLA instead of proj / q_norm / k_norm (sources as above), or NULL */
 } StepLayer;
 
 typedef struct {
@@ -277,6 +298,92 @@ static void activate(const float* gu, float* act, int B, int I, int kind) {
     }
 }
 
+/* RoPE of one rotate-half vector (DeepSeek's interleaved pairs regrouped first): y = x cos + roll(x) sin. */
+static void rope_one(const float* x, int D, int interleave, const float* cos, const float* sin, float* y) {
+    float n[512];
+    if (interleave)
+        for (int d = 0; d < D / 2; d++) n[d] = x[2 * d], n[d + D / 2] = x[2 * d + 1];
+    else memcpy(n, x, sizeof(float) * (size_t)D);
+    const int half = D / 2;
+    for (int d = 0; d < half; d++) y[d] = n[d] * cos[d] + n[d + half] * sin[d];
+    for (int d = half; d < D; d++) y[d] = n[d] * cos[d] + n[d - half] * sin[d];
+}
+
+/* s->attn [B, heads * v_dim]: MLA's attention of this step (see `Mla`), the storage layer's c and k_R written. */
+static int mla_attend(const Step* s, const StepLayer* L, const int64_t* kv_start, long length, int threads) {
+    const Mla* m = L->mla;
+    const int B = s->batch, R = m->rank, DR = m->rope, QK = m->nope + m->rope, S = (int)s->cache_len;
+    const float* qin = s->h;
+    if (m->q_lora) {
+        if (product(&m->q_a, s->h, B, m->a, s->xb, threads)) return 3;
+        for (int b = 0; b < B; b++) rms_norm(m->a + (long)b * m->q_lora, m->q_a_norm, m->a + (long)b * m->q_lora,
+                                             m->q_lora, s->eps);
+        qin = m->a;
+    }
+    if (product(&m->q, qin, B, m->q_out, s->xb, threads)) return 3;
+    if (L->stores) {
+        if (product(&m->kv_a, s->h, B, m->a, s->xb, threads)) return 3;
+        for (int b = 0; b < B; b++) {
+            const long pos = length - (kv_start ? kv_start[b] : 0);
+            const float* row = m->a + (long)b * (R + DR);
+            rms_norm(row, m->kv_a_norm, (float*)L->k_cache + ((long)b * S + length) * R, R, s->eps);
+            rope_one(row + R, DR, m->interleave, L->cos + pos * DR, L->sin + pos * DR,
+                     (float*)L->v_cache + ((long)b * S + length) * DR);
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        const long pos = length - (kv_start ? kv_start[b] : 0);
+        const int start = kv_start ? (int)kv_start[b] : 0, T = (int)length + 1;
+        for (int h = 0; h < m->heads; h++) {
+            const float* qh = m->q_out + ((long)b * m->heads + h) * QK;
+            const float* w_uk = m->kv_b + (long)h * (m->nope + m->v_dim) * R;  /* [nope, R] */
+            const float* w_uv = w_uk + (long)m->nope * R;                       /* [v_dim, R] */
+            float q_rope[512];
+            rope_one(qh + m->nope, DR, m->interleave, L->cos + pos * DR, L->sin + pos * DR, q_rope);
+            for (int r = 0; r < R; r++) m->q_lat[r] = 0.f;
+            for (int d = 0; d < m->nope; d++) {
+                const float qd = qh[d] * s->scale;
+                for (int r = 0; r < R; r++) m->q_lat[r] += qd * w_uk[(long)d * R + r];
+            }
+            for (int d = 0; d < DR; d++) q_rope[d] *= s->scale;
+            float mx = -INFINITY;
+            for (int t = start; t < T; t++) {
+                float sc = 0.f;
+                for (int v = 0; v < L->n_v; v++) {
+                    const float* c = (const float*)L->v_src[v] + ((long)b * S + t) * R;
+                    const float* w = L->v_w[v];
+                    for (int r = 0; r < R; r++) sc += m->q_lat[r] * (w ? w[r] : 1.f) * c[r];
+                }
+                for (int k = 0; k < L->n_k; k++) {
+                    const float* kr = (const float*)L->k_src[k] + ((long)b * S + t) * DR;
+                    const float* w = L->k_w[k];
+                    for (int d = 0; d < DR; d++) sc += q_rope[d] * (w ? w[d] : 1.f) * kr[d];
+                }
+                m->scores[t] = sc;
+                mx = sc > mx ? sc : mx;
+            }
+            float sum = 0.f;
+            for (int t = start; t < T; t++) sum += (m->scores[t] = expf(m->scores[t] - mx));
+            for (int r = 0; r < R; r++) m->o_lat[r] = 0.f;
+            for (int v = 0; v < L->n_v; v++) {
+                const float* w = L->v_w[v];
+                for (int t = start; t < T; t++) {
+                    const float p = m->scores[t] / sum;
+                    const float* c = (const float*)L->v_src[v] + ((long)b * S + t) * R;
+                    for (int r = 0; r < R; r++) m->o_lat[r] += p * (w ? w[r] : 1.f) * c[r];
+                }
+            }
+            float* out = s->attn + ((long)b * m->heads + h) * m->v_dim;
+            for (int d = 0; d < m->v_dim; d++) {
+                float y = 0.f;
+                for (int r = 0; r < R; r++) y += w_uv[(long)d * R + r] * m->o_lat[r];
+                out[d] = y;
+            }
+        }
+    }
+    return 0;
+}
+
 /* The `k` largest of v[0..n) (ties: the lower index, as the order torch.topk keeps in practice), into idx. */
 static void top_k(const float* v, int n, int k, int* idx) {
     for (int j = 0; j < k; j++) {
@@ -388,9 +495,14 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
     for (int l = 0; l < s->n_layers; l++) {
         const StepLayer* L = &s->layers[l];
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->attn_norm, s->h + (long)b * H, H, s->eps);
-        int status = project(s, L, kv_start, length, threads);
-        if (status) return status;
-        if (attend(s, L, kv_start, length, threads)) return 2;
+        if (L->mla) {
+            int status = mla_attend(s, L, kv_start, length, threads);
+            if (status) return status;
+        } else {
+            int status = project(s, L, kv_start, length, threads);
+            if (status) return status;
+            if (attend(s, L, kv_start, length, threads)) return 2;
+        }
         if (product(&L->o, s->attn, B, s->h, s->xb, threads)) return 3;
         residual_add(x, s->h, L->post_attn_norm, B, H, s->eps);
         for (int b = 0; b < B; b++) rms_norm(x + (long)b * H, L->mlp_norm, s->h + (long)b * H, H, s->eps);

@@ -104,8 +104,8 @@ def test_generate_uses_the_step(monkeypatch):
     ("unpacked", {}, 1, "row-major"),
     ("batch above 16", {}, 17, "packed"),
     ("moe experts row-major", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 1, "row-major"),
-    ("mla", dict(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16), 1,
-     "packed"),
+    ("mla row-major", dict(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                           v_head_dim=16), 1, "row-major"),
 ])
 def test_declined_models_fall_back(case, overrides, batch, layout):
     """What the step does not cover is named by `unsupported`, refused by the constructor with that

@@ -216,7 +216,8 @@ def test_moe_experts_outside_the_decode_layout_are_declined():
 
 def test_auto_layout_packs_for_the_step_up_to_16_rows():
     """`weight_layout="auto"` packs the weights for the native step at batch 5-16 (the modules alone would
-    take the row-major layout there); a model the step declines (MLA) gets the row-major layout after all."""
+    take the row-major layout there); a model the step declines (dynamic NTK RoPE) gets the row-major layout
+    after all."""
     from fusedkv.engine.packing import is_packed
 
     ids = torch.randint(1, 97, (12, 5), generator=torch.Generator().manual_seed(8))
@@ -225,6 +226,33 @@ def test_auto_layout_packs_for_the_step_up_to_16_rows():
     assert fast.native_step and is_packed(model)
     slow = generate(model, ids, 4, weight_layout="auto", native_step=False)
     assert not is_packed(model) and torch.equal(fast.tokens, slow.tokens)
-    mla = tiny_model("fusedkv", kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
-                     v_head_dim=16)
-    assert not generate(mla, ids, 4, weight_layout="auto").native_step and not is_packed(mla)
+    dynamic = tiny_model("fusedkv", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    assert not generate(dynamic, ids, 4, weight_layout="auto").native_step and not is_packed(dynamic)
+
+
+MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8)
+MLAS = {
+    "full-rank-query": dict(MLA, q_lora_rank=None),
+    "low-rank-query-interleaved": dict(MLA, q_lora_rank=24, rope_interleave=True),
+    "yarn-moe": dict(MLA, q_lora_rank=24, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale_all_dim": 1.0}, **ROUTINGS["deepseek-v3"]),
+}
+
+
+@pytest.mark.parametrize("variant", list(MLAS))
+@pytest.mark.parametrize("plan", ["vanilla", "fusedkv"])
+def test_mla_matches_the_full_forward(variant, plan):
+    """MLA absorbed over the cached latents and RoPE keys (FusedKV fusing them), for a left-padded batch."""
+    model = _model(plan, **MLAS[variant])
+    ids, mask = _padded(3, 13, 6, seed=9)
+    got, full = _teacher_forced(model, ids, mask, prompt=6)
+    _assert_close(got, full, mask[:, 6:], TOL[torch.float32])
+
+
+def test_mla_generate_with_and_without_the_step():
+    model = _model("fusedkv", **MLAS["low-rank-query-interleaved"])
+    ids, mask = _padded(4, 6, 6, seed=10)
+    fast = generate(model, ids, 10, attention_mask=mask)
+    slow = generate(model, ids, 10, attention_mask=mask, native_step=False)
+    assert fast.native_step and torch.equal(fast.tokens, slow.tokens)
