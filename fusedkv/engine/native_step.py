@@ -325,12 +325,7 @@ class NativeDecodeStep:
             table.k_cache, table.v_cache = keys[kv.index].data_ptr(), values[kv.index].data_ptr()
             if kv.index in pending:
                 table.k_pend, table.v_pend = (t.data_ptr() for t in pending[kv.index])
-            k_srcs, v_srcs, k_w, v_w = [kv.index], [kv.index], [None], [None]
-        else:
-            k_srcs, v_srcs = kv.k_sources, kv.v_sources
-            key_weights, value_weights = attn.fusion.weights()
-            k_w = [None if w is None else self._hold(w) for w in key_weights]
-            v_w = [None if w is None else self._hold(w) for w in value_weights]
+        k_srcs, v_srcs, k_w, v_w = self._sources(attn)
         table.n_k, table.n_v = len(k_srcs), len(v_srcs)
         table.k_src[:] = [keys[k_srcs[0]].data_ptr(), keys[k_srcs[-1]].data_ptr()]
         table.v_src[:] = [values[v_srcs[0]].data_ptr(), values[v_srcs[-1]].data_ptr()]
@@ -340,6 +335,16 @@ class NativeDecodeStep:
         (k0, k1, table.k_w_hs), (v0, v1, table.v_w_hs) = (cpu_attention.weight_pointers(k_w, h_kv, d),
                                                           cpu_attention.weight_pointers(v_w, h_kv, d))
         table.k_w[:], table.v_w[:] = [k0, k1], [v0, v1]
+
+    def _sources(self, attn) -> tuple[list[int], list[int], list, list]:
+        """(key source layers, value source layers, their f32 fusion weights or None): the layer's own K/V
+        for a storage layer, else its plan's sources with the weights its fusion gives them."""
+        kv = attn.layer
+        if kv.stores:
+            return [kv.index], [kv.index], [None], [None]
+        key_weights, value_weights = attn.fusion.weights()
+        return (list(kv.k_sources), list(kv.v_sources), [None if w is None else self._hold(w) for w in key_weights],
+                [None if w is None else self._hold(w) for w in value_weights])
 
     def _fill_mla(self, table: _Layer, attn: MLA, keys, values, products: dict[str, _Product]) -> None:
         """An MLA layer's entry: its `Mla` (projections, norms, kv_b_proj read in place, the shared scratch) and
@@ -354,12 +359,7 @@ class NativeDecodeStep:
         if kv.stores:
             mla.kv_a, mla.kv_a_norm = products["kv_a"], self._gain(attn.kv_a_layernorm)
             table.k_cache, table.v_cache = keys[kv.index].data_ptr(), values[kv.index].data_ptr()
-            k_srcs, v_srcs, k_w, v_w = [kv.index], [kv.index], [None], [None]
-        else:
-            k_srcs, v_srcs = kv.k_sources, kv.v_sources
-            key_weights, value_weights = attn.fusion.weights()
-            k_w = [None if w is None else self._hold(w) for w in key_weights]
-            v_w = [None if w is None else self._hold(w) for w in value_weights]
+        k_srcs, v_srcs, k_w, v_w = self._sources(attn)
         mla.kv_b = attn.kv_b_proj.weight.data_ptr()
         mla.a, mla.q_out, mla.q_lat, mla.o_lat, mla.scores = (t.data_ptr() for t in self._mla_scratch)
         table.n_k, table.n_v = len(k_srcs), len(v_srcs)
