@@ -62,7 +62,7 @@ class _MoE(ctypes.Structure):  # `MoE` in cpu_decode_step.c
 class _Mla(ctypes.Structure):  # `Mla` in cpu_decode_step.c
     _fields_ = [("heads", I), ("nope", I), ("rope", I), ("v_dim", I), ("rank", I), ("q_lora", I), ("interleave", I),
                 ("q_a", _Product), ("q_a_norm", P), ("q", _Product), ("kv_a", _Product), ("kv_a_norm", P),
-                ("kv_b", P), ("a", P), ("q_out", P), ("q_lat", P), ("o_lat", P), ("scores", P)]
+                ("kv_b", P), ("a", P), ("q_out", P)]
 
 
 class _Layer(ctypes.Structure):  # `StepLayer`
@@ -262,8 +262,7 @@ class NativeDecodeStep:
         if config.kv_lora_rank is not None:  # MLA's scratch, shared by its layers (see `Mla` in the C step)
             qk = config.qk_nope_head_dim + config.qk_rope_head_dim
             self._mla_scratch = [torch.empty(batch, max(config.q_lora_rank or 0, config.kv_lora_rank + d)),
-                                 torch.empty(batch, h_q * qk), torch.empty(config.kv_lora_rank),
-                                 torch.empty(config.kv_lora_rank), torch.empty(cache_len)]
+                                 torch.empty(batch, h_q * qk)]
             self._keep += self._mla_scratch
         for table, layer, rope_key in zip(layers, decoder.layers, decoder.rope_keys):
             self._fill(table, layer, keys, values, pending, tables[rope_key], h_kv, d)
@@ -361,7 +360,7 @@ class NativeDecodeStep:
             table.k_cache, table.v_cache = keys[kv.index].data_ptr(), values[kv.index].data_ptr()
         k_srcs, v_srcs, k_w, v_w = self._sources(attn)
         mla.kv_b = attn.kv_b_proj.weight.data_ptr()
-        mla.a, mla.q_out, mla.q_lat, mla.o_lat, mla.scores = (t.data_ptr() for t in self._mla_scratch)
+        mla.a, mla.q_out = (t.data_ptr() for t in self._mla_scratch)
         table.n_k, table.n_v = len(k_srcs), len(v_srcs)
         table.k_src[:] = [values[k_srcs[0]].data_ptr(), values[k_srcs[-1]].data_ptr()]
         table.v_src[:] = [keys[v_srcs[0]].data_ptr(), keys[v_srcs[-1]].data_ptr()]

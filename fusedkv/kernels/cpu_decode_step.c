@@ -26,6 +26,7 @@
  * separate base for window layers included), so they match exactly.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
@@ -77,8 +78,8 @@ typedef struct {
     Product kv_a;                      /* storage layers: H -> rank + rope */
     const float* kv_a_norm;
     const float* kv_b;                 /* kv_b_proj.weight [heads, nope + v_dim, rank] row-major: W_UK | W_UV */
-    /* scratch: [B, max(q_lora, rank + rope)], [B, heads * (nope + rope)], [rank] twice, [S] */
-    float *a, *q_out, *q_lat, *o_lat, *scores;
+    /* scratch: [B, max(q_lora, rank + rope)], [B, heads * (nope + rope)] (each (row, head) task allocates its own) */
+    float *a, *q_out;
 } Mla;
 
 /* Sliding-window layers. A window storage layer's cache is a ring of C = W - 1 slots per row ([B, H_kv, C, D],
@@ -331,57 +332,77 @@ static int mla_attend(const Step* s, const StepLayer* L, const int64_t* kv_start
                      (float*)L->v_cache + ((long)b * S + length) * DR);
         }
     }
-    for (int b = 0; b < B; b++) {
+    int failed = 0;
+    const int T = (int)length + 1, NV = L->n_v, NK = L->n_k;
+#pragma omp parallel for num_threads(threads) schedule(static) if (B * m->heads > 1 && threads > 1)
+    for (int task = 0; task < B * m->heads; task++) {
+        const int b = task / m->heads, h = task % m->heads;
         const long pos = length - (kv_start ? kv_start[b] : 0);
-        const int start = kv_start ? (int)kv_start[b] : 0, T = (int)length + 1;
-        for (int h = 0; h < m->heads; h++) {
-            const float* qh = m->q_out + ((long)b * m->heads + h) * QK;
-            const float* w_uk = m->kv_b + (long)h * (m->nope + m->v_dim) * R;  /* [nope, R] */
-            const float* w_uv = w_uk + (long)m->nope * R;                       /* [v_dim, R] */
-            float q_rope[512];
-            rope_one(qh + m->nope, DR, m->interleave, L->cos + pos * DR, L->sin + pos * DR, q_rope);
-            for (int r = 0; r < R; r++) m->q_lat[r] = 0.f;
-            for (int d = 0; d < m->nope; d++) {
-                const float qd = qh[d] * s->scale;
-                for (int r = 0; r < R; r++) m->q_lat[r] += qd * w_uk[(long)d * R + r];
-            }
-            for (int d = 0; d < DR; d++) q_rope[d] *= s->scale;
-            float mx = -INFINITY;
-            for (int t = start; t < T; t++) {
-                float sc = 0.f;
-                for (int v = 0; v < L->n_v; v++) {
-                    const float* c = (const float*)L->v_src[v] + ((long)b * S + t) * R;
-                    const float* w = L->v_w[v];
-                    for (int r = 0; r < R; r++) sc += m->q_lat[r] * (w ? w[r] : 1.f) * c[r];
-                }
-                for (int k = 0; k < L->n_k; k++) {
-                    const float* kr = (const float*)L->k_src[k] + ((long)b * S + t) * DR;
-                    const float* w = L->k_w[k];
-                    for (int d = 0; d < DR; d++) sc += q_rope[d] * (w ? w[d] : 1.f) * kr[d];
-                }
-                m->scores[t] = sc;
-                mx = sc > mx ? sc : mx;
-            }
-            float sum = 0.f;
-            for (int t = start; t < T; t++) sum += (m->scores[t] = expf(m->scores[t] - mx));
-            for (int r = 0; r < R; r++) m->o_lat[r] = 0.f;
-            for (int v = 0; v < L->n_v; v++) {
-                const float* w = L->v_w[v];
-                for (int t = start; t < T; t++) {
-                    const float p = m->scores[t] / sum;
-                    const float* c = (const float*)L->v_src[v] + ((long)b * S + t) * R;
-                    for (int r = 0; r < R; r++) m->o_lat[r] += p * (w ? w[r] : 1.f) * c[r];
-                }
-            }
-            float* out = s->attn + ((long)b * m->heads + h) * m->v_dim;
-            for (int d = 0; d < m->v_dim; d++) {
-                float y = 0.f;
-                for (int r = 0; r < R; r++) y += w_uv[(long)d * R + r] * m->o_lat[r];
-                out[d] = y;
-            }
+        const int start = kv_start ? (int)kv_start[b] : 0;
+        /* [NV, R] query in the latent space with each source's weights, [NK, DR] RoPE query likewise, [T] scores,
+         * [NV, R] softmax-weighted latents */
+        float* buf = malloc(sizeof(float) * ((size_t)2 * NV * R + (size_t)NK * DR + (size_t)T + R));
+        if (!buf) { failed = 1; continue; }
+        float *q_lat = buf, *q_rw = q_lat + (long)NV * R, *scores = q_rw + (long)NK * DR, *o_lat = scores + T;
+        float* lat = o_lat + (long)NV * R;  /* [R] */
+        const float* qh = m->q_out + ((long)b * m->heads + h) * QK;
+        const float* w_uk = m->kv_b + (long)h * (m->nope + m->v_dim) * R;  /* [nope, R] */
+        const float* w_uv = w_uk + (long)m->nope * R;                       /* [v_dim, R] */
+        float q_rope[512];
+        rope_one(qh + m->nope, DR, m->interleave, L->cos + pos * DR, L->sin + pos * DR, q_rope);
+        memset(lat, 0, sizeof(float) * (size_t)R);
+        for (int d = 0; d < m->nope; d++) {
+            const float qd = qh[d] * s->scale;
+#pragma omp simd
+            for (int r = 0; r < R; r++) lat[r] += qd * w_uk[(long)d * R + r];
         }
+        for (int v = 0; v < NV; v++)
+            for (int r = 0; r < R; r++) q_lat[(long)v * R + r] = lat[r] * (L->v_w[v] ? L->v_w[v][r] : 1.f);
+        for (int k = 0; k < NK; k++)
+            for (int d = 0; d < DR; d++) q_rw[(long)k * DR + d] = q_rope[d] * s->scale * (L->k_w[k] ? L->k_w[k][d] : 1.f);
+        float mx = -INFINITY;
+        for (int t = start; t < T; t++) {
+            float sc = 0.f;
+            for (int v = 0; v < NV; v++) {
+                const float *c = (const float*)L->v_src[v] + ((long)b * S + t) * R, *q = q_lat + (long)v * R;
+#pragma omp simd reduction(+:sc)
+                for (int r = 0; r < R; r++) sc += q[r] * c[r];
+            }
+            for (int k = 0; k < NK; k++) {
+                const float *kr = (const float*)L->k_src[k] + ((long)b * S + t) * DR, *q = q_rw + (long)k * DR;
+#pragma omp simd reduction(+:sc)
+                for (int d = 0; d < DR; d++) sc += q[d] * kr[d];
+            }
+            scores[t] = sc;
+            mx = sc > mx ? sc : mx;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+        for (int t = start; t < T; t++) { scores[t] = exp_poly(scores[t] - mx); sum += scores[t]; }
+        memset(o_lat, 0, sizeof(float) * (size_t)NV * R);
+        for (int v = 0; v < NV; v++)
+            for (int t = start; t < T; t++) {
+                const float p = scores[t] / sum;
+                const float* c = (const float*)L->v_src[v] + ((long)b * S + t) * R;
+                float* o = o_lat + (long)v * R;
+#pragma omp simd
+                for (int r = 0; r < R; r++) o[r] += p * c[r];
+            }
+        for (int r = 0; r < R; r++) {
+            float y = 0.f;
+            for (int v = 0; v < NV; v++) y += (L->v_w[v] ? L->v_w[v][r] : 1.f) * o_lat[(long)v * R + r];
+            lat[r] = y;
+        }
+        float* out = s->attn + ((long)b * m->heads + h) * m->v_dim;
+        for (int d = 0; d < m->v_dim; d++) {
+            float y = 0.f;
+#pragma omp simd reduction(+:y)
+            for (int r = 0; r < R; r++) y += w_uv[(long)d * R + r] * lat[r];
+            out[d] = y;
+        }
+        free(buf);
     }
-    return 0;
+    return failed ? 2 : 0;
 }
 
 /* The `k` largest of v[0..n) (ties: the lower index, as the order torch.topk keeps in practice), into idx. */
