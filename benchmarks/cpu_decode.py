@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int,
                 kv_dtype = torch.float32 if kv == "float32" else half_dtype()
                 label = f"{plan} w={SHORT[fmt]} kv={SHORT[str(kv_dtype).removeprefix('torch.')]}"
                 rows[label] = dict(model=model, kv_dtype=kv_dtype, weight_bytes=weight_nbytes(model))
-    return rows, base[HF]
+    return rows, base.get(HF)  # no transformers twin for another architecture (--architecture)
 
 
 def _copy(model):
@@ -120,7 +121,7 @@ def run(args) -> list[dict]:
         ours = {**(ours if args.step == "both" else {}), **modules}
     llama: dict[str, Path] = {}
     workdir = Path(tempfile.mkdtemp(prefix="fusedkv-llamacpp-"))
-    if args.llamacpp_src:
+    if args.llamacpp_src and hf is not None:
         from fusedkv.bench.llamacpp import available
 
         why = available()
@@ -182,8 +183,9 @@ def run(args) -> list[dict]:
 
 
 def _shape(args) -> BenchShape:
-    """The bench model, as a sliding-window hybrid with --sliding-window (three window layers, then a full one)."""
-    return BenchShape(sliding_window=args.sliding_window)
+    """The bench model, as a sliding-window hybrid with --sliding-window (three window layers, then a full one),
+    with --architecture's config fields (MoE, MLA) on every layer."""
+    return BenchShape(sliding_window=args.sliding_window, architecture=json.loads(args.architecture or "{}"))
 
 
 def _one(name, ours, runners, ids, new_tokens):
@@ -519,6 +521,9 @@ def main() -> None:
                     "(generate's default), the modules one by one, or both as separate rows ('... modules')")
     ap.add_argument("--sliding-window", type=int, default=None, help="decode a sliding-window hybrid of the bench "
                     "model (window layers over ring caches); llama.cpp rows, if any, stay full attention")
+    ap.add_argument("--architecture", default=None, help="JSON of FusedKVConfig fields for another architecture "
+                    "of the bench model, e.g. '{\"num_experts\": 8, \"num_experts_per_tok\": 2, "
+                    "\"moe_intermediate_size\": 384}' (fresh weights, no llama.cpp rows)")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
     ap.add_argument("--attention", action="store_true", help="print the native attention table instead "
                     "(--threads, --prompt-lens as the context lengths, --repeats)")
