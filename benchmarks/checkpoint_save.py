@@ -11,7 +11,7 @@ exist), then save it `--repeats` times each way, interleaved:
 
 * gathered: what the trainer's full checkpoints do: full model + optimizer state dicts gathered to
   rank 0 (`distributed.full_*_state_dict`), which writes safetensors + torch.save files.
-* sharded: `dcp.ShardedCheckpointer(async_save=False)`: each rank writes its shard, then the manifest.
+* sharded: `sharded_checkpoint.ShardedCheckpointer(async_save=False)`: each rank writes its shard, then the manifest.
 * sharded async: the same with `dcp.async_save`; "blocked" is how long training waits (staging to
   CPU memory), "total" is until the checkpoint is complete on disk.
 
@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fusedkv import FusedKVConfig, FusedKVForCausalLM
-from fusedkv.train import checkpoint as ckpt_io
 from fusedkv.train import distributed as D
-from fusedkv.train.dcp import DCP_DIR, ShardedCheckpointer, rank_file
+from fusedkv.train import full_checkpoint as ckpt_io
 from fusedkv.train.optim import build_optimizer
+from fusedkv.train.sharded_checkpoint import DCP_DIR, ShardedCheckpointer, rank_file
 
 
 def slowest(seconds: float, env) -> float:

@@ -10,14 +10,22 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
     python benchmarks/cpu_decode.py --quality RUN/final --weights float32,bfloat16,int8,int4 --kv float32
                                                        # logits vs f32 and perplexity per precision
     python benchmarks/cpu_decode.py --overhead --kv float32  # one step's CPU time: products, rest, floor
+    python benchmarks/cpu_decode.py --plans vanilla --weights int4 --kv half --llama-rows q4_0/f16,q4_k_m/f16
+                                                       # int4 against llama.cpp's Q4_0 and Q4_K_M
+    python benchmarks/cpu_decode.py --long 8192,32768 --kv half --llama-rows f32/f16   # TPOT after long caches
+    python benchmarks/cpu_decode.py --kivi --plans vanilla,fusedkv --threads 1 --prompt-lens 2048,32768 \\
+        --steps 8 --repeats 5                          # native step over KIVI-4 / KIVI-2 vs the bf16 cache
+    python benchmarks/cpu_decode.py --prefill --plans vanilla --weights float32,int4   # where prefill time goes
 
 Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8, int4 weights; f32 or 16-bit cache), and
-`llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter; f32 or f16 KV)
-when llama-cpp-python is installed and its source distribution is given (`fusedkv.bench.llamacpp`).
+`llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter, q4_0 / q4_k_m from
+its quantizer; f32 or f16 KV) when llama-cpp-python is installed (its source distribution, which holds the
+converter, is fetched from the package registry when not given; `fusedkv.speed.llamacpp`).
 fusedkv rows decode as `fusedkv.generation.generate` does by default (the native step where it covers
 the model); `--step both` adds each row again decoded module by module (`... modules`).
 Every (threads, prompt, batch) cell runs all rows round-robin, the order rotated per repeat, and
-reports medians; ratios are to llama.cpp with the same weight and KV kinds. llama.cpp runs one
+reports medians; ratios (medians of the per-round ratios) are to llama.cpp with the same weight and KV
+kinds (int4: both Q4 files). llama.cpp runs one
 sequence, so batch 4 compares fusedkv rows among themselves. GB/s = (weight bytes + KV bytes read)
 per step / TPOT; the ceiling is `torch.sum` over as many bytes (as `benchmarks/decode_layout.py`).
 """
@@ -35,12 +43,12 @@ from pathlib import Path
 
 import torch
 
-from fusedkv.bench.inference import HF, BenchShape, build_models
 from fusedkv.cache import StaticKVCache
 from fusedkv.engine import select_runtime
 from fusedkv.engine.precision import half_dtype, kv_dtype_for, reduce_precision, weight_format, weight_nbytes
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
+from fusedkv.speed.inference import HF, BenchShape, build_models
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8", "int4": "int4"}
 
@@ -85,15 +93,26 @@ def kv_bytes_per_step(model, context: int, batch: int, elem: float) -> float:
 
 
 # ---- llama.cpp rows ----------------------------------------------------------------------------------
-LLAMA_BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 int8 + one f16 scale
+def llama_models(hf_model, src: str | None, workdir: Path, types: list[str]) -> dict[str, Path]:
+    """GGUF files of the bench model's vanilla weights: the converter's types, and Q4_0 / Q4_K_M from
+    llama.cpp's quantizer. Without `src`, the sdist is fetched from the package registry (once)."""
+    from fusedkv.speed.llamacpp import convert_to_gguf, export_hf_checkpoint, find_converter
 
-
-def llama_models(hf_model, src: str, workdir: Path, types: list[str]) -> dict[str, Path]:
-    from fusedkv.bench.llamacpp import convert_to_gguf, export_hf_checkpoint, find_converter
-
-    root = find_converter(src, workdir)
+    root = find_converter(src, workdir, fetch=True)
     hf_dir = export_hf_checkpoint(hf_model, workdir / "hf")
     return {t: convert_to_gguf(hf_dir, workdir / f"bench-{t}.gguf", t, root) for t in types}
+
+
+def llama_runners(llama: dict[str, Path], specs: str, n_ctx: int, threads: int, n_batch: int = 512) -> dict:
+    """label -> (LlamaCppRunner, weight type, KV type, weight bytes per step) for each GGUF/KV spec."""
+    from fusedkv.speed.llamacpp import LlamaCppRunner, gguf_weight_nbytes
+
+    runners = {}
+    for spec in specs.split(","):
+        ty, kv = spec.split("/")
+        runners[f"llama.cpp w={ty} kv={kv}"] = (LlamaCppRunner(llama[ty], n_ctx, threads, kv, n_batch=n_batch), ty,
+                                                kv, gguf_weight_nbytes(llama[ty]))
+    return runners
 
 
 # ---- the interleaved run -----------------------------------------------------------------------------
@@ -119,30 +138,14 @@ def run(args) -> list[dict]:
     if args.step != "native":  # the module-by-module loop, as rows of their own ("both") or instead
         modules = {f"{name} modules": dict(row, native_step=False) for name, row in ours.items()}
         ours = {**(ours if args.step == "both" else {}), **modules}
-    llama: dict[str, Path] = {}
-    workdir = Path(tempfile.mkdtemp(prefix="fusedkv-llamacpp-"))
-    if args.llamacpp_src and hf is not None:
-        from fusedkv.bench.llamacpp import available
-
-        why = available()
-        if why:
-            print(why, file=sys.stderr)
-        else:
-            types = list(dict.fromkeys(spec.split("/")[0] for spec in args.llama_rows.split(",")))
-            llama = llama_models(hf, args.llamacpp_src, workdir, types)
+    llama = setup_llama(args, hf) if hf is not None else {}  # no HF twin for --architecture
     del hf
     vocab = BenchShape().vocab_size
     out = []
     gen = torch.Generator().manual_seed(0)
     for t in threads:
         torch.set_num_threads(t)
-        runners = {}
-        if llama:
-            from fusedkv.bench.llamacpp import LlamaCppRunner
-
-            for spec in args.llama_rows.split(","):
-                ty, kv = spec.split("/")
-                runners[f"llama.cpp w={ty} kv={kv}"] = (LlamaCppRunner(llama[ty], max_len, t, kv), ty, kv)
+        runners = llama_runners(llama, args.llama_rows, max_len, t) if llama else {}
         names = list(ours) + list(runners)
         for name in names:  # warm-up: first calls allocate and tune
             ids = torch.randint(1, vocab, (1, 32), generator=gen)
@@ -161,23 +164,8 @@ def run(args) -> list[dict]:
                         samples[name].append(_one(name, ours, runners, ids, args.new_tokens))
                     print(f"threads {t} batch {b} prompt {s}: repeat {r + 1}/{args.repeats}", file=sys.stderr)
                 for name, runs in samples.items():
-                    row = dict(name=name, threads=t, batch=b, prompt=s, ceiling_gb_s=ceiling,
-                               ttft_s=statistics.median(x["ttft"] for x in runs),
-                               tpot_s=statistics.median(x["tpot"] for x in runs))
-                    context = s + args.new_tokens // 2
-                    if name in ours:
-                        o = ours[name]
-                        elem = torch.finfo(o["kv_dtype"]).bits / 8
-                        step_bytes = o["weight_bytes"] + kv_bytes_per_step(o["model"], context, b, elem)
-                    else:
-                        _, ty, kv = runners[name]
-                        van = next(o["model"] for n, o in ours.items() if n.startswith("vanilla "))
-                        params = weight_nbytes(van) / 4  # same projections and head as our vanilla f32
-                        step_bytes = params * LLAMA_BYTES_PER_WEIGHT[ty] + kv_bytes_per_step(
-                            van, context, 1, 4 if kv == "f32" else 2)
-                    row["gb_s"] = step_bytes / row["tpot_s"] / 1e9
-                    out.append(row)
-        for runner, _, _ in runners.values():
+                    out.append(make_row(name, runs, ours, runners, t, b, s, s + args.new_tokens // 2, ceiling))
+        for runner, *_ in runners.values():
             runner.close()
     return out
 
@@ -186,6 +174,38 @@ def _shape(args) -> BenchShape:
     """The bench model, as a sliding-window hybrid with --sliding-window (three window layers, then a full one),
     with --architecture's config fields (MoE, MLA) on every layer."""
     return BenchShape(sliding_window=args.sliding_window, architecture=json.loads(args.architecture or "{}"))
+
+
+def setup_llama(args, hf) -> dict[str, Path]:
+    """The GGUF files of --llama-rows, or {} (with the reason on stderr) when llama.cpp is not installed or
+    --no-llama is given."""
+    from fusedkv.speed.llamacpp import available
+
+    if args.no_llama:
+        return {}
+    why = available()
+    if why:
+        print(why, file=sys.stderr)
+        return {}
+    types = list(dict.fromkeys(spec.split("/")[0] for spec in args.llama_rows.split(",")))
+    return llama_models(hf, args.llamacpp_src, Path(tempfile.mkdtemp(prefix="fusedkv-llamacpp-")), types)
+
+
+def make_row(name, runs, ours, runners, threads, batch, prompt, context, ceiling) -> dict:
+    """A table row: medians of the rounds (`runs`, one dict(ttft, tpot) per round, kept for per-round ratios)
+    and GB/s = (weight bytes + KV bytes read at `context`) / TPOT."""
+    row = dict(name=name, threads=threads, batch=batch, prompt=prompt, ceiling_gb_s=ceiling, runs=runs,
+               ttft_s=statistics.median(x["ttft"] for x in runs), tpot_s=statistics.median(x["tpot"] for x in runs))
+    if name in ours:
+        o = ours[name]
+        elem = torch.finfo(o["kv_dtype"]).bits / 8
+        step_bytes = o["weight_bytes"] + kv_bytes_per_step(o["model"], context, batch, elem)
+    else:
+        _, _, kv, weight_bytes = runners[name]
+        van = next(o["model"] for n, o in ours.items() if n.startswith("vanilla "))
+        step_bytes = weight_bytes + kv_bytes_per_step(van, context, 1, 4 if kv == "f32" else 2)
+    row["gb_s"] = step_bytes / row["tpot_s"] / 1e9
+    return row
 
 
 def _one(name, ours, runners, ids, new_tokens):
@@ -197,28 +217,120 @@ def _one(name, ours, runners, ids, new_tokens):
 
 
 def peer_of(name: str) -> list[str]:
-    """The llama.cpp rows a fusedkv row is compared with: same weight kind (16-bit -> f16, int8 ->
-    q8_0, int4 -> q4_0: not among the rows the converter writes yet, so int4 has no ratio) and same KV width."""
+    """The llama.cpp rows a fusedkv row is compared with: same weight kind (16-bit -> f16, int8 -> q8_0,
+    int4 -> q4_0 and q4_k_m) and same KV width; the f32 rows of any plan -> llama.cpp f32 (vanilla)."""
     w = name.split(" w=")[1].split()[0]
-    kv = name.split(" kv=")[1].split()[0]
-    ty = {"f32": "f32", "bf16": "f16", "f16": "f16", "int8": "q8_0", "int4": "q4_0"}[w]
-    return [f"llama.cpp w={ty} kv={'f32' if kv == 'f32' else 'f16'}"]
+    kv = "f32" if name.split(" kv=")[1].split()[0] == "f32" else "f16"
+    types = {"f32": ["f32"], "bf16": ["f16"], "f16": ["f16"], "int8": ["q8_0"], "int4": ["q4_0", "q4_k_m"]}[w]
+    return [f"llama.cpp w={ty} kv={kv}" for ty in types]
 
 
-def format_rows(rows: list[dict]) -> str:
-    lines = ["| threads | batch | prompt | engine | TTFT ms | TPOT ms | GB/s (ceiling) | TTFT / llama.cpp | "
+def round_ratio(row: dict, peer: dict, key: str) -> float:
+    """Median over the rounds of row / peer, each round's pair measured back to back (a busy machine's
+    slow phases then cancel); the ratio of the medians when the rounds do not pair up."""
+    if len(row["runs"]) == len(peer["runs"]):
+        return statistics.median(a[key] / b[key] for a, b in zip(row["runs"], peer["runs"]))
+    return statistics.median(a[key] for a in row["runs"]) / statistics.median(b[key] for b in peer["runs"])
+
+
+def format_rows(rows: list[dict], what: str = "prompt") -> str:
+    """The table; ratio columns: per-round medians against each llama.cpp peer present (`peer_of`)."""
+    lines = [f"| threads | batch | {what} | engine | TTFT ms | TPOT ms | GB/s (ceiling) | TTFT / llama.cpp | "
              "TPOT / llama.cpp |", "|---" * 9 + "|"]
     by = {(r["threads"], r["batch"], r["prompt"], r["name"]): r for r in rows}
     for r in rows:
-        peer = next((by[(r["threads"], r["batch"], r["prompt"], p)] for p in peer_of(r["name"])
-                     if (r["threads"], r["batch"], r["prompt"], p) in by), None) \
-            if not r["name"].startswith("llama.cpp") else None
-        ttft_ratio = f"{r['ttft_s'] / peer['ttft_s']:.2f}" if peer else ""
-        tpot_ratio = f"{r['tpot_s'] / peer['tpot_s']:.2f} ({peer['name'].removeprefix('llama.cpp ')})" if peer else ""
-        lines.append(f"| {r['threads']} | {r['batch']} | {r['prompt']} | {r['name']} | {r['ttft_s'] * 1e3:.0f} | "
-                     f"{r['tpot_s'] * 1e3:.2f} | {r['gb_s']:.1f} ({r['ceiling_gb_s']:.0f}) | {ttft_ratio} | "
-                     f"{tpot_ratio} |")
+        key = (r["threads"], r["batch"], r["prompt"])
+        peers = [] if r["name"].startswith("llama.cpp") else [by[(*key, p)] for p in peer_of(r["name"])
+                                                                if (*key, p) in by]
+        ttft = ", ".join(f"{round_ratio(r, p, 'ttft'):.2f}" for p in peers) if what == "prompt" else ""
+        tpot = ", ".join(f"{round_ratio(r, p, 'tpot'):.2f} ({p['name'].removeprefix('llama.cpp ')})" for p in peers)
+        ttft_ms = f"{r['ttft_s'] * 1e3:.0f}" if what == "prompt" else "-"
+        lines.append(f"| {r['threads']} | {r['batch']} | {r['prompt']} | {r['name']} | {ttft_ms} | "
+                     f"{r['tpot_s'] * 1e3:.2f} | {r['gb_s']:.1f} ({r['ceiling_gb_s']:.0f}) | {ttft} | {tpot} |")
     return "\n".join(lines)
+
+
+# ---- long context ------------------------------------------------------------------------------------
+def fill_ours(row: dict, context: int, seed: torch.Tensor, new_tokens: int):
+    """A static cache holding `context` tokens without a prefill of that length (quadratic: minutes at 32k):
+    the seed prompt's K/V repeated along the sequence (a decode step's cost does not depend on the values, as
+    `LlamaCppRunner.fill_cache` does for llama.cpp), and the token to decode next."""
+    from fusedkv.engine.packing import set_decode_layout
+
+    model = row["model"]
+    set_decode_layout(model, 1)  # generate's "auto" layout at batch 1 (the native step's)
+    cache = StaticKVCache(model.config, 1, context + new_tokens + 8, row["kv_dtype"])
+    with torch.inference_mode():
+        logits = model(seed, cache=cache, use_cache=True, logits_to_keep=1).logits
+        m = seed.shape[1]
+        for buf in (*cache.keys.values(), *cache.values.values()):
+            buf[:, :, :context] = buf[:, :, :m].repeat(1, 1, -(-context // m), 1)[:, :, :context]
+    cache._length = context
+    return cache, logits[:, -1].argmax(-1, keepdim=True)
+
+
+def decode_ours(model, cache, token: torch.Tensor, context: int, new_tokens: int) -> tuple[list[float], list[int]]:
+    """`generate`'s decode loop from a cache of `context` tokens (the native step where it covers the model);
+    the step times and the tokens. The cache is rolled back to `context` first."""
+    from fusedkv.generation import sample_next
+
+    cache._length = context
+    times, tokens = [], []
+    with torch.inference_mode(), select_runtime(model, cache=cache, batch=1, native_step=True) as runtime:
+        step = runtime.native_step
+        for pos in range(context, context + new_tokens):
+            t0 = time.perf_counter()
+            if step is not None:
+                logits = step(token, None, pos)
+                cache.advance(1)
+            else:
+                logits = model(token, cache=cache, use_cache=True).logits
+            token = sample_next(logits[:, -1])
+            times.append(time.perf_counter() - t0)
+            tokens.append(int(token))
+    return times, tokens
+
+
+def long_run(args) -> list[dict]:
+    """TPOT after `--long` tokens of cache (e.g. 8192,32768), fusedkv rows and llama.cpp rows interleaved as
+    in `run` (a warm-up round, then --repeats rounds in rotated order); the caches are filled by repeating a
+    --seed-len prompt (`fill_ours`, `LlamaCppRunner.fill_cache`), so a cell costs seconds, not a 32k prefill."""
+    contexts = [int(c) for c in args.long.split(",")]
+    max_len = max(contexts) + args.new_tokens + 8
+    weights = [weight_format(w) for w in args.weights.split(",")]
+    kvs = ["float32" if k in ("float32", "f32") else "half" for k in args.kv.split(",")]
+    ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len)
+    llama = setup_llama(args, hf)
+    del hf
+    seed = torch.randint(1, BenchShape().vocab_size, (1, args.seed_len), generator=torch.Generator().manual_seed(0))
+    out = []
+    for t in [int(x) for x in args.threads.split(",")]:
+        torch.set_num_threads(t)
+        runners = llama_runners(llama, args.llama_rows, max_len, t, n_batch=args.seed_len) if llama else {}
+        ceiling = streaming_ceiling(max(r["weight_bytes"] for r in ours.values()))
+        for c in contexts:
+            state = {name: fill_ours(row, c, seed, args.new_tokens) for name, row in ours.items()}
+            for name, (runner, *_) in runners.items():
+                runner.fill_cache(c, seed[0].tolist())
+                state[name] = int(runner.logits_last().argmax())
+            names = list(state)
+            samples: dict[str, list[dict]] = {n: [] for n in names}
+            for r in range(args.repeats + 1):  # round 0 warms every engine up at this length
+                shift = r % len(names)
+                for name in names[shift:] + names[:shift]:
+                    if name in ours:
+                        times, _ = decode_ours(ours[name]["model"], *state[name], c, args.new_tokens)
+                    else:
+                        times = runners[name][0].decode_from(c, state[name], args.new_tokens)
+                    if r:
+                        samples[name].append(dict(ttft=float("nan"), tpot=statistics.median(times)))
+                print(f"threads {t} context {c}: round {r}/{args.repeats}", file=sys.stderr)
+            del state
+            out += [make_row(name, runs, ours, runners, t, 1, c, c + args.new_tokens // 2, ceiling)
+                    for name, runs in samples.items()]
+        for runner, *_ in runners.values():
+            runner.close()
+    return out
 
 
 # ---- kernels -----------------------------------------------------------------------------------------
@@ -418,6 +530,72 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
     return "\n".join(lines)
 
 
+# ---- prefill profile ---------------------------------------------------------------------------------
+PREFILL_GROUPS = (  # aten op name -> part of the prefill; first match wins, the rest is "other ops"
+    ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "onednn",
+              "fusedkv")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
+    ("norms + RoPE + SiLU", ("rms_norm", "aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::silu",
+                            "aten::pow", "aten::mean", "aten::rsqrt", "aten::sub")),
+    ("copies", ("aten::copy_", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy", "aten::index",
+                "aten::slice_scatter", "aten::fill_", "aten::zero_", "aten::embedding")),
+)
+
+
+def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], repeats: int) -> str:
+    """Where a prefill's time goes, 1 thread (`generate`'s prefill: select_runtime, then one forward over the
+    prompt asking for the last position's logits): torch.profiler's self CPU time per aten op, summed into
+    GEMM (the projections and LM head), attention (SDPA), the elementwise ops around them and copies;
+    "Python + dispatch" = the forward's wall time - the ops' self time. Median forward of `repeats`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedkv.engine.packing import set_decode_layout
+
+    torch.set_num_threads(1)
+    max_len = max(prompts) + 8
+    base = build_models(BenchShape(), plans, max_len, "cpu", torch.float32, include_hf=False)
+    names = [g for g, _ in PREFILL_GROUPS]
+    lines = [f"1 thread, batch 1, wall ms of one prefill (median of {repeats}) and its parts (profiler self CPU "
+             f"time, ms); load average at the start {open('/proc/loadavg').read().split()[0]}",
+             "| plan | weights | prompt | prefill ms | " + " | ".join(names) + " | other ops | Python + dispatch | "
+             "top ops |", "|---" * (len(names) + 7) + "|"]
+    for plan in plans:
+        for fmt in weights:
+            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
+            set_decode_layout(model, 1)  # what generate's "auto" layout leaves at batch 1
+            for prompt in prompts:
+                ids = torch.randint(1, BenchShape().vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+
+                def forward(model=model, ids=ids, prompt=prompt):
+                    cache = StaticKVCache(model.config, 1, prompt + 8, torch.float32)
+                    with torch.inference_mode(), select_runtime(model, cache=cache, batch=1):
+                        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+                forward()
+                walls = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    forward()
+                    walls.append(time.perf_counter() - t0)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    t0 = time.perf_counter()
+                    forward()
+                    profiled = time.perf_counter() - t0
+                parts = dict.fromkeys([*names, "other ops"], 0.0)
+                ops = {}
+                for e in prof.key_averages():
+                    ms = e.self_cpu_time_total / 1e3
+                    group = next((g for g, keys in PREFILL_GROUPS if any(k in e.key for k in keys)), "other ops")
+                    parts[group] += ms
+                    ops[e.key] = ms
+                top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:3])
+                python = profiled * 1e3 - sum(parts.values())
+                lines.append(f"| {plan} | {SHORT[fmt]} | {prompt} | {statistics.median(walls) * 1e3:.0f} | "
+                             + " | ".join(f"{v:.0f}" for v in parts.values()) + f" | {python:.0f} | {top} |")
+                print(lines[-1], file=sys.stderr)
+    return "\n".join(lines)
+
+
 # ---- attention ---------------------------------------------------------------------------------------
 def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
     """The native one-token attention (`fusedkv.kernels.cpu_attention`) over one layer's cache of the bench
@@ -452,11 +630,80 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+# ---- KIVI cache ---------------------------------------------------------------------------------------
+def kivi_table(plans: list[str], threads: int, contexts: list[int], steps: int, repeats: int) -> str:
+    """TPOT of the native decode step over a KIVI-4 and a KIVI-2 cache (`fusedkv.kernels.cpu_kivi`: codes read
+    in place) against the same step over a bf16 static cache, f32 weights, batch 1, at each context. The
+    caches are filled with random post-RoPE K/V of the bench shape (no prefill: 32k tokens of it would take
+    minutes); KIVI's through its own `update`, so they hold its codes, scales and 128-token residual. Each
+    repeat times `steps` steps of every row, order rotated; ratios are per repeat, then medians."""
+    from fusedkv.engine.native_step import NativeDecodeStep
+    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.quant import KIVICache
+
+    torch.set_num_threads(threads)
+    room = steps * (repeats + 1) + 1
+    models = build_models(BenchShape(), plans, max(contexts) + room, "cpu", torch.float32, include_hf=False)
+    lines = [f"{threads} thread(s), native decode step, f32 weights, batch 1; TPOT ms (median of {repeats} "
+             f"interleaved repeats of {steps} steps) and its ratio to the bf16 cache (median of per-repeat ratios)",
+             "| plan | context | bf16 cache | KIVI-4 | KIVI-4 / bf16 | KIVI-2 | KIVI-2 / bf16 |",
+             "|---|---|---|---|---|---|---|"]
+    for plan in plans:
+        model = set_decode_layout(models[plan], "packed")
+        config = model.config
+        for context in contexts:
+            gen = torch.Generator().manual_seed(context)
+            h_kv, d = config.num_key_value_heads, config.head_dim
+            kv = {i: [torch.randn(1, h_kv, context, d, generator=gen) for _ in range(2)]
+                  for i in config.plan.storage_layers}
+            rows = {}
+            static = StaticKVCache(config, 1, context + room, torch.bfloat16)
+            for i, (k, v) in kv.items():
+                static.keys[i][:, :, :context], static.values[i][:, :, :context] = k, v
+            static.advance(context)
+            rows["bf16"] = (NativeDecodeStep(model, static.keys, static.values, 1), static)
+            for bits in (4, 2):
+                cache = KIVICache(config, bits, max_len=context + room)
+                step = NativeDecodeStep(model, {}, {}, 1, kivi=cache)  # reserves the cache's buffers
+                for i, (k, v) in kv.items():
+                    cache.layers[i].update(k, v)
+                rows[f"KIVI-{bits}"] = (step, cache)
+            del kv
+            names = list(rows)
+            for name in names:  # warm-up
+                _step_tpot(*rows[name], steps)
+            samples = {name: [] for name in names}
+            for r in range(repeats):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    samples[name].append(_step_tpot(*rows[name], steps))
+            med = {name: statistics.median(samples[name]) * 1e3 for name in names}
+            ratio = {name: statistics.median(a / b for a, b in zip(samples[name], samples["bf16"])) for name in names}
+            lines.append(f"| {plan} | {context} | {med['bf16']:.2f} | {med['KIVI-4']:.2f} | {ratio['KIVI-4']:.2f} | "
+                         f"{med['KIVI-2']:.2f} | {ratio['KIVI-2']:.2f} |")
+            print(lines[-1], file=sys.stderr)
+    return "\n".join(lines)
+
+
+def _step_tpot(step, cache, steps: int) -> float:
+    """Median seconds of `steps` native decode steps (one token each) appended to `cache`."""
+    token, times = torch.ones(1, 1, dtype=torch.long), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step(token, None, cache.get_seq_length())
+        cache.advance(1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 # ---- quality -----------------------------------------------------------------------------------------
-def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[torch.dtype]) -> str:
+def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[torch.dtype],
+                  llama: dict[str, Path] | None = None, llama_kv: dict[str, str] | None = None) -> str:
     """Per precision (`weights` x `kvs`): on held-out windows of the built-in corpus, (1) full-forward
     perplexity, (2) teacher-forced decode through the cache: max |logit - f32 logit|, top-1 agreement
-    with the f32 full forward, and the perplexity of the decoded logits."""
+    with the f32 full forward, and the perplexity of the decoded logits. `llama`: GGUF files of the same
+    (vanilla) model, type -> path, each run by llama.cpp over every window in one batch (its prefill
+    path, all logits; `fusedkv.speed.llamacpp.window_logits`) with KV type `llama_kv[type]`, compared the
+    same way (its perplexity in the full-forward column and, against f32, in the "vs f32" column)."""
     import math
 
     import torch.nn.functional as F
@@ -498,7 +745,34 @@ def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[t
             lines.append(f"| {SHORT[w]} | {SHORT[str(kv).removeprefix('torch.')]} | {math.exp(nll_full / n):.3f} | "
                          f"{math.exp(nll_dec / n):.3f} | {100 * (math.exp(nll_dec / n) / ref_ppl - 1):+.2f}% | "
                          f"{worst:.4f} | {agree / n:.4f} |")
+        from fusedkv.speed.llamacpp import window_logits
+
+        for ty, path in (llama or {}).items():
+            kv = (llama_kv or {}).get(ty, "f32")
+            logits = window_logits(path, [ids[0].tolist() for ids, _ in batches], torch.get_num_threads(), kv)
+            nll = n = agree = 0
+            worst = 0.0
+            for out, (_, labels), ref_logits in zip(logits, batches, refs):
+                out = torch.from_numpy(out).float()
+                nll += F.cross_entropy(out, labels[0], reduction="sum").item()
+                worst = max(worst, (out - ref_logits[0]).abs().max().item())
+                agree += (out.argmax(-1) == ref_logits[0].argmax(-1)).sum().item()
+                n += labels.numel()
+            lines.append(f"| llama.cpp {ty} | {kv} | {math.exp(nll / n):.3f} | - | "
+                         f"{100 * (math.exp(nll / n) / ref_ppl - 1):+.2f}% | {worst:.4f} | {agree / n:.4f} |")
     return "\n".join(lines)
+
+
+def quality_gguf(checkpoint: str, src: str | None, specs: str) -> tuple[dict[str, Path], dict[str, str]]:
+    """GGUF files of a trained vanilla checkpoint (`export_vanilla_checkpoint`, then the converter and
+    llama.cpp's quantizer) for each GGUF-type/KV spec, and the KV type of each."""
+    from fusedkv.speed.llamacpp import convert_to_gguf, export_vanilla_checkpoint, find_converter
+
+    work = Path(tempfile.mkdtemp(prefix="fusedkv-llamacpp-quality-"))
+    root = find_converter(src, work, fetch=True)
+    hf_dir = export_vanilla_checkpoint(checkpoint, work / "hf")
+    kinds = dict(spec.split("/") for spec in specs.split(","))
+    return {ty: convert_to_gguf(hf_dir, work / f"model-{ty}.gguf", ty, root) for ty in kinds}, kinds
 
 
 def main() -> None:
@@ -515,7 +789,14 @@ def main() -> None:
     ap.add_argument("--llamacpp-src", default=None, help="llama-cpp-python sdist (.tar.gz or unpacked) for the "
                     "converter; default $FUSEDKV_LLAMA_CPP_SRC; without it no llama.cpp rows")
     ap.add_argument("--llama-rows", default="f32/f32,f32/f16,f16/f16,q8_0/f16",
-                    help="llama.cpp rows as GGUF-weights/KV (weights f32, f16, bf16, q8_0; KV f32, f16)")
+                    help="llama.cpp rows as GGUF-weights/KV (weights f32, f16, bf16, q8_0 from llama.cpp's converter, "
+                    "q4_0, q4_k_m from its quantizer; KV f32, f16); with --quality, the GGUF files compared")
+    ap.add_argument("--no-llama", action="store_true", help="no llama.cpp rows even where llama-cpp-python is "
+                    "installed (with it and without --llamacpp-src, its sdist is fetched from the package registry)")
+    ap.add_argument("--long", metavar="CONTEXTS", help="TPOT after this many tokens of cache instead (e.g. "
+                    "8192,32768), caches filled without a prefill (see long_run); --plans, --weights, --kv, "
+                    "--llama-rows, --threads, --new-tokens, --repeats as for the main table")
+    ap.add_argument("--seed-len", type=int, default=256, help="--long: the prompt whose K/V fill the caches")
     ap.add_argument("--step", choices=("native", "modules", "both"), default="native",
                     help="how fusedkv rows decode: the layers in one native call where it covers the model "
                     "(generate's default), the modules one by one, or both as separate rows ('... modules')")
@@ -525,6 +806,8 @@ def main() -> None:
                     "of the bench model, e.g. '{\"num_experts\": 8, \"num_experts_per_tok\": 2, "
                     "\"moe_intermediate_size\": 384}' (fresh weights, no llama.cpp rows)")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
+    ap.add_argument("--kivi", action="store_true", help="print the KIVI-4 / KIVI-2 cache against the bf16 cache "
+                    "instead: native step TPOT at each --prompt-lens tokens of cache (e.g. 2048,32768), --steps each")
     ap.add_argument("--attention", action="store_true", help="print the native attention table instead "
                     "(--threads, --prompt-lens as the context lengths, --repeats)")
     ap.add_argument("--rows", default="1,2,4,8,64,512", help="--kernels: input rows")
@@ -535,32 +818,50 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true", help="print where one decode step's CPU time goes (weight "
                     "products, the rest, its dispatch floor; 1 thread, batch 1; --plans, --weights, --prompt-lens, "
                     "--kv: one of float32, half)")
+    ap.add_argument("--prefill", action="store_true", help="print where a prefill's time goes instead (1 thread; "
+                    "--plans, --weights, --prompt-lens, --repeats)")
     ap.add_argument("--steps", type=int, default=64, help="--overhead: decode steps per cell")
     args = ap.parse_args()
     if args.overhead:
         print(overhead_table(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
                              [int(p) for p in args.prompt_lens.split(",")], args.steps, args.kv.split(",")[0]))
         return
+    if args.prefill:
+        print(prefill_profile(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
+                              [int(p) for p in args.prompt_lens.split(",")], args.repeats))
+        return
     if args.attention:
         for t in [int(x) for x in args.threads.split(",")]:
             print(attention_table(t, [int(c) for c in args.prompt_lens.split(",")], args.repeats))
+        return
+    if args.kivi:
+        for t in [int(x) for x in args.threads.split(",")]:
+            print(kivi_table(args.plans.split(","), t, [int(c) for c in args.prompt_lens.split(",")], args.steps,
+                             args.repeats))
         return
     if args.kernels:
         for t in [int(x) for x in args.threads.split(",")]:
             print(kernel_table(t, [int(r) for r in args.rows.split(",")], args.repeats))
         return
     if args.quality:
-        kvs = [kv_dtype_for(k) for k in args.kv.split(",")]
-        print(quality_table(args.quality, args.windows, [weight_format(w) for w in args.weights.split(",")], kvs))
-        return
-    import os
+        from fusedkv.speed.llamacpp import available
 
-    args.llamacpp_src = args.llamacpp_src or os.environ.get("FUSEDKV_LLAMA_CPP_SRC")
-    rows = run(args)
+        kvs = [kv_dtype_for(k) for k in args.kv.split(",")]
+        why = None if args.no_llama else available()
+        if why:
+            print(why, file=sys.stderr)
+        llama, llama_kv = ({}, {}) if args.no_llama or why else quality_gguf(
+            args.quality, args.llamacpp_src, args.llama_rows)
+        print(quality_table(args.quality, args.windows, [weight_format(w) for w in args.weights.split(",")], kvs,
+                            llama, llama_kv))
+        return
+    rows = long_run(args) if args.long else run(args)
     print(f"\nbench model {vars(_shape(args))}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
-          f"repeats; load average at the end {open('/proc/loadavg').read().split()[0]}; native CPU product "
-          f"kernel: {'on' if native.available() else 'off'} (FUSEDKV_NATIVE_KERNELS)\n")
-    print(format_rows(rows))
+          f"repeats (ratios: medians of per-round ratios); load average at the end "
+          f"{open('/proc/loadavg').read().split()[0]}; native CPU product kernel: "
+          f"{'on' if native.available() else 'off'} (FUSEDKV_NATIVE_KERNELS)"
+          + ("; context = tokens in the cache, filled from a seed prompt (no TTFT)" if args.long else "") + "\n")
+    print(format_rows(rows, "context" if args.long else "prompt"))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ runs in its own process (its own `import fusedkv`); the trees alternate within a
 rotates from round to round; every process warms up each model first. Per-round ratios after / before
 and their median are printed as a Markdown table.
 
-    git worktree add /tmp/engine-before <commit>
+    OMP_NUM_THREADS=1 python benchmarks/engine_before_after.py --base <commit> --rounds 3
     OMP_NUM_THREADS=1 python benchmarks/engine_before_after.py --before /tmp/engine-before --after . --rounds 3
+
+`--base COMMIT` exports that commit's tree (`git archive`: no worktree is registered) into a temporary
+directory and uses it as the tree before; `--before DIR` takes a tree you made yourself.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 PLANS = ("vanilla", "fusedkv-lite", "fusedkv")
@@ -30,8 +35,11 @@ def worker(prompt: int, new_tokens: int, repeats: int) -> None:
     import torch
 
     import fusedkv
-    from fusedkv.bench.inference import BenchShape, build_models
     from fusedkv.generation import generate
+    try:
+        from fusedkv.speed.inference import BenchShape, build_models
+    except ImportError:  # a tree from before fusedkv/bench/ was renamed fusedkv/speed/
+        from fusedkv.bench.inference import BenchShape, build_models
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     models = build_models(BenchShape(), list(PLANS), prompt + new_tokens + 8, "cpu", torch.float32, include_hf=False)
@@ -49,6 +57,7 @@ def worker(prompt: int, new_tokens: int, repeats: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path, help="the tree before the change")
+    p.add_argument("--base", help="a commit of this repository: its tree is the one before (instead of --before)")
     p.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1], help="the tree after it")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt", type=int, default=256)
@@ -58,7 +67,31 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args.prompt, args.new_tokens, args.repeats)
-    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    if (args.before is None) == (args.base is None):
+        p.error("give the tree before the change: --base COMMIT or --before DIR")
+    if args.base is None:
+        return compare(args, args.before, None)
+    with tempfile.TemporaryDirectory(prefix="fusedkv-base-") as tmp:
+        tree = Path(tmp) / "tree"
+        commit = export_commit(args.base, tree)
+        return compare(args, tree, commit)
+
+
+def export_commit(commit: str, dest: Path) -> str:
+    """The tree of `commit` (of the repository this script is in) written into `dest`; returns its hash."""
+    root = Path(__file__).resolve().parents[1]
+    full = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", f"{commit}^{{commit}}"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dest.mkdir(parents=True)
+    archive = dest.parent / "tree.tar"
+    subprocess.run(["git", "-C", str(root), "archive", "--format=tar", "-o", str(archive), full], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    return full
+
+
+def compare(args, before: Path, base: str | None) -> None:
+    trees = {"before": before.resolve(), "after": args.after.resolve()}
     results = {name: [] for name in trees}
     for r in range(args.rounds):
         order = list(trees) if r % 2 == 0 else list(reversed(trees))
@@ -72,6 +105,8 @@ def main() -> None:
                 raise SystemExit(f"the {name} process imported fusedkv from elsewhere: check PYTHONPATH")
             results[name].append(result)
             print(f"round {r + 1} {name}: done", file=sys.stderr)
+    if base is not None:
+        print(f"before: commit {base}")
     print(f"prompt {args.prompt}, {args.new_tokens} new tokens, batch 1, {args.rounds} rounds, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}\n")
     print("| plan | decode | TPOT before (ms) | TPOT after (ms) | after / before per round | median |")

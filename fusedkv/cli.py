@@ -57,7 +57,7 @@ COMMANDS = (
     "fusedkv.eval.command",
     "fusedkv.prune.command",
     "fusedkv.experiments.command",
-    "fusedkv.bench.command",
+    "fusedkv.speed.command",
     "fusedkv.analysis.command",
     "fusedkv.serving.command",
 )

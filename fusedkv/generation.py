@@ -125,7 +125,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache).
     `native_step`: on CPU, run each decode step's layers as one native call where it covers the model and
     the cache (`fusedkv.engine.native_step.unsupported`: f32 weights in the packed layout, bf16 / int8
-    blocks or int4 blocks, a static cache, batch <= 16); False runs the model's modules every step.
+    blocks or int4 blocks, a static or KIVI cache, batch <= 16); False runs the model's modules every step.
     Each attention layer runs the implementation `fusedkv.engine.select_runtime` picks for this model and
     cache, for this call only."""
     batch, prompt_len = input_ids.shape

@@ -239,13 +239,22 @@ def _storage(index: int, attention_type: str) -> LayerKV:
     return LayerKV(index, attention_type, (index,), (index,))
 
 
-def _split_point(num_layers: int, plan: str) -> int:
-    if num_layers < 2 or num_layers % 2:
+def split_point(num_layers: int) -> int:
+    """n, the number of lower layers that keep their own K/V cache under the half-split plans (yoco, Lite,
+    FusedKV, dense): the upper layers n+1..L reconstruct from layer 1 and layer n (paper Sec. 2.2-2.3, where
+    n = L/2, "the middle layer").
+
+    For an odd L (DeepSeek-V3 has 61 layers, V2-Lite 27) n = ceil(L/2) = (L+1)/2: layer n is then the one
+    middle layer of the stack and keeps its cache, every upper layer's sources (1 and n) lie below it, and
+    the cache holds n/L = (L+1)/(2L) of vanilla's (31/61 = 50.8% for 61 layers; exactly 1/2 for an even L).
+    Rounding down instead would make the middle layer a reconstruction layer and cut the cache under 1/2
+    with more layers reading less. CLA pairs layers the same way: an odd last layer keeps its own cache."""
+    if num_layers < 2:
         raise ValueError(
-            f"num_hidden_layers={num_layers}: plan {plan!r} splits the model into a lower half that stores "
-            "K/V and an upper half that reconstructs it, so it needs an even number of layers >= 2"
+            f"num_hidden_layers={num_layers}: the half-split plans keep the K/V cache of the lower layers and "
+            "reconstruct it in the upper ones, so they need at least 2 layers"
         )
-    return num_layers // 2
+    return (num_layers + 1) // 2
 
 
 def build_plan(
@@ -254,7 +263,8 @@ def build_plan(
     layer_types: Sequence[str] | None = None,
     shared_types: Sequence[str] | None = None,
 ) -> KVSharingPlan:
-    """A named plan for `num_layers` layers.
+    """A named plan for `num_layers` layers: the half-split plans keep the caches of the lower
+    `split_point(num_layers)` layers (L/2, or (L+1)/2 for an odd L) and reconstruct the rest.
 
     `layer_types[i]` is layer i's attention type (default all full). `shared_types` restricts which
     attention types the upper half reconstructs (default: all); upper layers of other types keep their
@@ -278,9 +288,7 @@ def build_plan(
         return KVSharingPlan(name, tuple(_storage(i, t) for i, t in enumerate(types)))
 
     if name == "cla":
-        if num_layers % 2:
-            raise ValueError(f"num_hidden_layers={num_layers}: plan 'cla' pairs adjacent layers; use an even count")
-        layers = []
+        layers = []  # pairs (1, 2), (3, 4), ...; with an odd count the last layer keeps its own cache
         for i, t in enumerate(types):
             if i % 2 == 1 and t in shared and types[i - 1] == t:
                 layers.append(LayerKV(i, t, (i - 1,), (i - 1,)))
@@ -288,7 +296,7 @@ def build_plan(
                 layers.append(_storage(i, t))
         return KVSharingPlan(name, tuple(layers))
 
-    n = _split_point(num_layers, name)
+    n = split_point(num_layers)
     layers = [_storage(i, t) for i, t in enumerate(types[:n])]
     for i in range(n, num_layers):
         t = types[i]

@@ -1,7 +1,7 @@
 """When does retrieval emerge? Score every checkpoint of one or more training runs on MQAR, as they appear.
 
 A training run keeps only its newest checkpoints, so this watches the runs while they train: every new
-`checkpoints/step-N` (verified and loaded by `fusedkv.train.checkpoint.load_checkpoint`, so a checkpoint
+`checkpoints/step-N` (verified and loaded by `fusedkv.train.full_checkpoint.load_checkpoint`, so a checkpoint
 still being written is left for the next poll) and `final/` at the end are scored by
 `fusedkv.eval.retrieval` (MQAR, the same samples at every step), one JSON line per (run, step) appended to
 --out. Then --plot draws accuracy against training step, one line per run, one panel per number of pairs.
@@ -31,7 +31,7 @@ import torch
 from fusedkv import FusedKVConfig, FusedKVForCausalLM
 from fusedkv.data import load_tokenizer
 from fusedkv.eval.retrieval import learned, run_retrieval
-from fusedkv.train.checkpoint import load_checkpoint
+from fusedkv.train.full_checkpoint import load_checkpoint
 
 
 def load_step(path: Path) -> FusedKVForCausalLM:

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "fusedkv"
 NOT_A_PLAN = {
     ("fusedkv/__init__.py", "fusedkv"),  # AutoConfig.register(model_type)
     ("fusedkv/config.py", "fusedkv"),  # model_type
-    ("fusedkv/checkpoints.py", "fusedkv"),  # model_type check
+    ("fusedkv/model_dirs.py", "fusedkv"),  # model_type check
     ("fusedkv/cli.py", "fusedkv"),  # the program name
     ("fusedkv/errors.py", "fusedkv"),  # the program name in messages
     ("fusedkv/serving/plugin.py", "fusedkv"),  # AutoConfig.register(model_type)
@@ -153,15 +153,12 @@ def test_import_layers_hold():
 SELECTION_MODULE = "fusedkv/engine/selection.py"
 # What choosing an attention implementation looks like: the facts and predicates it is decided from, and
 # building the implementations it installs (`layer.use(None)`, back to the model's own, is no choice).
-SELECTORS = {"triton_decode_fits", "triton_runs_on", "supports", "LayerFacts", "Materialized", "Factored",
-             "NativeOneToken", "TritonOneToken", "AbsorbedMLA"}
+SELECTORS = {"triton_decode_fits", "triton_runs_on", "supports", "paged_supports", "LayerFacts", "Materialized",
+             "Factored", "NativeOneToken", "TritonOneToken", "AbsorbedMLA"}
 # Known exceptions, each with its reason.
 SELECTION_EXCEPTIONS = {
     # The native step checks, once when it is built, that it covers the model (raising otherwise).
     ("fusedkv/engine/native_step.py", "supports"),
-    # vLLM's paged backend still decides its kernel itself; it is to move onto the engine's selection.
-    ("fusedkv/serving/paged.py", "triton_decode_fits"),
-    ("fusedkv/serving/paged.py", "triton_runs_on"),
 }
 
 

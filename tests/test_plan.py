@@ -2,7 +2,7 @@
 
 import pytest
 
-from fusedkv.plan import FULL, SLIDING, build_plan, custom_plan
+from fusedkv.plan import FULL, PLAN_NAMES, SLIDING, build_plan, custom_plan, split_point
 
 
 def ratios(name, layers=16):
@@ -61,9 +61,42 @@ def test_custom_map_errors(source_map, match):
         custom_plan(8, source_map)
 
 
-def test_odd_layers_and_unknown_plan():
-    with pytest.raises(ValueError, match="even number of layers"):
-        build_plan("fusedkv", 7)
+@pytest.mark.parametrize("layers", [3, 5, 7, 27, 61])
+@pytest.mark.parametrize("name", PLAN_NAMES)
+def test_odd_layer_counts_keep_the_middle_layer(name, layers):
+    """Odd L (DeepSeek-V3: 61, V2-Lite: 27): the lower ceil(L/2) layers keep their caches, so layer n = (L+1)/2,
+    the middle one, is a source; every upper layer reads only layers below it; the cache is (L+1)/(2L)."""
+    plan, n = build_plan(name, layers), (layers + 1) // 2
+    assert split_point(layers) == n
+    if name == "vanilla":
+        assert plan.storage_layers == tuple(range(layers))
+        return
+    if name == "cla":  # pairs, the odd last layer on its own
+        assert plan.storage_layers == tuple(range(0, layers, 2))
+        assert all(plan.layers[i].k_sources == (i - 1,) for i in range(1, layers, 2))
+    else:
+        assert plan.storage_layers == tuple(range(n)) and plan.reconstruction_layers == tuple(range(n, layers))
+        k_sources = {"yoco": (n - 1,), "fusedkv-lite": (n - 1,), "fusedkv": (0, n - 1),
+                     "fusedkv-dense": tuple(range(n))}[name]
+        v_sources = {"yoco": (n - 1,), "fusedkv-lite": (0,)}.get(name, k_sources)
+        for i in range(n, layers):
+            assert plan.layers[i].k_sources == k_sources and plan.layers[i].v_sources == v_sources
+    assert all(max(layer.sources) < layer.index for layer in plan.layers if not layer.stores)
+    assert plan.cache_elements_per_token() / build_plan("vanilla", layers).cache_elements_per_token() == n / layers
+
+
+def test_odd_layer_hybrid_and_smallest_models():
+    # A 7-layer window/full hybrid: lower 4 layers keep caches; each upper layer reads its own type below it.
+    types = [SLIDING, SLIDING, FULL] * 2 + [SLIDING]
+    plan = build_plan("fusedkv", 7, types)
+    assert plan.storage_layers == (0, 1, 2, 3)
+    assert plan.layers[5].k_sources == (2,) and plan.layers[6].k_sources == (0, 3)
+    assert build_plan("fusedkv", 3).layers[2].k_sources == (0, 1)
+    assert build_plan("yoco", 2).layers[1].k_sources == (0,)
+    for name in PLAN_NAMES[1:]:
+        if name != "cla":
+            with pytest.raises(ValueError, match="at least 2 layers"):
+                build_plan(name, 1)
     with pytest.raises(ValueError, match="unknown kv_sharing plan"):
         build_plan("mqa", 8)
 

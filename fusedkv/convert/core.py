@@ -18,18 +18,21 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..checkpoints import check_destination, check_finite_model, write_directory_atomically
 from ..config import FusedKVConfig
 from ..errors import UsageError
 from ..model import FusedKVForCausalLM
 from ..model.fusion import KVFusion
+from ..model_dirs import check_destination, check_finite_model, write_directory_atomically
 from ..plan import VANILLA
 from .families import MODEL_TYPES, family_for
 from .family import with_plan_kv_heads
 from .qwen3 import fuse_experts
 
+# The tokenizer travels with the weights, its chat template too (tokenizer_config.json's "chat_template", or
+# transformers 5's chat_template.jinja, or the older chat_template.json), so chat requests work on the result.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "generation_config.json", "chat_template.jinja")
+                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
+                    "chat_template.jinja", "chat_template.json")
 
 
 def fusedkv_to_plan_config(saved: dict, kv_sharing: str, origin: str = "checkpoint", **overrides) -> FusedKVConfig:

@@ -79,6 +79,24 @@ def train_bpe_tokenizer(
     return fast
 
 
+# The chat template `fusedkv train` saves with a tokenizer that has none (and `fusedkv serve` uses for a checkpoint
+# without one): a plain transcript, "Role: text" paragraphs, ending in "Assistant:" for the model to continue.
+# Documented in docs/serving.md.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def with_chat_template(tokenizer):
+    """`tokenizer` with `DEFAULT_CHAT_TEMPLATE` where it has no chat template of its own (an imported model's
+    template is kept), so a saved checkpoint answers chat requests (`/v1/chat/completions`, transformers'
+    `apply_chat_template`) without one given separately."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer
+
+
 def wrap_tokenizer_object(tok):
     """Wrap a raw ``tokenizers.Tokenizer`` trained here as a ``PreTrainedTokenizerFast``."""
     from transformers import PreTrainedTokenizerFast

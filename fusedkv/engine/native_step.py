@@ -20,10 +20,14 @@ absorbed over the cached latents and RoPE keys (f32 cache; FusedKV on MLA includ
 imported families' block features: Q/K/V, O and MLP biases, QK-norm or none, Gemma's RMSNorm (1 + w) and
 post-norms, embedding scaling, `query_pre_attn_scalar`, attention and final logit soft-capping, every
 RoPE scaling but dynamic NTK, a separate RoPE per attention type. `unsupported` names the first thing
-it does not cover, and the caller then keeps the module-by-module step, which runs everything. What it
-declines, by name: MLA over a 16-bit cache, dynamic NTK RoPE, fusedkv-dense's scalar fusion and more than two sources,
-batch above 16, f16 weights (and f32 ones not in the packed layout), MoE experts not in f32 decode layout,
-caches other than `StaticKVCache` (KIVI), head_dim odd or above 512.
+it does not cover, and the caller then keeps the module-by-module step, which runs everything. The cache is
+a `fusedkv.cache.StaticKVCache` or a KIVI cache (`fusedkv.quant.KIVICache`, read in place by
+`fusedkv.kernels.cpu_kivi`: the step appends each token to its residual and quantises what leaves the
+residual window after every layer has read it). What it declines, by name: MLA over a 16-bit cache, dynamic
+NTK RoPE, fusedkv-dense's scalar fusion and more than two sources, batch above 16, f16 weights (and f32 ones
+not in the packed layout), MoE experts not in f32 decode layout, head_dim odd or above 512; over a KIVI cache,
+sliding-window layers, MLA and attention soft-capping (the KIVI kernel has none of them), a KIVI cache without
+its max_len, and group sizes the kernel does not pack.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import ctypes
 
 import torch
 
-from ..kernels import cpu_attention, cpu_gemv, native
+from ..kernels import cpu_attention, cpu_gemv, cpu_kivi, native
 from ..model.attention import Attention
 from ..model.layers import RMSNorm, SwiGLU, rope_inv_freq, rope_tables
 from ..model.mla import MLA
@@ -82,7 +86,7 @@ class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
                 ("h", P), ("proj", P), ("q", P), ("attn", P), ("attn2", P), ("lse", P), ("lse2", P), ("gu", P),
                 ("act", P), ("ring_start", P), ("xb", P),
                 ("m_scores", P), ("m_choice", P), ("m_x", P), ("m_gu", P), ("m_act", P), ("m_y", P), ("m_out", P),
-                ("m_idx", P), ("m_w", P)]
+                ("m_idx", P), ("m_w", P), ("kivi", P)]
 
 
 def _product(module) -> _Product | None:
@@ -157,8 +161,28 @@ def _window_capacity_of(attn) -> int:
     return window - 1 if window else 0
 
 
-def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int) -> str | None:
-    """Why the native step cannot run `model` over these cache buffers at this batch, or None when it can."""
+def _kivi_unsupported(model, cache) -> str | None:
+    """Why the step cannot read this `fusedkv.quant.KIVICache` (`fusedkv.kernels.cpu_kivi`), or None. The KIVI
+    kernel attends over a whole full-attention history with plain scores: window layers, MLA's latents and
+    soft-capped scores stay module by module."""
+    config = model.config
+    if cache.max_len is None:
+        return "the KIVI cache does not know its max_len (build it with kivi_cache_factory)"
+    if config.kv_lora_rank is not None:
+        return "MLA over a KIVI cache runs module by module"
+    attns = [layer.self_attn for layer in model.model.layers]
+    if any(_window_capacity_of(attn) for attn in attns):
+        return "sliding-window layers over a KIVI cache run module by module"
+    if any(getattr(attn, "softcap", None) for attn in attns):
+        return "attention soft-capping over a KIVI cache runs module by module"
+    return cpu_kivi.supports(cache.bits, cache.group_size, cache.residual_length, config.head_dim,
+                             config.num_attention_heads, config.num_key_value_heads)
+
+
+def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int,
+                kivi=None) -> str | None:
+    """Why the native step cannot run `model` over these cache buffers (or this KIVI cache) at this batch, or
+    None when it can."""
     config = model.config
     if not native.available():
         return "the native CPU kernels are not built here"
@@ -172,21 +196,28 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         return "dynamic NTK RoPE (frequencies that change with the length) runs module by module"
     if config.head_dim > MAX_HEAD_DIM or config.head_dim % 2:
         return f"head_dim {config.head_dim} is odd or above {MAX_HEAD_DIM}"
-    if sorted(config.plan.storage_layers) != sorted(keys):
+    if kivi is None and sorted(config.plan.storage_layers) != sorted(keys):
         return "the cache does not hold exactly the plan's storage layers"
-    buffers = [*keys.values(), *values.values()]
-    first = buffers[0]
-    if first.dtype not in cpu_attention.KINDS or any(
-            b.dtype != first.dtype or not b.is_contiguous() or b.shape[0] != batch for b in buffers):
-        return "the cache buffers are not contiguous [B, H_kv, S, D] buffers of one dtype"
-    full = [keys[i].shape for i in keys if not _window_capacity(model, i)]
-    for i in keys:
-        slots = _window_capacity(model, i) or (full[0][2] if full else keys[i].shape[2])
-        k_shape = v_shape = (batch, config.num_key_value_heads, slots, config.head_dim)
-        if config.kv_lora_rank is not None:  # MLA: latents and RoPE keys, one "head"
-            k_shape, v_shape = (batch, 1, slots, config.kv_lora_rank), (batch, 1, slots, config.head_dim)
-        if keys[i].shape != k_shape or values[i].shape != v_shape:
-            return f"layer {i + 1}'s cache is not [B, H_kv, S, D] (a window layer: S = W - 1)"
+    if kivi is not None:
+        reason = _kivi_unsupported(model, kivi)
+        if reason is not None:
+            return reason
+        cache_dtype = torch.float32  # the residual's, as the step writes it
+    else:
+        buffers = [*keys.values(), *values.values()]
+        first = buffers[0]
+        if first.dtype not in cpu_attention.KINDS or any(
+                b.dtype != first.dtype or not b.is_contiguous() or b.shape[0] != batch for b in buffers):
+            return "the cache buffers are not contiguous [B, H_kv, S, D] buffers of one dtype"
+        full = [keys[i].shape for i in keys if not _window_capacity(model, i)]
+        for i in keys:
+            slots = _window_capacity(model, i) or (full[0][2] if full else keys[i].shape[2])
+            k_shape = v_shape = (batch, config.num_key_value_heads, slots, config.head_dim)
+            if config.kv_lora_rank is not None:  # MLA: latents and RoPE keys, one "head"
+                k_shape, v_shape = (batch, 1, slots, config.kv_lora_rank), (batch, 1, slots, config.head_dim)
+            if keys[i].shape != k_shape or values[i].shape != v_shape:
+                return f"layer {i + 1}'s cache is not [B, H_kv, S, D] (a window layer: S = W - 1)"
+        cache_dtype = first.dtype
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, (Attention, MLA)) or not isinstance(mlp, (SwiGLU, SparseMoE)):
@@ -195,7 +226,7 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             return _experts_unsupported(mlp)
         kv = attn.layer
         if isinstance(attn, MLA):
-            if (first.dtype != torch.float32 or attn.kv_b_proj.weight.dtype != torch.float32
+            if (cache_dtype != torch.float32 or attn.kv_b_proj.weight.dtype != torch.float32
                     or not attn.kv_b_proj.weight.is_contiguous() or "scalar" in (kv.k_fusion, kv.v_fusion)
                     or max(len(kv.k_sources), len(kv.v_sources)) > 2):
                 return (f"layer {kv.index + 1}: MLA runs natively over an f32 cache, kv_b_proj f32 row-major, "
@@ -217,6 +248,18 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
     return None
 
 
+class _Source:
+    """A KIVI storage layer's row table where the step takes a static buffer: only its address is read."""
+
+    dtype = torch.float32  # the residual's (the model's) dtype
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
 class Unsupported(ValueError):
     """The native step does not cover this model, cache or batch (the message says why)."""
 
@@ -228,23 +271,29 @@ class NativeDecodeStep:
     row's first real key (left padding), or None; where the model has window layers it must be the
     `window_start` their rings were filled with (`fusedkv.cache.StaticKVCache.window_start`), and `max_len`
     bounds the columns of a model whose every layer is a window layer (the cache's `max_len`).
-    Built once per generation; raises `Unsupported` (a ValueError) with what `unsupported` names."""
+    Built once per generation; raises `Unsupported` (a ValueError) with what `unsupported` names.
+    `kivi`: a `fusedkv.quant.KIVICache` instead of static buffers (keys / values ignored): reserved here for
+    its max_len tokens before the prompt is stored, read and written in place (`fusedkv.kernels.cpu_kivi`)."""
 
     def __init__(self, model, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], batch: int,
-                 window_start: torch.Tensor | None = None, max_len: int | None = None):
-        reason = unsupported(model, keys, values, batch)
+                 window_start: torch.Tensor | None = None, max_len: int | None = None, kivi=None):
+        reason = unsupported(model, keys, values, batch, kivi)
         if reason is not None:
             raise Unsupported(f"the native decode step does not cover this model: {reason}")
         self.model = model
         config = model.config
         d, h_q, h_kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         hidden, inter = config.hidden_size, config.intermediate_size
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer in the table refers to stays alive here
+        self._kivi = None
+        if kivi is not None:  # row tables in place of buffers (`_Source`); no window layers (`unsupported`)
+            keys, values, cache_len = self._kivi_tables(kivi, batch)
+        else:
+            full = [keys[i].shape[2] for i in keys if not _window_capacity(model, i)]
+            cache_len = full[0] if full else (max_len or config.max_position_embeddings)  # columns the step may write
         self.windowed = any(_window_capacity(model, i) for i in keys)
         self.window_start = None if window_start is None else window_start.to(torch.int64)
-        full = [keys[i].shape[2] for i in keys if not _window_capacity(model, i)]
-        cache_len = full[0] if full else (max_len or config.max_position_embeddings)  # columns the step may write
         self.cache_len = cache_len
-        self._keep: list[torch.Tensor] = []  # every tensor a pointer in the table refers to stays alive here
         positions = torch.arange(cache_len).unsqueeze(0)
         decoder = model.model
         tables = {}
@@ -287,9 +336,19 @@ class NativeDecodeStep:
         self._step = _Step(len(layers), hidden, h_q, h_kv, d, inter, batch,
                            cpu_attention.KINDS[next(iter(keys.values())).dtype], ACTIVATIONS[config.hidden_act],
                            cache_len, config.rms_norm_eps, attn.scale, getattr(attn, "softcap", None) or 0.0, layers,
-                           *(t.data_ptr() for t in scratch))
+                           *(t.data_ptr() for t in scratch), kivi=self._kivi)
         self._address = ctypes.addressof(self._step)
         self._lib = native.library()
+
+    def _kivi_tables(self, cache, batch: int):
+        """Reserve the KIVI cache and describe each storage layer's rows to C (`cpu_kivi.row_table`): the step
+        reads those tables where it reads static buffers otherwise (`_Source` stands in for a buffer)."""
+        cache.reserve(batch, torch.float32)
+        self._kivi_shape = cpu_kivi.shape_of(cache)
+        self._kivi = ctypes.addressof(self._kivi_shape)
+        self._tables = {i: cpu_kivi.row_table(cache.layers[i], batch) for i in self.model.config.plan.storage_layers}
+        sources = {i: _Source(ctypes.addressof(t)) for i, t in self._tables.items()}
+        return sources, sources, cache.max_len
 
     def _hold(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().to(torch.float32).contiguous()

@@ -25,7 +25,9 @@ by `benchmarks/cpu_decode.py --kernels`):
     activations are rounded to the kernel's 16-bit kind, never quantised.
   * Many rows (prefill, large batches): on a processor with bf16 arithmetic, bf16 and int8 weights run
     oneDNN's bf16 GEMM (int8 / int4 dequantised to bf16 first), about twice as fast as the f32 GEMM; f16
-    weights (and everything elsewhere) are dequantised to the activation dtype for its GEMM.
+    weights (and everything elsewhere) are dequantised to the activation dtype for its GEMM. int4 is
+    dequantised product by product into buffers reused by every product (`_int4_gemm_weight`), in passes
+    that keep the long axis innermost (no new allocations, no short strided loops).
 
 Which 16-bit kind a processor should use is decided once, from /proc/cpuinfo: bf16 where it has
 native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts f16 in hardware;
@@ -39,6 +41,7 @@ model is for inference: its reduced weights are buffers, not parameters.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -204,8 +207,7 @@ class ReducedLinear(nn.Module):
         if self.fmt == "int4":
             if not self.blocked:
                 return self.weight.to(dtype)
-            weight = _dequantize_int4(*cpu_gemv.from_int4_blocks(self.weight, self.scale))
-            return weight[:self.out_features, :self.in_features].to(dtype)
+            return self._gemm_weight(dtype).contiguous()
         weight = cpu_gemv.from_blocks(self.weight, self.in_features) if self.blocked else self.weight
         if self.fmt == "int8":
             return weight.to(dtype) * self.scale.to(dtype)[:, None]
@@ -216,11 +218,17 @@ class ReducedLinear(nn.Module):
         if rows <= self.gemv_max_rows:
             y = self._gemv(x.reshape(rows, self.in_features))
         elif self.gemm_dtype is not None:
-            y = F.linear(x.reshape(rows, self.in_features).to(self.gemm_dtype), self.dequantized(self.gemm_dtype))
+            y = F.linear(x.reshape(rows, self.in_features).to(self.gemm_dtype), self._gemm_weight(self.gemm_dtype))
         else:
-            y = F.linear(x.reshape(rows, self.in_features), self.dequantized(x.dtype))
+            y = F.linear(x.reshape(rows, self.in_features), self._gemm_weight(x.dtype))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def _gemm_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The [out, in] weight in `dtype` for a GEMM; int4 blocks in a reused buffer (use it at once)."""
+        if self.fmt == "int4" and self.blocked:
+            return _int4_gemm_weight(self.weight, self.scale, self.in_features, self.out_features, dtype)
+        return self.dequantized(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "int4":  # x rounded to bf16 (by the kernel), times the exact dequantised weight
@@ -257,6 +265,45 @@ class ReducedGroup:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear(x).split(self.sizes, dim=-1)
+
+
+class _Scratch(threading.local):
+    """Buffers every int4 GEMM product of a thread reuses (`_int4_gemm_weight`), grown to the largest weight
+    and kept: a prefill then allocates (and page-faults) them once instead of once per product."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+
+_SCRATCH = _Scratch()
+
+
+def _int4_gemm_weight(packed: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The weight scale (.) q of int4 blocks (`cpu_gemv.to_int4_blocks`) in `dtype` (computed exactly in f32,
+    then rounded once), as an [out, in] view of an [in, out] buffer that the next call of this thread
+    overwrites: a GEMM takes it as is (a transposed operand costs it nothing). Four passes, each with the
+    output axis innermost: the nibbles, one permuting copy to f32, the scales, the cast."""
+    blocks, groups = packed.shape[:2]
+    g, b = cpu_gemv.GROUP, cpu_gemv.BLOCK
+    n = blocks * groups * g * b
+    nibbles = _SCRATCH.get("nibbles", n, torch.uint8).view(blocks, groups, g // 4, 2, 2 * b)
+    torch.bitwise_and(packed, 15, out=nibbles[:, :, :, 0])
+    torch.bitwise_right_shift(packed, 4, out=nibbles[:, :, :, 1])
+    # nibble [block, group, c, h, output o, j] holds q + 8 of output 16 block + o, input 32 group + 4c + 2h + j
+    w = _SCRATCH.get("float32", n, torch.float32).view(groups, g // 4, 2, 2, blocks, b)
+    w.copy_(nibbles.view(blocks, groups, g // 4, 2, b, 2).permute(1, 2, 3, 5, 0, 4))
+    w = w.view(groups, g, blocks * b)
+    w.sub_(8).mul_(scales.permute(1, 0, 2).reshape(groups, 1, blocks * b))  # f16 scale x level: exact in f32
+    if dtype != torch.float32:
+        w = _SCRATCH.get(str(dtype), n, dtype).view_as(w).copy_(w)
+    return w.view(groups * g, blocks * b)[:in_features, :out_features].t()
 
 
 def _dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ Paths (`ATTENTION_PATHS`): "auto" picks per layer (below); "materialized" (the r
 "triton" or "native" force one everywhere (the one-token kernels for one-token steps; blocks then use
 SDPA), refusing layers a kernel cannot take.
 
+Served by vLLM (`fusedkv.serving`), a reconstruction layer reads its sources' paged caches in place; how
+(`PAGED_PATHS`) is `select_paged_attention`'s choice, made once per layer when serving loads the weights.
+
 "auto", per layer: a one-token kernel for decode steps where one runs and takes the layer's sources
 (Triton where it runs: CUDA, or its interpreter; else the native CPU kernel where built), the factored
 form for short blocks of weighted layers, SDPA for the rest; MLA layers absorb for short blocks.
@@ -19,6 +22,7 @@ form for short blocks of weighted layers, SDPA for the rest; MLA layers absorb f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +35,10 @@ from .backends import FACTORED_MAX_QUERY, AbsorbedMLA, Factored, Materialized, N
 from .native_step import NativeDecodeStep, Unsupported
 
 ATTENTION_PATHS = ("auto", "materialized", "factored", "triton", "native")
+# How a vLLM reconstruction layer attends over paged caches: vLLM's own CPU attention op (one K source), the
+# native block-table kernel (CPU), the paged Triton kernel for decode rows (GPU), or each sequence's blocks
+# gathered into the factored form (`fusedkv.kernels.reference.factored_attention`).
+PAGED_PATHS = ("vllm_op", "native", "triton", "gathered")
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,8 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
                    native_step: bool = False) -> Runtime:
     """Install, once, the attention implementation of every layer of `model` (a FusedKV model or its
     decoder), for its current device and dtype; with `native_step`, also build the one-call native decode
-    step over `cache` (a `StaticKVCache`) for `batch` rows, where it covers them."""
+    step over `cache` (a `StaticKVCache`, or an empty `fusedkv.quant.KIVICache` that knows its max_len, which the
+    step then reserves) for `batch` rows, where it covers them."""
     if path not in ATTENTION_PATHS:
         raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
     param = next(model.parameters())
@@ -109,9 +118,13 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
         attn.use(implementation)
         chosen[attn.layer.index] = type(attn.attend).__name__
     step = None
-    if native_step and type(cache) is StaticKVCache and path in ("auto", "native"):
-        try:  # the step checks, once, that it covers the model (`native_step.unsupported`)
-            step = NativeDecodeStep(model, cache.keys, cache.values, batch, cache.window_start, cache.max_len)
+    if native_step and path in ("auto", "native"):
+        try:  # the step checks, once, that it covers the model and the cache (`native_step.unsupported`)
+            if type(cache) is StaticKVCache:
+                step = NativeDecodeStep(model, cache.keys, cache.values, batch, cache.window_start, cache.max_len)
+            elif getattr(cache, "quantization", None) == "kivi" and cache.get_seq_length() == 0:
+                # KIVI read in place (`fusedkv.kernels.cpu_kivi`); the step reserves the cache's buffers
+                step = NativeDecodeStep(model, {}, {}, batch, kivi=cache)
         except Unsupported:
             step = None
     return Runtime(chosen, step, previous)
@@ -156,3 +169,29 @@ def _mla_backend(attn: MLA, path: str):
     if path == "materialized":
         return None  # the model's own expanded form
     return AbsorbedMLA(float("inf") if path == "factored" else FACTORED_MAX_QUERY)
+
+
+def select_paged_attention(k_sources: Sequence, v_sources: Sequence, *, gpu: bool, head_dim: int,
+                           device: torch.device, dtype: torch.dtype, query_dtype: torch.dtype,
+                           native_layout: bool, window: bool = False) -> str:
+    """How a FusedKV reconstruction layer served by vLLM attends over its sources' paged caches (one of
+    `PAGED_PATHS`), chosen once per layer when serving loads the weights (`fusedkv.serving.paged.select_paths`);
+    nothing re-checks per call.
+
+    `k_sources` / `v_sources`: the layer's sources as listed (a layer listed twice counts twice); `gpu`: a
+    GPU backend (FlashAttention, Triton) rather than the CPU one; `dtype`: the cache's element type;
+    `native_layout`: the CPU backend's block layout is one the native kernel reads (plain, or key blocks
+    transposed); `window`: a sliding-window layer. GPU: decode rows in the paged Triton kernel where it takes
+    the distinct sources and runs on this device and dtype, else gathered (prefill chunks are gathered either
+    way). CPU: one K source is vLLM's op (which takes the window); more run in the native kernel where it is
+    built and reads the cache and the layer has no window (the kernel has none), else gathered."""
+    if gpu:
+        kernel = (query_dtype == dtype and triton_runs_on(device, dtype)
+                  and triton_decode_fits(head_dim, len(set(k_sources)), len(set(v_sources))))
+        return "triton" if kernel else "gathered"
+    if len(k_sources) == 1:
+        return "vllm_op"
+    if (not window and native_layout and native.available()
+            and native.paged_supports(dtype, len(k_sources), len(v_sources))):
+        return "native"
+    return "gathered"

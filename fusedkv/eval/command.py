@@ -9,13 +9,13 @@ import tempfile
 from pathlib import Path
 
 from .. import argtypes
-from ..checkpoints import check_checkpoint_dir
 from ..data import TokenShard, iter_eval_batches, load_prepared_dataset, prepare_dataset, read_text_file
 from ..data.ruler_tasks import TASKS
 from ..data.tokenizer import check_same_tokenizer
 from ..errors import UsageError, writing
 from ..flags import add_kivi_flags, kv_group
 from ..model import FusedKVForCausalLM
+from ..model_dirs import check_checkpoint_dir
 from ..quant import KIVICache, check_kivi_settings
 from ..quant.scoring import DecodeScorer
 from .harness import LOCAL_GROUP, PAPER_NUM_FEWSHOT, PAPER_TASKS, paper_average, run_lm_eval

@@ -38,14 +38,8 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from ..train.config import parse_overrides
-    from .runner import (
-        load_experiment,
-        paired_table,
-        plot_curves,
-        retrieval_report,
-        run_experiment,
-        summary_table,
-    )
+    from .report import paired_table, plot_curves, retrieval_report, summary_table
+    from .runner import load_experiment, run_experiment
     from .verdicts import check_claims, experiment_claims, verdict_table
 
     _check_experiment_file(args.experiment)

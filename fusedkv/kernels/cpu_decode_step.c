@@ -16,6 +16,9 @@
  *
  * with act SiLU or GELU (GeGLU) and the bracketed norms Gemma's post-norms. Norm weights come as gains (Gemma's
  * 1 + w computed by the caller). Sliding-window layers read a ring buffer (`StepLayer.window`, below).
+ * Over a KIVI cache (`Step.kivi`, cpu_kivi_attention.c; full-attention layers without MLA or soft-capping only,
+ * as the caller checks) the token joins each row's residual, attention reads the packed codes in place, and
+ * what leaves the residual window is quantised once every layer has read the token.
  *
  * The caller (fusedkv/engine/native_step.py) fills one `StepLayer` per layer once, with pointers to the
  * model's weights and to the static cache's buffers, and checks that the model is one this step covers;
@@ -130,6 +133,8 @@ typedef struct {
     float *m_scores, *m_choice, *m_x, *m_gu, *m_act, *m_y, *m_out;
     int* m_idx;
     float* m_w;
+    const KiviShape* kivi;             /* a KIVI cache (cpu_kivi_attention.c): the layers' k_src / v_src are
+                                          KiviRow[B] tables, the step appends, then flushes; NULL otherwise */
 } Step;
 
 
@@ -216,6 +221,10 @@ static int project(const Step* s, const StepLayer* L, const int64_t* kv_start, l
             long at = ((long)b * Hkv + g) * S * D + length * D;
             if (L->window) kd = L->k_pend, vd = L->v_pend, at = ((long)b * Hkv + g) * D;
             norm_rope(row + (long)(Hq + g) * D, L->k_norm, cos, sin, k, D, s->eps);
+            if (s->kivi) {  /* this layer's own row table; the token joins the residuals at the row's end */
+                kivi_append(s->kivi, (const KiviRow*)L->k_src[0] + b, g, pos, k, row + (long)(Hq + Hkv + g) * D);
+                continue;
+            }
             store(kd, at, k, D, s->kind);
             store(vd, at, row + (long)(Hq + Hkv + g) * D, D, s->kind);
         }
@@ -223,10 +232,23 @@ static int project(const Step* s, const StepLayer* L, const int64_t* kv_start, l
     return 0;
 }
 
+/* Attention of one layer over a KIVI cache: each row holds its own length - kv_start[b] tokens plus the
+ * pending one (padding is never stored). */
+static int kivi_layer_attention(const Step* s, const StepLayer* L, const int64_t* kv_start, long length,
+                                int threads) {
+    int64_t n[MAX_ROWS];
+    for (int b = 0; b < s->batch; b++) n[b] = length - (kv_start ? kv_start[b] : 0);
+    return kivi_attention(s->q, s->batch, s->n_heads, s->n_kv_heads, s->scale, s->kivi,
+                          L->n_k, L->k_src[0], L->k_src[L->n_k - 1], L->k_w[0], L->k_w[1], L->k_w_hs,
+                          L->n_v, L->v_src[0], L->v_src[L->n_v - 1], L->v_w[0], L->v_w[1], L->v_w_hs,
+                          n, 1, s->attn, threads);
+}
+
 /* s->attn [B, H_q, D]: the layer's attention. Full layers: one pass over columns [kv_start[b], length].
  * Window layers: the ring (slots [C - held, C)) and the pending token, merged (see `StepLayer`). */
 static int attend(const Step* s, const StepLayer* L, const int64_t* kv_start, long length, int threads) {
     const int B = s->batch, Hq = s->n_heads, Hkv = s->n_kv_heads, D = s->head_dim;
+    if (s->kivi) return kivi_layer_attention(s, L, kv_start, length, threads);  /* full layers only */
     if (!L->window) {
         const long S = s->cache_len, sb = (long)Hkv * S * D, sh = S * D;
         return decode_attention_capped(s->q, B, Hq, Hkv, D, (int)length + 1, s->scale, s->softcap, s->kind,
@@ -537,5 +559,10 @@ int decode_step(const Step* s, float* x, const int64_t* kv_start, long length, i
         residual_add(x, s->h, L->post_mlp_norm, B, H, s->eps);
     }
     commit_windows(s, kv_start, length);
+    for (int l = 0; s->kivi && l < s->n_layers; l++)  /* after every layer has read the new token */
+        for (int b = 0; b < B && s->layers[l].stores; b++) {
+            const KiviRow* rows = (const KiviRow*)s->layers[l].k_src[0];
+            if (kivi_flush(s->kivi, rows + b, length - (kv_start ? kv_start[b] : 0))) return 4;
+        }
     return 0;
 }

@@ -33,6 +33,22 @@ int decode_attention_capped(const float* q, int B, int H_q, int H_kv, int D, int
                             const float* vb0, const float* vb1, long vb_hs,
                             const int64_t* kv_start, float* out, float* lse, int threads);
 
+/* cpu_kivi_attention.c: a KIVI cache (fusedkv/quant/kivi.py) read in place; layouts in that file. */
+typedef struct {
+    int bits, group, residual, head_dim, n_kv_heads;
+} KiviShape;
+typedef struct {  /* one row of one storage layer: pointers at kv head 0 (fusedkv.kernels.cpu_kivi._Row) */
+    uint8_t* k_codes; uint16_t* k_scale; uint16_t* k_zero; float* k_res;
+    uint8_t* v_codes; uint16_t* v_scale; uint16_t* v_zero; float* v_res;
+    long k_cap, v_cap;  /* tokens per kv head the key / value code buffers hold */
+} KiviRow;
+int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const KiviShape* shape,
+                   int n_k, const KiviRow* k0, const KiviRow* k1, const float* ka0, const float* ka1, long ka_hs,
+                   int n_v, const KiviRow* v0, const KiviRow* v1, const float* vb0, const float* vb1, long vb_hs,
+                   const int64_t* n_tokens, int pending, float* out, int threads);
+void kivi_append(const KiviShape* shape, const KiviRow* r, int g, long n, const float* k, const float* v);
+int kivi_flush(const KiviShape* shape, const KiviRow* r, long n);
+
 /* A bf16 value (the top half of an f32) widened to f32: a shift. */
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -23,10 +23,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 from ..utils import cache_dir, cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_decode_step.c",
-                                                       "cpu_paged_attention.c")]
+                                                       "cpu_paged_attention.c", "cpu_kivi_attention.c")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
@@ -37,6 +39,9 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "has_bf16_blocks": ([], I),
     "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
     "decode_step": ([P, P, P, L, I], I),
+    # cpu_kivi_attention.c (the KIVI cache read in place, fusedkv.kernels.cpu_kivi)
+    "kivi_attention": ([P, I, I, I, F, P, I, P, P, P, P, L, I, P, P, P, P, L, P, I, P, I], I),
+    "kivi_flush": ([P, P, L], I),
     # cpu_paged_attention.c (vLLM's paged cache, fusedkv.serving.paged)
     "paged_attention": ([P, I, I, I, I, F, I, P, P, P, L, I, L, L, I, I, P, P, P, P, L, I, P, P, P, P, L, P, I], I),
 }
@@ -94,3 +99,14 @@ def available() -> bool:
 def redecide() -> None:
     """Forget the decision, so the next call re-reads FUSEDKV_NATIVE_KERNELS and CC (tests, benchmarks)."""
     library.cache_clear()
+
+
+# cpu_paged_attention.c: the cache element types it reads (its `kind` argument) and its source bound.
+PAGED_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+PAGED_MAX_SOURCES = 2
+
+
+def paged_supports(dtype: torch.dtype, k_count: int, v_count: int) -> bool:
+    """Whether the paged kernel takes a layer with this cache dtype and these sources (asked once per layer,
+    by the engine's selection)."""
+    return dtype in PAGED_KINDS and 1 <= k_count <= PAGED_MAX_SOURCES and 1 <= v_count <= PAGED_MAX_SOURCES

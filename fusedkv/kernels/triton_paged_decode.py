@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .reference import expand_weight
-from .triton_decode import (
+from .triton_decode_blocks import (
     _LOG2E,
     _attend_tile,
     _fuse_values_and_store,

@@ -306,7 +306,7 @@ class FusedKVForCausalLM(FusedKVPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        from ..checkpoints import check_checkpoint_dir
+        from ..model_dirs import check_checkpoint_dir
 
         check_checkpoint_dir(pretrained_model_name_or_path, kwargs.get("config"))
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)

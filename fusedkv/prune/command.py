@@ -37,8 +37,8 @@ def run(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from ..checkpoints import check_destination, write_directory_atomically
     from ..model import FusedKVForCausalLM
+    from ..model_dirs import check_destination, write_directory_atomically
     from .wanda import builtin_calibration_tokens, calibration_batches, check_prune_settings, parse_nm, wanda_prune
 
     nm = parse_nm(args.nm)

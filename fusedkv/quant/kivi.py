@@ -22,6 +22,11 @@ In a FusedKV model only storage layers write a cache (`fusedkv.model.attention`)
 `cache.update` and attend over what it returns, and reconstruction layers fuse those same returned
 (dequantised) tensors, so every plan, `model.generate()` and the lean loop work unchanged.
 
+Decoding on CPU: the native decode step (`fusedkv.engine.native_step`) reads the codes, scales and residual
+in place (`fusedkv/kernels/cpu_kivi_attention.c`), so nothing is dequantised per step. It takes a cache that
+knows its `max_len` (`kivi_cache_factory` passes generate's) and preallocates it once (`KIVICache.reserve`,
+`KIVIStore`), then appends and quantises in those buffers itself, with the same arithmetic as here.
+
 Padding: KIVI's key groups are runs of G tokens and its flushes follow the token count, so a left-padded
 row must not count its padding, or its groups would straddle padding and real tokens (pad keys joining
 the per-channel min/max) and fall on other columns than the same prompt's alone. `KIVICache.set_padding`
@@ -76,17 +81,20 @@ def check_kivi_settings(bits: int, group_size: int, residual_length: int, head_d
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes < 2**bits, [..., D] -> [..., D * bits / 8]: 8 / bits codes per byte, lowest first."""
+    """uint8 codes < 2**bits, [..., D] -> [..., D * bits / 8]: 8 / bits codes per byte, the channels split into
+    8 / bits consecutive parts of D * bits / 8, byte i holding channel i of each, the first part in the lowest
+    bits (as llama.cpp's Q4_0 puts a block's first half in the low nibbles): a native kernel then reads one
+    part of the query against one bit field of contiguous bytes (`fusedkv/kernels/cpu_kivi_attention.c`)."""
     per_byte = 8 // bits
-    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(-1, dtype=torch.uint8)  # disjoint bit fields: the sum is a bitwise or
+    parts = codes.reshape(*codes.shape[:-1], per_byte, codes.shape[-1] // per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).unsqueeze(-1)
+    return (parts << shifts).sum(-2, dtype=torch.uint8)  # disjoint bit fields: the sum is a bitwise or
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of `pack_codes`."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).unsqueeze(-1)
+    codes = (packed.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
@@ -209,6 +217,58 @@ def kivi_bytes_per_token(head_dim: int, bits: int, group_size: int, meta_bytes: 
     return 2 * head_dim * (bits / 8 + 2 * meta_bytes / group_size)
 
 
+# --- preallocated storage (the native decode step) ---------------------------------------------
+
+
+class KIVIStore:
+    """One layer's (or one padded row's) KIVI tensors in buffers preallocated for `capacity` tokens, so that a
+    writer outside PyTorch (the native decode step, `fusedkv/kernels/cpu_kivi_attention.c`) appends and
+    quantises in place: key codes [B, H, Kc, D*bits/8] with scale / zero [B, H, Kc/G, D], value codes
+    [B, H, Vc, D*bits/8] with scale / zero [B, H, Vc, D/G], where Kc and Vc are the quantised counts at
+    `capacity` tokens; residuals [B, H, R, D] (keys) and [B, H, R + 1, D] (values: one pending token beyond
+    the window until the flush). What a layer holds at n tokens are views of these (`views`)."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, bits: int, group_size: int,
+                 residual_length: int, dtype: torch.dtype, device):
+        self.bits, self.group_size, self.residual_length, self.capacity = bits, group_size, residual_length, capacity
+        k_cap, v_cap = quantized_token_counts(capacity, residual_length)
+        width = head_dim * bits // 8
+
+        def zeros(*shape, dt=torch.uint8):
+            return torch.zeros(batch, heads, *shape, dtype=dt, device=device)
+
+        self.k_codes, self.v_codes = zeros(k_cap, width), zeros(v_cap, width)
+        self.k_scale, self.k_zero = (zeros(k_cap // group_size, head_dim, dt=SCALE_DTYPE) for _ in range(2))
+        self.v_scale, self.v_zero = (zeros(v_cap, head_dim // group_size, dt=SCALE_DTYPE) for _ in range(2))
+        self.k_res = zeros(residual_length, head_dim, dt=dtype)
+        self.v_res = zeros(residual_length + 1, head_dim, dt=dtype)
+
+    def views(self, n: int):
+        """(keys, values, quantized_keys, quantized_values) of a layer holding n tokens, as views."""
+        if n > self.capacity:
+            raise ValueError(f"the KIVI cache was reserved for {self.capacity} tokens; {n} do not fit")
+        qk, qv = quantized_token_counts(n, self.residual_length)
+        g = self.group_size
+        keys = QuantizedKV(self.k_codes[:, :, :qk], self.k_scale[:, :, :qk // g], self.k_zero[:, :, :qk // g],
+                           self.bits, g, "channel") if qk else None
+        values = QuantizedKV(self.v_codes[:, :, :qv], self.v_scale[:, :, :qv], self.v_zero[:, :, :qv],
+                             self.bits, g, "token") if qv else None
+        return self.k_res[:, :, :n - qk], self.v_res[:, :, :n - qv], keys, values
+
+    def load(self, layer: KIVILayer) -> None:
+        """Copy what `layer` holds (tensors of its own, after a PyTorch update) into the buffers."""
+        pairs = [(self.k_res, layer.keys), (self.v_res, layer.values)]
+        for buffers, q in (((self.k_codes, self.k_scale, self.k_zero), layer.quantized_keys),
+                           ((self.v_codes, self.v_scale, self.v_zero), layer.quantized_values)):
+            if q is not None:
+                pairs += zip(buffers, q.tensors())
+        for buffer, t in pairs:
+            if t.shape[2] > buffer.shape[2]:
+                raise ValueError(f"the KIVI cache was reserved for {self.capacity} tokens; {layer.length} do not fit")
+            if t.data_ptr() != buffer.data_ptr():  # a view of the buffer already is in place
+                buffer[:, :, :t.shape[2]].copy_(t)
+
+
 # --- the cache ----------------------------------------------------------------------------------
 
 
@@ -229,6 +289,32 @@ class KIVILayer(CacheLayerMixin):
         # column of each row's first real token.
         self.rows: list[KIVILayer] | None = None
         self.starts: list[int] | None = None
+        self.store: KIVIStore | None = None  # `reserve`: tensors live in preallocated buffers
+
+    def reserve(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device) -> None:
+        """Hold everything in buffers preallocated for `capacity` tokens (`KIVIStore`) from now on, so that the
+        native decode step writes into them in place; a padded layer reserves each row's own."""
+        if self.length:
+            raise ValueError("reserve a KIVI cache before the prompt is stored")
+        if self.rows is not None:
+            for row in self.rows:
+                row.reserve(1, heads, head_dim, capacity, dtype, device)
+            return
+        self.store = KIVIStore(batch, heads, head_dim, capacity, self.bits, self.group_size, self.residual_length,
+                               dtype, device)
+        self.dtype, self.device, self.is_initialized = dtype, device, True
+        self._view()
+
+    def _view(self) -> None:
+        self.keys, self.values, self.quantized_keys, self.quantized_values = self.store.views(self.length)
+
+    def advance(self, t: int) -> None:
+        """Count `t` tokens that the native decode step appended and flushed in the reserved buffers itself."""
+        self.length += t
+        for row in self.rows or ():
+            row.advance(t)
+        if self.store is not None:
+            self._view()
 
     def set_padding(self, starts: list[int]) -> None:
         """Rows begin with `starts[b]` padding columns (before anything is stored): from now on each row is
@@ -259,6 +345,9 @@ class KIVILayer(CacheLayerMixin):
         if self.quantized_values is not None:
             values = torch.cat([dequantize(self.quantized_values, self.dtype), values], dim=2)
         self._flush()
+        if self.store is not None:  # back into the reserved buffers (a prefill; or a step run module by module)
+            self.store.load(self)
+            self._view()
         return keys, values
 
     def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -314,6 +403,7 @@ class KIVILayer(CacheLayerMixin):
         self.length = 0
         self.is_initialized = False
         self.rows = self.starts = None
+        self.store = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
@@ -329,6 +419,9 @@ class KIVILayer(CacheLayerMixin):
             self.quantized_keys = self.quantized_keys.index_select(beam_idx)
         if self.quantized_values is not None:
             self.quantized_values = self.quantized_values.index_select(beam_idx)
+        if self.store is not None:
+            self.store.load(self)
+            self._view()
 
 
 class KIVICache(Cache):
@@ -337,8 +430,12 @@ class KIVICache(Cache):
     as `cache=` to the model, to `model.generate(past_key_values=...)`,
     or build it through `kivi_cache_factory` for `fusedkv.generation.generate`."""
 
+    quantization = "kivi"  # how the engine's selection recognises the cache (it cannot import this package)
+
     def __init__(self, config, bits: int = 4, group_size: int | None = None,
-                 residual_length: int = DEFAULT_RESIDUAL_LENGTH):
+                 residual_length: int = DEFAULT_RESIDUAL_LENGTH, max_len: int | None = None):
+        self.max_len = max_len  # tokens a generation will hold, when known: what `reserve` preallocates
+        self.num_key_value_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         if group_size is None:
             group_size = default_group_size(config.head_dim, residual_length)
         check_kivi_settings(bits, group_size, residual_length, config.head_dim)
@@ -371,6 +468,21 @@ class KIVICache(Cache):
             if isinstance(layer, KIVILayer):
                 layer.set_padding(starts.tolist())
 
+    def reserve(self, batch: int, dtype: torch.dtype, device="cpu") -> None:
+        """Preallocate every storage layer's buffers for `max_len` tokens (`KIVIStore`), before the prompt is
+        stored and after `set_padding`: the native decode step then appends and quantises in place."""
+        if self.max_len is None:
+            raise ValueError("reserving a KIVI cache needs its max_len (kivi_cache_factory passes generate's)")
+        for layer in self.layers:
+            if isinstance(layer, KIVILayer):
+                layer.reserve(batch, self.num_key_value_heads, self.head_dim, self.max_len, dtype, device)
+
+    def advance(self, t: int) -> None:
+        """Count `t` tokens the native decode step appended to every storage layer itself (as `StaticKVCache`)."""
+        for layer in self.layers:
+            if isinstance(layer, KIVILayer):
+                layer.advance(t)
+
     def reset(self) -> None:
         for layer in self.layers:
             if isinstance(layer, KIVILayer):
@@ -382,14 +494,19 @@ class KIVICache(Cache):
                 layer.reorder_cache(beam_idx)
 
     def nbytes(self) -> int:
-        """Bytes of memory actually held: every tensor's underlying storage, counted once."""
-        storages = {}
+        """Bytes of memory actually held: every tensor's underlying storage, counted once. A reserved cache
+        (`reserve`) counts the bytes of the tokens it holds, as the closed form does, not its preallocation."""
+        storages, reserved = {}, 0
         for layer in self.layers:
             if isinstance(layer, KIVILayer):
-                for t in layer.tensors():
-                    s = t.untyped_storage()
-                    storages[s.data_ptr()] = s.nbytes()
-        return sum(storages.values())
+                for row in layer.rows or [layer]:
+                    for t in row.tensors():
+                        if row.store is not None:
+                            reserved += t.numel() * t.element_size()
+                            continue
+                        s = t.untyped_storage()
+                        storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values()) + reserved
 
 
 def kivi_cache_factory(bits: int, group_size: int | None = None,
@@ -398,6 +515,6 @@ def kivi_cache_factory(bits: int, group_size: int | None = None,
     (`group_size` None: `default_group_size` of the model)."""
 
     def factory(config, batch_size=None, max_len=None, dtype=None, device=None):
-        return KIVICache(config, bits, group_size, residual_length)
+        return KIVICache(config, bits, group_size, residual_length, max_len)
 
     return factory

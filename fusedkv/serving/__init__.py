@@ -9,7 +9,9 @@ vLLM lives in its own environment (it pins an older transformers than the projec
     layer is a vLLM `Attention` with `kv_sharing_target_layer_name`, so it is given no blocks.
   * `paged`: attention of reconstruction layers that read two layers' paged caches (Lite, FusedKV,
     custom source maps): vLLM's own CPU attention op for one K source, the native block-table kernel
-    (`fusedkv/kernels/cpu_paged_attention.c`) for two, both over the blocks in place.
+    (`fusedkv/kernels/cpu_paged_attention.c`) for two, both over the blocks in place; the paged Triton
+    kernel on GPU backends. Each layer's path is chosen once, by the engine's selection, when the
+    model loads its weights (`paged.select_paths`).
   * `command`: `fusedkv serve`, run from the project's environment; it checks the checkpoint and starts
     vLLM's OpenAI-compatible server with the vLLM environment's Python.
   * `preflight`: what `fusedkv serve` refuses before vLLM starts (head/block sizes, address, options).

@@ -1,7 +1,7 @@
 """`fusedkv serve CHECKPOINT`: vLLM's OpenAI-compatible server for a FusedKV checkpoint.
 
 Runs from the project's environment. The checkpoint is checked here first, with the same messages as
-`fusedkv generate` (`fusedkv.checkpoints.check_checkpoint_dir`, the config's own validation), so a
+`fusedkv generate` (`fusedkv.model_dirs.check_checkpoint_dir`, the config's own validation), so a
 bad checkpoint fails in a second instead of after vLLM's start-up. The server itself runs with the
 vLLM environment's Python (vLLM pins its own transformers; `scripts/install-vllm.sh` makes that
 environment and installs fusedkv into it, which registers the plugin), found in this order:
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from .. import argtypes
+from ..data.tokenizer import DEFAULT_CHAT_TEMPLATE
 from ..errors import UsageError
 from . import preflight
 from .supervisor import Server
@@ -85,8 +86,8 @@ def register(sub) -> None:
 
 def check_servable_checkpoint(checkpoint: str):
     """The checks `fusedkv generate` makes, plus what the plugin cannot serve; returns the config."""
-    from ..checkpoints import check_checkpoint_dir
     from ..config import FusedKVConfig
+    from ..model_dirs import check_checkpoint_dir
     from .plugin import check_servable
 
     path = Path(checkpoint)
@@ -207,8 +208,11 @@ def run(args) -> int:
     chat_template = None
     if not preflight.has_chat_template(Path(args.checkpoint)) and not preflight.has_option(vllm_args,
                                                                                            "--chat-template"):
-        chat_template = preflight.DEFAULT_CHAT_TEMPLATE
+        chat_template = DEFAULT_CHAT_TEMPLATE
     args.vllm_args = vllm_args
+    # vLLM's default max_model_len multiplies max_position_embeddings by a linear / dynamic RoPE factor; the
+    # model (like transformers' with its fixed-base frequencies) ends at max_position_embeddings.
+    args.max_model_len = args.max_model_len or config.max_position_embeddings
     cmd = server_command(args, python, dtype, chat_template)
 
     plan = config.plan

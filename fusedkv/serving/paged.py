@@ -11,7 +11,9 @@ Nothing fused is ever written; the factored identity (paper Sec. 3.3) moves the 
 
     q . (sum_s a_s (.) k_s) = sum_s (a_s (.) q) . k_s        P (sum_s b_s (.) V_s) = sum_s b_s (.) (P V_s)
 
-Two ways to evaluate it, chosen once per layer from its plan entry:
+The ways to evaluate it, chosen once per layer by the engine's selection
+(`fusedkv.engine.selection.select_paged_attention`), which serving's weight loading asks through
+`select_paths`; nothing re-checks per call:
 
   * one K source (YOCO-like reuse with another V, Lite, single-source scaling, reversed maps): vLLM's
     own CPU attention op, called with the K source's key cache and each V source's value cache (the op
@@ -107,19 +109,15 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Te
 
 
 # ---- CPU: the native kernel over the blocks in place --------------------------------------------------
-NATIVE_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # fusedkv.kernels.cpu_attention.KINDS, those it reads
-
-
 def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int):
     """For each query token of a vLLM batch: its request (block-table row) and how many keys it sees
-    (a prefill chunk's token i of t, in a sequence of s, sees s - t + i + 1). None if the batch's
-    query lengths do not add up to `num_tokens`."""
+    (a prefill chunk's token i of t, in a sequence of s, sees s - t + i + 1)."""
     num_reqs = query_start_loc.shape[0] - 1
     starts = query_start_loc.to(torch.long)
     q_lens = starts[1:] - starts[:-1]
     row_seq = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
     if row_seq.numel() != num_tokens:
-        return None
+        raise ValueError(f"the batch's query lengths add up to {row_seq.numel()} tokens, not {num_tokens}")
     pos = torch.arange(num_tokens) - starts[:-1][row_seq]
     row_len = seq_lens[:num_reqs].to(torch.long)[row_seq] - q_lens[row_seq] + pos + 1
     return row_seq.to(torch.int32).contiguous(), row_len.to(torch.int32).contiguous()
@@ -127,19 +125,21 @@ def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens
 
 def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: list, values: list[torch.Tensor],
                            v_weights: list, rows, block_table: torch.Tensor, scale: float, key_transposed: bool,
-                           out: torch.Tensor) -> bool:
+                           out: torch.Tensor) -> torch.Tensor:
     """`cpu_paged_attention.c` over vLLM's CPU caches in place: q [T, H_q, D], caches [num_blocks, H_kv, bs, D]
-    (the backend's split views), `rows` from `query_rows`; writes `out` [T, H_q, D]. False (nothing
-    written) where the kernel does not apply: no native build, a dtype or stride it does not read."""
+    (the backend's split views), `rows` from `query_rows`; writes and returns `out` [T, H_q, D]. For layers
+    the engine's selection gave this kernel (`native.paged_supports`, a readable block layout); arguments it
+    cannot read are a ValueError (the kernel reads raw pointers), never a quiet fallback."""
     from ..kernels import native
 
-    kind = NATIVE_KINDS.get(keys[0].dtype)
+    kind = native.PAGED_KINDS.get(keys[0].dtype)
     sources = [*keys, *values]
-    if (kind is None or rows is None or not native.available() or len(keys) > 2 or len(values) > 2
+    if (kind is None or len(keys) > native.PAGED_MAX_SOURCES or len(values) > native.PAGED_MAX_SOURCES
             or any(c.dtype != keys[0].dtype or c.stride() != keys[0].stride() for c in sources)
             or keys[0].stride(3) != 1 or keys[0].stride(2) != keys[0].shape[3]
             or block_table.dtype != torch.int32 or block_table.stride(1) != 1):
-        return False
+        raise ValueError("native paged attention: caches of one dtype it reads (float32, bfloat16) and one "
+                         "layout, 1-2 sources per side, an int32 block table with unit stride")
     t, h_q, d = q.shape
     h_kv, bs = keys[0].shape[1], keys[0].shape[2]
 
@@ -151,7 +151,7 @@ def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights:
     kw, ka0, ka1 = weights(k_weights)
     vw, vb0, vb1 = weights(v_weights)
     if any(w is not None and w.numel() != h_kv * d for w in kw + vw):
-        return False
+        raise ValueError("native paged attention takes per-channel fusion weights [H_kv, D]")
     qf = q.to(torch.float32).contiguous()
     of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(t, h_q, d)
     row_seq, row_len = rows
@@ -166,7 +166,7 @@ def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights:
                            f"{'bad argument' if status == 1 else 'out of memory'})")
     if of is not out:
         out.copy_(of)
-    return True
+    return out
 
 
 # ---- GPU backends: caches [num_blocks, block_size, H_kv, D] --------------------------------------------
@@ -188,39 +188,30 @@ def gather_paged(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache[blocks.reshape(-1)].reshape(r, n * bs, h, d).transpose(1, 2)
 
 
-def paged_kernel_fits(head_dim: int, num_k_sources: int, num_v_sources: int, device: torch.device,
-                      dtype: torch.dtype) -> bool:
-    """Decode rows of this layer can run in the paged Triton kernel (decided once per layer)."""
-    from ..kernels import triton_decode_fits, triton_runs_on
-
-    return triton_decode_fits(head_dim, num_k_sources, num_v_sources) and triton_runs_on(device, dtype)
-
-
 def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor], k_weights: list,
                                 value_caches: list[torch.Tensor], v_weights: list, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, *,
                                 out: torch.Tensor | None = None, max_query_len: int | None = None,
-                                max_seq_len: int | None = None, use_kernel: bool | None = None) -> torch.Tensor:
+                                max_seq_len: int | None = None, use_kernel: bool) -> torch.Tensor:
     """Attention of one vLLM batch over fused paged sources (paper Sec. 3.3), nothing fused written.
 
     q: [T, H_q, D], the batch's query tokens, request r owning rows query_start_loc[r] : query_start_loc[r+1];
     its keys are the first seq_lens[r] tokens of its blocks (block_table[r]) in every cache
     ([num_blocks, block_size, H_kv, D]); weights per source [H_kv, D] or None. Decode rows (one query token)
-    run batched, in the paged Triton kernel when `use_kernel` (None: decided here from the tensors), else
-    gathered into `factored_attention`; longer rows (prefill, chunked prefill) are gathered per request and
-    run with the causal mask. A batch of decode rows only (`max_query_len` 1) is one kernel launch that
-    reads no device value (CUDA-graph safe); mixed batches read the row lengths on the host.
+    run batched, in the paged Triton kernel when `use_kernel` (the engine's choice for the layer:
+    `select_paged_attention`), else gathered into `factored_attention`; longer rows (prefill, chunked
+    prefill) are gathered per request and run with the causal mask. A batch of decode rows only
+    (`max_query_len` 1) is one kernel launch that reads no device value (CUDA-graph safe); mixed batches
+    read the row lengths on the host.
     Returns `out` (a new [T, H_q, D] tensor in q's dtype if None); rows of no request are left untouched."""
     ks, kw = merge_duplicate_sources(list(key_caches), list(k_weights))
     vs, vw = merge_duplicate_sources(list(value_caches), list(v_weights))
     kw = [None if w is None else w.contiguous() for w in kw]
     vw = [None if w is None else w.contiguous() for w in vw]
-    block_size, d = ks[0].shape[1], ks[0].shape[3]
+    block_size = ks[0].shape[1]
     num_reqs = query_start_loc.shape[0] - 1
     if out is None:
         out = torch.empty_like(q)
-    if use_kernel is None:
-        use_kernel = paged_kernel_fits(d, len(ks), len(vs), q.device, ks[0].dtype) and q.dtype == ks[0].dtype
     if use_kernel:
         from ..kernels.triton_paged_decode import paged_decode_step  # lazy: imports triton
 
@@ -268,7 +259,8 @@ class CrossLayerAttention:
     """Stands in for a reconstruction layer's backend `impl` (see the module docstring).
 
     `k_layers` / `v_layers`: attention-layer names of the sources; `weights()` returns the current
-    per-source fusion weights ([H_kv, D] tensors or None), K then V lists."""
+    per-source fusion weights ([H_kv, D] tensors or None), K then V lists. How it attends is given once,
+    by `use` (from `select_paths`, at weight loading); before that it refuses to run."""
 
     def __init__(self, base_impl, k_layers: list[str], v_layers: list[str], weights):
         # The backend is recognised by class name: each backend module imports only on its own platform build.
@@ -284,27 +276,34 @@ class CrossLayerAttention:
             raise NotImplementedError(
                 f"kv_cache_dtype={base_impl.kv_cache_dtype!r}: FusedKV reconstruction layers read unquantised caches; "
                 "serve with the default --kv-cache-dtype auto")
+        if self.on_gpu and (base_impl.alibi_slopes is not None or tuple(base_impl.sliding_window) != (-1, -1)
+                            or base_impl.logits_soft_cap or getattr(base_impl, "sinks", None) is not None):
+            raise NotImplementedError("FusedKV reconstruction layers on GPU take plain causal attention "
+                                      "(no ALiBi, sliding window, soft cap or sinks)")
         self.base = base_impl
         self.k_layers, self.v_layers = list(k_layers), list(v_layers)
         self.weights = weights
-        self.gathered = len(self.k_layers) > 1
-        if self.on_gpu:
-            if (base_impl.alibi_slopes is not None or tuple(base_impl.sliding_window) != (-1, -1)
-                    or base_impl.logits_soft_cap or getattr(base_impl, "sinks", None) is not None):
-                raise NotImplementedError("FusedKV reconstruction layers on GPU take plain causal attention "
-                                          "(no ALiBi, sliding window, soft cap or sinks)")
-            from ..kernels import is_triton_available, triton_decode_fits
-
-            # Decode rows in the paged Triton kernel when it takes this layer (dtype is checked per call:
-            # the cache dtype is known only once vLLM has allocated the caches).
-            self.kernel_fits = is_triton_available() and triton_decode_fits(
-                base_impl.head_size, len(set(self.k_layers)), len(set(self.v_layers)))
+        self.path: str | None = None  # one of fusedkv.engine.selection.PAGED_PATHS, once selected
+        self.layout: tuple = (None, None)  # the CPU backend's key / value block layouts (`block_layout`)
+        self._attend = self._unselected
 
     def __getattr__(self, name):  # backend attributes the runner reads (sliding_window, scale, ...)
         return getattr(self.base, name)
 
     def process_weights_after_loading(self, act_dtype):
         self.base.process_weights_after_loading(act_dtype)
+
+    def use(self, path: str, layout: tuple = (None, None)) -> None:
+        """Attend by `path` from now on (the engine's choice); `layout`: the CPU cache's block layouts."""
+        self.path, self.layout = path, layout
+        if self.on_gpu:  # both GPU paths share the batch handling: decode rows in the kernel or gathered
+            self._attend = functools.partial(self._on_gpu, use_kernel=path == "triton")
+        else:
+            self._attend = {"vllm_op": self._with_cpu_op, "native": self._native, "gathered": self._gathered}[path]
+
+    def _unselected(self, *args):
+        raise RuntimeError("this FusedKV reconstruction layer has no attention path: serving's weight loading "
+                           "selects one (fusedkv.serving.paged.select_paths)")
 
     # ---- the impl interface ---------------------------------------------------------------------
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -315,45 +314,37 @@ class CrossLayerAttention:
             return output
         from vllm.forward_context import get_forward_context
 
-        layers = get_forward_context().no_compile_layers
-        if self.on_gpu:
-            return self._on_gpu(layers, query, attn_metadata, output)
-        keys = [split_cpu_kv_cache(layers[n].kv_cache)[0] for n in self.k_layers]
-        values = [split_cpu_kv_cache(layers[n].kv_cache)[1] for n in self.v_layers]
-        k_weights, v_weights = self.weights()
         t = attn_metadata.num_actual_tokens
-        q, out = query[:t], output[:t]
-        if self.gathered:
-            if not self._native(layer, q, keys, k_weights, values, v_weights, attn_metadata, out):
-                self._gathered(layer, q, keys, k_weights, values, v_weights, attn_metadata, out)
-        else:
-            self._with_cpu_op(layer, q, keys[0], k_weights[0], values, v_weights, attn_metadata, out)
+        self._attend(layer, get_forward_context().no_compile_layers, query[:t], attn_metadata, output[:t])
         return output
 
+    def _cpu_sources(self, layers):
+        keys = [split_cpu_kv_cache(layers[n].kv_cache)[0] for n in self.k_layers]
+        values = [split_cpu_kv_cache(layers[n].kv_cache)[1] for n in self.v_layers]
+        return keys, values, *self.weights()
+
     # ---- GPU backends: the paged kernel for decode rows, gathered prefill --------------------------
-    def _on_gpu(self, layers, query, meta, output):
+    def _on_gpu(self, layer, layers, q, meta, out, use_kernel: bool):
         # One split per layer: a layer listed twice gives the same tensors, which the kernel merges.
         split = {n: split_gpu_kv_cache(layers[n].kv_cache, self.base.head_size)
                  for n in dict.fromkeys(self.k_layers + self.v_layers)}
         keys = [split[n][0] for n in self.k_layers]
         values = [split[n][1] for n in self.v_layers]
         k_weights, v_weights = self.weights()
-        t = meta.num_actual_tokens
         # Under CUDA-graph capture the split sizes must not depend on this step's lengths (replays get
         # longer sequences): the kernel then sizes them from the block table's width.
-        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-        use_kernel = self.kernel_fits and query.dtype == keys[0].dtype and query.dtype in (
-            torch.float32, torch.float16, torch.bfloat16)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         paged_cross_layer_attention(
-            query[:t], keys, k_weights, values, v_weights, meta.query_start_loc, meta.seq_lens, meta.block_table,
-            self.base.scale, out=output[:t], max_query_len=meta.max_query_len,
+            q, keys, k_weights, values, v_weights, meta.query_start_loc, meta.seq_lens, meta.block_table,
+            self.base.scale, out=out, max_query_len=meta.max_query_len,
             max_seq_len=None if capturing else meta.max_seq_len, use_kernel=use_kernel)
-        return output
 
     # ---- one K source: vLLM's op, once per V source ---------------------------------------------
-    def _with_cpu_op(self, layer, q, key_cache, k_weight, values, v_weights, meta, out):
+    def _with_cpu_op(self, layer, layers, q, meta, out):
         from vllm import _custom_ops as ops
 
+        keys, values, k_weights, v_weights = self._cpu_sources(layers)
+        key_cache, k_weight = keys[0], k_weights[0]
         h_kv = key_cache.shape[1]
         if k_weight is not None:  # key fusion on the query: (a (.) q) . k
             t, h, d = q.shape
@@ -379,22 +370,22 @@ class CrossLayerAttention:
                 out.add_(target)
 
     # ---- several K sources: the native kernel over the blocks in place -----------------------------
-    def _native(self, layer, q, keys, k_weights, values, v_weights, meta, out) -> bool:
-        key_layout, value_layout = block_layout(layer.isa, keys[0].dtype, keys[0].shape[2], keys[0].shape[3])
-        if value_layout is not None or key_layout not in (None, TRANSPOSED):
-            return False  # a layout the kernel does not read (AMX's packed bf16 blocks): gathered
-        rows = query_rows(meta.query_start_loc, meta.seq_lens, q.shape[0])
-        return native_paged_attention(q, keys, k_weights, values, v_weights, rows, meta.block_table,
-                                      self.base.scale, key_layout == TRANSPOSED, out)
+    def _native(self, layer, layers, q, meta, out):
+        keys, values, k_weights, v_weights = self._cpu_sources(layers)
+        native_paged_attention(q, keys, k_weights, values, v_weights, query_rows(meta.query_start_loc, meta.seq_lens,
+                                                                                  q.shape[0]),
+                               meta.block_table, self.base.scale, self.layout[0] == TRANSPOSED, out)
 
     # ---- fallback: gather each sequence's blocks, factored attention -----------------------------
-    def _gathered(self, layer, q, keys, k_weights, values, v_weights, meta, out):
-        block_size, head_dim = keys[0].shape[2], keys[0].shape[3]
-        key_layout, value_layout = block_layout(layer.isa, keys[0].dtype, block_size, head_dim)
+    def _gathered(self, layer, layers, q, meta, out):
+        keys, values, k_weights, v_weights = self._cpu_sources(layers)
+        block_size = keys[0].shape[2]
+        key_layout, value_layout = self.layout
         starts = meta.query_start_loc.tolist()
         num_reqs = len(starts) - 1
         seq_lens = meta.seq_lens[:num_reqs].tolist()
         decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
+        window = self.base.sliding_window or -1  # the CPU backend's -1: no window
         if decodes:
             # One-token steps, batched: pad to the longest sequence and mask the tail.
             rows = torch.tensor(decodes)
@@ -403,7 +394,10 @@ class CrossLayerAttention:
             blocks = meta.block_table[rows, :n_blocks]
             k_src = [gather_blocks(c, blocks, key_layout) for c in keys]
             v_src = [gather_blocks(c, blocks, value_layout) for c in values]
-            mask = torch.arange(n_blocks * block_size)[None, :] < lens[:, None]  # [R, S]
+            key_pos = torch.arange(n_blocks * block_size)[None, :]
+            mask = key_pos < lens[:, None]  # [R, S]
+            if window > 0:  # a window layer's query at position s - 1 sees keys s - W .. s - 1
+                mask &= key_pos >= lens[:, None] - window
             token_rows = torch.tensor([starts[r] for r in decodes])
             o = factored_attention(q[token_rows].unsqueeze(2), k_src, k_weights, v_src, v_weights,  # [R, H, 1, D]
                                    mask=mask[:, None, None, :], scale=self.base.scale)
@@ -417,7 +411,38 @@ class CrossLayerAttention:
             k_src = [gather_blocks(c, blocks, key_layout)[:, :, :s] for c in keys]
             v_src = [gather_blocks(c, blocks, value_layout)[:, :, :s] for c in values]
             # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i.
-            mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+            q_pos, key_pos = torch.arange(s - t, s)[:, None], torch.arange(s)[None, :]
+            mask = key_pos <= q_pos
+            if window > 0:
+                mask &= q_pos - key_pos < window
             qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
             o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask, scale=self.base.scale)
             out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def cpu_cache_layout(model_dtype: torch.dtype, cache_dtype: torch.dtype, kv_cache_dtype: str, block_size: int,
+                     head_dim: int) -> tuple:
+    """The CPU backend's key and value block layouts for these caches, from the ISA its metadata builder will
+    pick (the same vLLM function, on the same configuration)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return block_layout(_get_attn_isa(model_dtype, block_size, head_dim, kv_cache_dtype), cache_dtype, block_size,
+                        head_dim)
+
+
+def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, device: torch.device,
+                 block_size: int) -> None:
+    """Give each reconstruction layer its attention path, once, from the engine's selection (serving's
+    weight loading calls this: the model's dtype, device and the cache's block size are known then)."""
+    from ..engine.selection import select_paged_attention
+
+    for impl in layers:
+        dtype = model_dtype if impl.kv_cache_dtype == "auto" else getattr(torch, impl.kv_cache_dtype)
+        layout = (None, None)
+        if not impl.on_gpu and len(impl.k_layers) > 1:
+            layout = cpu_cache_layout(model_dtype, dtype, impl.kv_cache_dtype, block_size, impl.head_size)
+        path = select_paged_attention(impl.k_layers, impl.v_layers, gpu=impl.on_gpu, head_dim=impl.head_size,
+                                      device=device, dtype=dtype, query_dtype=model_dtype,
+                                      native_layout=layout[1] is None and layout[0] in (None, TRANSPOSED),
+                                      window=impl.base.sliding_window not in (None, -1))
+        impl.use(path, layout)

@@ -21,15 +21,23 @@ def serving_config_class():
     config by assigning `config.rope_theta`, which is a read-only view of `rope_parameters` in the
     project's config."""
     from ..config import FusedKVConfig
+    from ..plan import FULL
 
     class FusedKVServingConfig(FusedKVConfig):
         @property
         def rope_theta(self) -> float:
-            return float(self.rope_parameters["rope_theta"])
+            try:
+                return FusedKVConfig.rope_theta.fget(self)  # the full-attention layers' base with a RoPE per type
+            except (KeyError, TypeError):
+                raise AttributeError("rope_theta") from None  # not set yet: transformers then takes its default
 
         @rope_theta.setter
         def rope_theta(self, value: float) -> None:
-            self.rope_parameters = {**self.rope_parameters, "rope_theta": float(value)}
+            params = self.rope_parameters
+            if FULL in params:  # one RoPE per attention type (Gemma 3): the base vLLM reads is the global one
+                self.rope_parameters = {**params, FULL: {**params[FULL], "rope_theta": float(value)}}
+            else:
+                self.rope_parameters = {**params, "rope_theta": float(value)}
 
     FusedKVServingConfig.__name__ = FusedKVServingConfig.__qualname__ = "FusedKVServingConfig"
     return FusedKVServingConfig
@@ -37,24 +45,15 @@ def serving_config_class():
 
 def check_servable(config) -> None:
     """Raise ValueError naming what the vLLM plugin cannot serve yet (the HF model can)."""
-    if getattr(config, "num_experts", 0):
-        raise ValueError("num_experts > 0: mixture-of-experts FusedKV models are not served by the vLLM plugin yet "
-                         "(its model has no MoE MLP: vLLM's FusedMoE layer and the expert weight mapping are not "
-                         "wired in); use `fusedkv generate`")
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError("kv_lora_rank is set: latent-attention (MLA) FusedKV models are not served by the vLLM "
-                         "plugin yet (vLLM's CPU build has MLA attention, CPU_MLA/AMX_MLA, but the plugin has no MLA "
-                         "layers and no cross-layer reads of a latent cache); use `fusedkv generate`")
-    if "sliding_attention" in config.layer_types:
-        raise ValueError("layer_types: sliding-window layers are not served by the vLLM plugin yet (its layers "
-                         "take no per-layer window and reconstruction layers do not read window caches); use "
+    if getattr(config, "kv_lora_rank", None) is not None and config.rope_parameters.get("rope_type") == "dynamic":
+        raise ValueError("rope_type='dynamic': MLA layers served by the vLLM plugin take fixed RoPE tables (vllm_mla "
+                         "builds the model's own); use `fusedkv generate`")
+    if getattr(config, "attn_logit_softcapping", None) and any(
+            not layer.stores and len(set(layer.k_sources)) > 1 for layer in config.plan.layers):
+        raise ValueError("attn_logit_softcapping with reconstruction layers that fuse two or more K sources "
+                         f"(kv_sharing={config.kv_sharing!r}) is not served by the vLLM plugin: its paged cross-layer "
+                         "attention has no soft-capping (vanilla, CLA, YOCO and fusedkv-lite are served); use "
                          "`fusedkv generate`")
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r}: the FusedKV model uses SwiGLU (silu)")
-    features = getattr(config, "extra_block_features", list)()  # imported families (fusedkv convert)
-    if features:
-        raise ValueError(f"{', '.join(features)}: models with these fields (imported Llama / Mistral / Qwen2 / "
-                         "Gemma blocks) are not served by the vLLM plugin yet")
 
 
 _registered = False

@@ -14,7 +14,8 @@ a second, each failure one line and exit 2 (`fusedkv.errors`):
     disagree with fusedkv's), and the combinations the plugin refuses at load time are refused now;
   * the dtype: `auto` is the checkpoint's own dtype, so greedy output equals transformers' by default;
     serving below the checkpoint's precision is said in one warning line;
-  * the chat template: the checkpoint's, else `DEFAULT_CHAT_TEMPLATE` (documented in docs/serving.md).
+  * the chat template: the checkpoint's (`fusedkv train` saves one, `fusedkv convert` keeps the source's), else
+    `fusedkv.data.tokenizer.DEFAULT_CHAT_TEMPLATE` (documented in docs/serving.md).
 """
 
 from __future__ import annotations
@@ -34,12 +35,6 @@ CPU_BLOCK_MULTIPLE = 32
 # Precision order of the dtypes vLLM serves: a lower rank loses mantissa bits.
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 
-# Used when a checkpoint has no chat template (models trained by `fusedkv train` have none): a plain
-# transcript, "Role: text" paragraphs, ending in "Assistant:" for the model to continue.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n\n"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 
 # vLLM options that `fusedkv serve` sets from its own flags (vLLM name -> fusedkv flag).
 OWN_OPTIONS = {
@@ -100,6 +95,9 @@ def check_vllm_args(vllm_args: list[str], config, enforce_eager: bool, cpu_build
     if cache_dtype not in (None, "auto", "float32", "bfloat16", "float16") and reads_other_layers(config):
         raise UsageError(f"--kv-cache-dtype {cache_dtype}: FusedKV reconstruction layers read unquantised caches; "
                          "serve with the default (auto)")
+    if cache_dtype not in (None, "auto", "float32", "bfloat16", "float16") and getattr(config, "kv_lora_rank", None):
+        raise UsageError(f"--kv-cache-dtype {cache_dtype}: the plugin's latent-attention (MLA) layers keep their "
+                         "latents unquantised; serve with the default (auto)")
     if cpu_build and cache_dtype is not None and cache_dtype.startswith("fp8") and config.head_dim % 32:
         raise UsageError(f"--kv-cache-dtype {cache_dtype}: vLLM's CPU backend needs head_dim divisible by 32")
 
@@ -113,7 +111,7 @@ def reads_other_layers(config) -> bool:
 
 def check_cpu_backend(config, block_size: int | None) -> None:
     """Head and block sizes vLLM's CPU attention runs; it accepts others at start-up and fails later."""
-    if config.head_dim not in CPU_HEAD_SIZES:
+    if config.head_dim not in CPU_HEAD_SIZES and getattr(config, "kv_lora_rank", None) is None:  # MLA: vllm_mla
         raise UsageError(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes "
                          f"{', '.join(map(str, CPU_HEAD_SIZES))} only (it would fail at the first request); "
                          "serve this model with `fusedkv generate`, or train one with such a head_dim")

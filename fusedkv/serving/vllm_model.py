@@ -1,7 +1,14 @@
 """The FusedKV decoder written with vLLM's layers, loading checkpoints saved by `save_pretrained`.
 
-Same architecture as `fusedkv.model` (Qwen3 blocks: QK-norm, rotate-half RoPE, SwiGLU), with every
-layer following the plan (`config.plan`, paper Sec. 3.2):
+Same architecture as `fusedkv.model`: the Qwen3 block and every feature of the imported dense families
+(`fusedkv convert`: Llama, Mistral, Qwen2, Gemma 2/3), each decided once from the config's fields:
+Q/K/V and MLP biases, QK-norm or none, Gemma's RMSNorm (1 + w) and its post-norms, embedding scaling,
+the gated MLP with the config's `hidden_act` (transformers' own function), `query_pre_attn_scalar`,
+attention and final logit soft-capping (vLLM's attention and logits processor apply them), sliding-window
+layers (vLLM's per-layer window) and RoPE of every scaling type with a base per attention type. RoPE
+tables come from the model's own `rope_inv_freq` / `rope_tables` and are applied with its `apply_rope`,
+so a scaled RoPE rotates exactly as in transformers. Every layer follows the plan (`config.plan`, paper
+Sec. 3.2):
 
   * a storage layer projects Q/K/V and is a plain vLLM `Attention`: it writes its cache blocks;
   * a reconstruction layer projects only Q. Its `Attention` names its first K source as
@@ -17,22 +24,24 @@ two-source weights and served like FusedKV.
 
 Imports from the project only what runs under vLLM's transformers (where the project's HF model does
 not): `fusedkv.config`, `fusedkv.plan`, the fusion module `fusedkv.model.fusion.KVFusion` (the same
-parameters and expansion as the transformers model's, so checkpoints load by name) and the reference
-kernels.
+parameters and expansion as the transformers model's, so checkpoints load by name), the RoPE functions
+of `fusedkv.model.layers` and the reference kernels.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationMode, VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -40,15 +49,18 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
+from ..config import rope_parameters_by_type
 from ..model.fusion import KVFusion
-from ..plan import LayerKV
-from .paged import CrossLayerAttention
+from ..model.layers import apply_rope, rope_inv_freq, rope_tables
+from ..plan import SLIDING, LayerKV
+from .paged import CrossLayerAttention, select_paths
 from .plugin import check_servable
+from .vllm_mla import make_mla
+from .vllm_moe import make_moe_mlp
 
 
 def check_backend_runs(config) -> None:
@@ -56,7 +68,7 @@ def check_backend_runs(config) -> None:
     request (for users of `vllm serve`; `fusedkv serve` checks before starting vLLM)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() and config.kv_lora_rank is None:  # MLA caches use vllm_mla's own head size
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         sizes = CPUAttentionBackend.get_supported_head_sizes()
@@ -68,6 +80,42 @@ def attention_layer_name(prefix: str, index: int) -> str:
     return f"{prefix}.layers.{index}.self_attn.attn"
 
 
+def make_norm(config, dim: int) -> nn.Module:
+    """RMSNorm, or Gemma's x / rms(x) * (1 + w) (`rms_norm_unit_offset`): vLLM's layers, residual add fused."""
+    return (GemmaRMSNorm if config.rms_norm_unit_offset else RMSNorm)(dim, eps=config.rms_norm_eps)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_cache(inv_freq: tuple[float, ...], scaling: float, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [max_positions, D] of the model's `rope_tables`, shared by every layer with this RoPE
+    (like vLLM's own rotary cache)."""
+    positions = torch.arange(max_positions, device=device)[None]
+    cos, sin = rope_tables(positions, torch.tensor(inv_freq, dtype=torch.float64), dtype, scaling)
+    return cos[0, 0], sin[0, 0]
+
+
+class Rotary(nn.Module):
+    """The model's RoPE for one attention type (`fusedkv.model.layers`: `rope_inv_freq` with transformers'
+    scaling functions, `rope_tables`, `apply_rope`), tables precomputed up to max_position_embeddings.
+    Dynamic NTK equals the unscaled RoPE up to there, which is as far as the server goes
+    (`FusedKVModel` refuses a longer max_model_len)."""
+
+    def __init__(self, config, layer_type: str):
+        super().__init__()
+        by_type = rope_parameters_by_type(config)
+        inv_freq, scaling = rope_inv_freq(config, layer_type if layer_type in by_type else None)
+        self.cos, self.sin = _rope_cache(tuple(inv_freq.tolist()), scaling, config.max_position_embeddings,
+                                         torch.get_default_dtype(), torch.empty(0).device)
+        self.head_dim = config.head_dim
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each x: [T, H * D] -> rotated, the same shape (the tables are looked up once for all)."""
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
+        return tuple(apply_rope(x.view(x.shape[0], -1, self.head_dim), cos.to(x.dtype), sin.to(x.dtype)).view(x.shape)
+                     for x in xs)
+
+
 class FusedKVAttention(nn.Module):
     def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
         super().__init__()
@@ -76,10 +124,14 @@ class FusedKVAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.attention_bias
+        o_bias = bias if config.attention_output_bias is None else config.attention_output_bias
+        # QK-norm (Qwen3, Gemma 3) or none (Llama, Mistral, Qwen2, Gemma 2).
+        self.qk_norm = config.use_qk_norm
         if layer.stores:
             self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
                                               bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            if self.qk_norm:
+                self.k_norm = make_norm(config, self.head_dim)
         else:
             self.q_proj = ColumnParallelLinear(config.hidden_size, self.q_size, bias=bias, quant_config=quant_config,
                                                prefix=f"{prefix}.q_proj")
@@ -87,14 +139,19 @@ class FusedKVAttention(nn.Module):
             # attention reads are expanded from it once after loading (`served`).
             self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
             self.served: tuple[list, list] = ([None] * len(layer.k_sources), [None] * len(layer.v_sources))
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=bias, quant_config=quant_config,
+        if self.qk_norm:
+            self.q_norm = make_norm(config, self.head_dim)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias, quant_config=quant_config,
                                         prefix=f"{prefix}.o_proj")
-        self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
-                                   rope_parameters=config.rope_parameters, is_neox_style=True)
+        self.rotary = Rotary(config, layer.attention_type)
         target = None if layer.stores else attention_layer_name(model_prefix, layer.k_sources[0])
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+        # Gemma scales scores by query_pre_attn_scalar^-1/2; Gemma 2 soft-caps them; window layers see the
+        # last `sliding_window` positions (p - W < k <= p, vLLM's convention as the model's).
+        scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        window = config.sliding_window if layer.attention_type == SLIDING else None
+        self.attn = Attention(self.num_heads, self.head_dim, scale, num_kv_heads=self.num_kv_heads,
                               cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+                              logits_soft_cap=config.attn_logit_softcapping, per_layer_sliding_window=window,
                               kv_sharing_target_layer_name=target)
         # Plain reuse of one layer's K and V is vLLM's own KV sharing; anything else reads the sources.
         plain_reuse = layer.k_sources == layer.v_sources and len(layer.k_sources) == 1 and (
@@ -104,7 +161,7 @@ class FusedKVAttention(nn.Module):
                 self.attn.impl, [attention_layer_name(model_prefix, s) for s in layer.k_sources],
                 [attention_layer_name(model_prefix, s) for s in layer.v_sources], lambda: self.served)
 
-    def _heads_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    def _heads_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         by_head = x.view(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)
         return norm(by_head).view(x.shape)
 
@@ -112,24 +169,46 @@ class FusedKVAttention(nn.Module):
         if self.layer.stores:
             qkv, _ = self.qkv_proj(hidden_states)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.rotary_emb(positions, self._heads_norm(q, self.q_norm), self._heads_norm(k, self.k_norm))
+            if self.qk_norm:
+                q, k = self._heads_norm(q, self.q_norm), self._heads_norm(k, self.k_norm)
+            q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v)
         else:
             q, _ = self.q_proj(hidden_states)
-            q, _ = self.rotary_emb(positions, self._heads_norm(q, self.q_norm), None)
+            if self.qk_norm:
+                q = self._heads_norm(q, self.q_norm)
+            (q,) = self.rotary(positions, q)
             out = self.attn(q, None, None)
         out, _ = self.o_proj(out)
         return out
 
 
+def make_attention(config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str) -> nn.Module:
+    """The attention module of one decoder layer: `forward(positions, hidden_states) -> hidden_states`.
+    The one place that chooses it: latent attention (MLA, `vllm_mla`) or the multi-head kind."""
+    return make_mla(config, layer, cache_config, model_prefix, prefix) or FusedKVAttention(
+        config, layer, cache_config, quant_config, model_prefix, prefix)
+
+
+def make_mlp(config, layer: LayerKV, quant_config, prefix: str) -> nn.Module:
+    """The MLP of one decoder layer: `forward(hidden_states) -> hidden_states`. The one place that chooses
+    it: a mixture of experts (`vllm_moe`) or the gated MLP."""
+    return make_moe_mlp(config, layer.index, prefix) or GatedMLP(
+        config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, quant_config, prefix)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
         super().__init__()
-        self.self_attn = FusedKVAttention(config, layer, cache_config, quant_config, model_prefix,
-                                          f"{prefix}.self_attn")
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, quant_config, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = make_attention(config, layer, cache_config, quant_config, model_prefix, f"{prefix}.self_attn")
+        self.mlp = make_mlp(config, layer, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)  # before the MLP
+        # Gemma 2/3 also normalise each block's output before the residual add (the checkpoint's names).
+        self.post_norms = config.use_post_norms
+        if self.post_norms:
+            self.post_attention_output_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
 
     def forward(self, positions, hidden_states, residual):
         if residual is None:
@@ -138,22 +217,37 @@ class DecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
+        if self.post_norms:
+            hidden_states = self.post_attention_output_layernorm(hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        hidden_states = self.mlp(hidden_states)
+        if self.post_norms:
+            hidden_states = self.post_feedforward_layernorm(hidden_states)
+        return hidden_states, residual
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, quant_config, prefix: str):
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with the config's `hidden_act`: vLLM's SiluAndMul for SwiGLU, transformers'
+    own function (as the model's `SwiGLU` uses) for the others (Gemma's tanh-GELU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, quant_config,
+                 prefix: str):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, quant_config=quant_config,
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul()
+        self.silu = hidden_act in ("silu", "swish")
+        self.act_fn = SiluAndMul() if self.silu else ACT2FN[hidden_act]
 
     def forward(self, x):
         x, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(self.act_fn(x))
+        if self.silu:
+            x = self.act_fn(x)
+        else:
+            gate, up = x.chunk(2, dim=-1)
+            x = self.act_fn(gate) * up
+        x, _ = self.down_proj(x)
         return x
 
 
@@ -175,7 +269,15 @@ class FusedKVModel(nn.Module):
             DecoderLayer(config, layer, vllm_config.cache_config, vllm_config.quant_config, prefix,
                          f"{prefix}.layers.{layer.index}")
             for layer in self.plan.layers)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
+        # Gemma scales the embeddings by sqrt(hidden_size) rounded to the model's dtype first, as the model does.
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        if self.embedding_multiplier != 1.0:
+            self.register_buffer("embedding_scale", torch.tensor(self.embedding_multiplier), persistent=False)
+        max_len = vllm_config.model_config.max_model_len
+        if max_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{config.max_position_embeddings} (its RoPE tables end there); lower --max-model-len")
         # Prefill skipping (paper Sec. 3.3): with vLLM's --kv-sharing-fast-prefill, the layers from
         # here on (reconstruction layers only: they write no cache) run on the positions whose logits
         # are sampled, not on the whole prompt. vLLM gives those layers' attention metadata for
@@ -188,7 +290,8 @@ class FusedKVModel(nn.Module):
         self.first_skipped_attention = attention_layer_name(prefix, self.skip_from)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)
+        return x * self.embedding_scale.to(x.dtype) if self.embedding_multiplier != 1.0 else x
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
@@ -233,11 +336,12 @@ class FusedKVForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
+        self.model_dtype, self.block_size = vllm_config.model_config.dtype, vllm_config.cache_config.block_size
         self.model = FusedKVModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.final_logit_softcapping)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -264,7 +368,7 @@ class FusedKVForCausalLM(nn.Module):
                    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
                    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
                    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1)]
-        params = dict(self.named_parameters())
+        params = {**dict(self.named_buffers()), **dict(self.named_parameters())}  # buffers: MoE score bias
         loaded: set[str] = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -284,6 +388,10 @@ class FusedKVForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the FusedKV model of this config; the "
                                  "checkpoint and its config.json disagree (re-save it with save_pretrained)")
         self._serve_fusion_weights()
+        # How every reconstruction layer attends, decided here once (the engine's selection).
+        impls = [getattr(getattr(d.self_attn, "attn", None), "impl", None) for d in self.model.layers]
+        select_paths([impl for impl in impls if isinstance(impl, CrossLayerAttention)], self.model_dtype,
+                     self.model.embed_tokens.weight.device, self.block_size)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded

@@ -5,11 +5,14 @@
     result["val_loss"], result["tokens_per_s"], result["curve"]
 
 Modules: :mod:`.config` (TrainConfig, YAML / key=value overrides; presets in presets/*.yaml),
-:mod:`.trainer` (the loop), :mod:`.optim` (AdamW groups, warm-up + cosine), :mod:`.checkpoint` (atomic,
-verified checkpoints, RNG, stop signals), :mod:`.rundir` (the run directory's lock, --overwrite,
-which checkpoint --resume continues from), :mod:`.distributed` (torchrun, DDP, FSDP2), :mod:`.data`
-(data preparation and vocabulary checks), :mod:`.metrics` (CSV, TensorBoard, plots), :mod:`.command`
-(`fusedkv train`). The loss is fusedkv/model/loss.py.
+:mod:`.trainer` (the step and the loop), :mod:`.run_setup` (everything the loop needs, resuming included),
+:mod:`.run_checkpoints` (saving a run), :mod:`.validation` (validation loss during training), :mod:`.optim`
+(AdamW groups, warm-up + cosine), :mod:`.full_checkpoint` (atomic, verified checkpoints gathered to rank 0,
+RNG, stop signals), :mod:`.sharded_checkpoint` (every rank writes its shard, DCP), :mod:`.rundir` (the run
+directory's lock, --overwrite, which checkpoint --resume continues from), :mod:`.distributed` (torchrun,
+DDP, FSDP2), :mod:`.data` (data preparation and vocabulary checks), :mod:`.metrics` (CSV, TensorBoard,
+plots, the KV-cache report), :mod:`.memory_plan` (`fusedkv memory`), :mod:`.command` (`fusedkv train`).
+The loss is fusedkv/model/loss.py.
 """
 
 from .config import PRESET_NAMES, PRESETS, TrainConfig, resolve_config

@@ -24,7 +24,7 @@ import yaml
 from ..argtypes import Parser, add_debug_flag
 from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError, debug_enabled, report, run_command
 from ..flags import add_plan_flag
-from . import checkpoint as ckpt_io
+from . import full_checkpoint as ckpt_io
 from .config import DISTRIBUTED_MODES, PRESET_NAMES, resolve_config
 from .rundir import RunDirLock, find_resume_checkpoint
 

@@ -108,8 +108,8 @@ class TrainConfig:
     final_eval_batches: int | None = None  # micro-batches for the final validation (capped by the split)
     ckpt_every: int | None = None  # steps between training checkpoints (0: only at the end)
     keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)
-    # full: state gathered to rank 0, which writes it (checkpoint.py); sharded: every rank writes its own
-    # shard with torch.distributed.checkpoint, asynchronously, and resumes on any number of ranks (dcp.py)
+    # full: state gathered to rank 0, which writes it (full_checkpoint.py); sharded: every rank writes its own shard
+    # with torch.distributed.checkpoint, asynchronously, and resumes on any number of ranks (sharded_checkpoint.py)
     checkpoint_format: str | None = None  # None: the preset's (sharded for the paper presets), else full
     out_dir: str | None = None  # None: runs/<preset>-<plan>
     resume: bool | str = False  # True: newest intact checkpoint in out_dir; a path: that run or checkpoint

@@ -8,7 +8,9 @@ fail late or silently *before* anything is written:
 
 * a data path that does not exist, or a corpus with no text -> ValueError from the data package;
 * a tokenizer (given, taken from `--init-from`, or recorded in an existing prepared directory)
-  whose vocabulary differs from the model's `vocab_size` -> ValueError with the numbers and the fix.
+  with more tokens than the model's `vocab_size` -> ValueError with the numbers and the fix. Fewer is
+  fine: checkpoints often pad the embedding table past the tokenizer (Llama, Qwen2.5, DeepSeek round
+  it to a multiple of 64 or more), and the padded rows are simply never a target.
 
 In distributed runs rank 0 prepares and the other ranks open the finished directory.
 """
@@ -58,20 +60,25 @@ def _slug(spec: str) -> str:
 def vocab_mismatch(what: str, found: int, vocab_size: int) -> ValueError:
     return ValueError(
         f"{what} has a vocabulary of {found} tokens but the model's vocab_size is {vocab_size}; the "
-        f"embedding and LM head must match the tokenizer. Set vocab_size={found} (--set vocab_size={found}) "
-        "or use a tokenizer of the model's size"
+        f"embedding and LM head need a row for every token. Set vocab_size={found} (--set vocab_size={found}) "
+        "or use a tokenizer of at most the model's size"
     )
+
+
+def too_big(found: int, vocab_size: int) -> bool:
+    """Data of `found` token ids cannot feed a model of `vocab_size` rows (a smaller, padded-to tokenizer can)."""
+    return found > vocab_size
 
 
 def plan_data(cfg, vocab_size: int) -> tuple[str, Path, object | None]:
     """(source spec, prepared dir, tokenizer or None) for a run, after every check that can fail.
 
-    Raises ValueError for a missing source, a tokenizer of the wrong size, or an existing prepared
-    directory of the wrong size. Writes nothing."""
+    Raises ValueError for a missing source, a tokenizer larger than the model's vocabulary, or an existing
+    prepared directory of such a tokenizer. Writes nothing."""
     spec = str(cfg.data)
     if is_prepared_dir(spec):
         meta = json.loads((Path(spec) / "meta.json").read_text())
-        if int(meta["vocab_size"]) != vocab_size:
+        if too_big(int(meta["vocab_size"]), vocab_size):
             raise vocab_mismatch(f"the prepared data in {spec}", int(meta["vocab_size"]), vocab_size)
         if cfg.tokenizer is not None and tokenizer_sha256(load_tokenizer(cfg.tokenizer)) != meta.get(
             "tokenizer_sha256"
@@ -85,7 +92,7 @@ def plan_data(cfg, vocab_size: int) -> tuple[str, Path, object | None]:
     tokenizer = None
     if cfg.tokenizer is not None:
         tokenizer = load_tokenizer(cfg.tokenizer)
-        if len(tokenizer) != vocab_size:
+        if too_big(len(tokenizer), vocab_size):
             raise vocab_mismatch(f"tokenizer {cfg.tokenizer}", len(tokenizer), vocab_size)
     if cfg.data_dir is not None:
         data_dir = Path(cfg.data_dir)
@@ -94,10 +101,9 @@ def plan_data(cfg, vocab_size: int) -> tuple[str, Path, object | None]:
         suffix = f"v{vocab_size}" if tokenizer is None else f"tok-{tokenizer_sha256(tokenizer)[:10]}"
         data_dir = root / f"{_slug(spec)}-{suffix}"
     if is_prepared_dir(data_dir):
-        # An existing dataset of another vocabulary would be rebuilt in place by prepare_dataset:
-        # refuse instead of overwriting someone's shards.
+        # An existing dataset of a vocabulary the model cannot hold: refuse now, not after tokenising.
         meta = json.loads((data_dir / "meta.json").read_text())
-        if int(meta["vocab_size"]) != vocab_size:
+        if too_big(int(meta["vocab_size"]), vocab_size):
             raise vocab_mismatch(
                 f"the prepared data already in data_dir={data_dir}", int(meta["vocab_size"]), vocab_size
             )
@@ -110,8 +116,7 @@ def prepare(spec: str, data_dir: Path, vocab_size: int, tokenizer=None):
         ds = load_prepared_dataset(spec)
     else:
         ds = prepare_dataset(spec, data_dir, vocab_size=vocab_size, tokenizer=tokenizer)
-    if ds.vocab_size != vocab_size:
-        # A BPE trained on a small corpus can run out of merges before reaching vocab_size.
+    if too_big(ds.vocab_size, vocab_size):  # e.g. prepared data of a larger tokenizer
         raise vocab_mismatch(f"the tokenizer prepared in {ds.out_dir}", ds.vocab_size, vocab_size)
     return ds
 

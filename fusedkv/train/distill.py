@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoints import check_checkpoint_dir
 from ..config import FusedKVConfig
 from ..convert import MODEL_TYPES, family_for, fusedkv_to_plan_config
 from ..data import load_tokenizer
 from ..data.tokenizer import tokenizer_sha256
 from ..model.loss import IGNORE_INDEX, lm_loss
+from ..model_dirs import check_checkpoint_dir
 from ..plan import VANILLA
 from .data import has_tokenizer, is_prepared_dir
 

@@ -128,3 +128,19 @@ def format_summary(result: dict) -> str:
     if result.get("checkpoint"):
         lines.append(f"model: {result['checkpoint']}")
     return "\n".join(lines)
+
+
+def kv_cache_report(mc, bytes_per_element: int = 2) -> dict:
+    """KV-cache bytes per token and for a full context, for this plan and for its baseline, MHA of the
+    same shape (`FusedKVConfig.mha_kv_cache_bytes_per_token`; the "_vanilla" keys hold that baseline)."""
+    mine = mc.kv_cache_bytes_per_token(bytes_per_element)
+    vanilla = mc.mha_kv_cache_bytes_per_token(bytes_per_element)
+    ctx = mc.max_position_embeddings
+    return {
+        "kv_cache_bytes_per_token": mine,
+        "kv_cache_bytes_per_token_vanilla": vanilla,
+        "kv_cache_ratio": mc.kv_cache_fraction(),
+        "context_length": ctx,
+        "kv_cache_bytes_full_context": mine * ctx,
+        "kv_cache_bytes_full_context_vanilla": vanilla * ctx,
+    }

@@ -105,7 +105,7 @@ def _uptrain_models(args):
 
     from ..plan import DEFAULT_PLAN
     from .distill import teacher_student_configs
-    from .memory_plan import count_teacher
+    from .memory_counts import count_teacher
 
     src = Path(args.uptrain)
     if src.is_file() and src.name == "config.json":

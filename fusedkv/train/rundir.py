@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
-from . import checkpoint as ckpt_io
+from . import full_checkpoint as ckpt_io
 
 LOCK_NAME = ".lock"
 # Everything a run writes into out_dir (besides the lock); --overwrite removes exactly these.

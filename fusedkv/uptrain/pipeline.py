@@ -29,18 +29,18 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints import check_checkpoint_dir
 from ..config import FusedKVConfig
 from ..convert import convert_qwen3
 from ..errors import Stopped, UsageError
+from ..model_dirs import check_checkpoint_dir
 from ..plan import VANILLA
 from ..train import TrainConfig, train
-from ..train import checkpoint as ckpt_io
 from ..train import data as data_setup
 from ..train import distributed as D
+from ..train import full_checkpoint as ckpt_io
 from ..train.distill import TEACHER_MODEL_TYPES, check_teacher, load_teacher, teacher_student_configs
+from ..train.run_setup import RESUME_MAY_CHANGE
 from ..train.rundir import RunDirLock
-from ..train.trainer import RESUME_MAY_CHANGE
 from ..utils import write_json_atomic
 from .report import write_report
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from fusedkv.bench.gpu_suite import main as gpu_suite_main
-from fusedkv.bench.inference import BenchShape, format_table, run_inference_bench
 from fusedkv.cli import main
 from fusedkv.kernels import decode_attention
+from fusedkv.speed.gpu_suite import main as gpu_suite_main
+from fusedkv.speed.inference import BenchShape, format_table, run_inference_bench
 
 
 def test_inference_bench_rows_and_ratios(tmp_path):

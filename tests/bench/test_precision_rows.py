@@ -3,7 +3,7 @@ and byte floors following the weight and KV widths."""
 
 import torch
 
-from fusedkv.bench.inference import BenchShape, run_inference_bench
+from fusedkv.speed.inference import BenchShape, run_inference_bench
 
 
 def test_precision_rows_report_smaller_bytes():

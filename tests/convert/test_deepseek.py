@@ -272,17 +272,31 @@ def test_fusedkv_conversion_trains(tmp_path):
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in model.state_dict()
 
 
-def test_odd_layer_counts_take_a_custom_source_map(tmp_path):
-    """DeepSeek-V3 (61 layers) and V2-Lite (27) have an odd layer count: the half-split plans refuse it, a custom
-    source map (Python API) converts it, and the result decodes incrementally as its full forward."""
-    build_checkpoint(tmp_path / "src", "v3-fullq-rotatehalf-tied", num_hidden_layers=3)
-    with pytest.raises(ValueError, match="needs an even number of layers"):
-        convert_qwen3(tmp_path / "src", tmp_path / "refused", kv_sharing="fusedkv")
-    source_map = [{"layers": [3, 3], "k": [1, 2], "v": [1, 2], "k_fusion": "channel", "v_fusion": "channel"}]
-    model = convert_qwen3(tmp_path / "src", tmp_path / "out", kv_sharing="custom", kv_source_map=source_map).eval()
-    assert tuple(model.plan.storage_layers) == (0, 1)
+def test_odd_layer_counts_convert_to_fusedkv(tmp_path):
+    """DeepSeek-V3 (61 layers) and V2-Lite (27) have an odd layer count: the lower ceil(L/2) layers keep their
+    latent cache (fusedkv.plan.split_point), the upper ones fuse layers 1 and (L+1)/2. A 5-layer V3 converts,
+    holds 3/5 of vanilla's cache, and decodes incrementally as its full forward; a custom map still works."""
+    build_checkpoint(tmp_path / "src", "v3-qlora-interleave-yarn-groups-sharded", num_hidden_layers=5)
+    fused = convert_qwen3(tmp_path / "src", tmp_path / "fused", kv_sharing="fusedkv").eval()
+    vanilla = convert_qwen3(tmp_path / "src", tmp_path / "vanilla").eval()
+    assert tuple(fused.plan.storage_layers) == (0, 1, 2)
+    assert all(fused.plan.layers[i].k_sources == (0, 2) for i in (3, 4))
     ids, mask = left_padded(width=20)
     with torch.no_grad():
-        full = model(ids, attention_mask=mask, use_cache=False).logits
-        steps, _ = incremental_logits(model, ids, mask, 14)
+        full = fused(ids, attention_mask=mask, use_cache=False).logits
+        steps, cache = incremental_logits(fused, ids, mask, 14)
+        _, vanilla_cache = incremental_logits(vanilla, ids, mask, 14)
     assert max((step[:, -1] - full[:, 14 + i]).abs().max() for i, step in enumerate(steps[1:])) < 1e-5
+    assert kv_cache_nbytes(cache) * 5 == kv_cache_nbytes(vanilla_cache) * 3
+    assert fused.config.kv_cache_fraction() == pytest.approx(vanilla.config.kv_cache_fraction() * 3 / 5)
+    source_map = [{"layers": [4, 5], "k": [1, 2], "v": [1, 2], "k_fusion": "channel", "v_fusion": "channel"}]
+    custom = convert_qwen3(tmp_path / "src", tmp_path / "custom", kv_sharing="custom", kv_source_map=source_map)
+    assert tuple(custom.plan.storage_layers) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("hf, stored", [(DEEPSEEK_V3_JSON, 31), (DEEPSEEK_V2_LITE_JSON, 14)])
+def test_published_odd_configs_take_every_mla_plan(hf, stored):
+    """The published 61- and 27-layer configs map to FusedKV and YOCO with the lower (L+1)/2 layers stored."""
+    for plan in ("fusedkv", "yoco"):
+        config = family_for(hf).to_config(hf, plan)
+        assert len(config.plan.storage_layers) == stored and config.plan.layers[-1].k_sources[-1] == stored - 1

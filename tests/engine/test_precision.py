@@ -147,6 +147,35 @@ def test_int4_reduced_linear_routes_match_the_dequantized_product(rows, out_feat
     assert weight_nbytes(torch.nn.Sequential(big)) == 512 * 256 // 2 + 512 // 32 * 256 * 2  # 4.5 bits per weight
 
 
+@pytest.mark.parametrize("in_features", [32, 70, 512])
+@pytest.mark.parametrize("out_features", [16, 40, 3 * 64])
+def test_int4_prefill_weight_is_the_former_dequantization_bit_for_bit(in_features, out_features):
+    """Prefill (> 16 rows) dequantises int4 blocks into reused buffers (`_int4_gemm_weight`): the same values,
+    in f32 and rounded to bf16, as the unpacked levels times their f16 scales, for padded inputs / outputs
+    and slices; products of several modules in turn (one buffer) each equal the GEMM over their own weight."""
+    from fusedkv.engine.precision import _dequantize_int4, _int4_gemm_weight
+    from fusedkv.kernels import cpu_gemv
+
+    torch.manual_seed(in_features + out_features)
+    lin = torch.nn.Linear(in_features, out_features, bias=False)
+    red = ReducedLinear.from_linears([lin], "int4")
+    old = _dequantize_int4(*cpu_gemv.from_int4_blocks(red.weight, red.scale))[:out_features, :in_features]
+    for dtype in (torch.float32, torch.bfloat16):
+        got = _int4_gemm_weight(red.weight, red.scale, in_features, out_features, dtype)
+        assert got.shape == (out_features, in_features) and got.dtype == dtype
+        assert torch.equal(got, old.to(dtype))
+    if out_features % 32 == 0:
+        part = red.slice(16, out_features - 16)
+        assert torch.equal(part.dequantized(torch.float32), old[16:out_features - 16])
+    other = ReducedLinear.from_linears([torch.nn.Linear(96, 2 * out_features, bias=False)], "int4")
+    x, y = torch.randn(40, in_features), torch.randn(40, 96)
+    with torch.no_grad():
+        for mod, inp in ((red, x), (other, y), (red, x)):
+            gemm = mod.gemm_dtype or torch.float32
+            want = torch.nn.functional.linear(inp.to(gemm), mod.dequantized(gemm)).float()
+            torch.testing.assert_close(mod(inp), want, rtol=1e-5, atol=1e-5)  # the layout may reorder the sums
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 40])
 def test_every_kernel_route_matches_the_dequantized_product(fmt, rows):

@@ -7,7 +7,7 @@ import pytest
 
 from fusedkv.cli import main
 from fusedkv.experiments import load_experiment, paired_table, run_experiment, summary_table
-from fusedkv.experiments.runner import retrieval_report
+from fusedkv.experiments.report import retrieval_report
 from tests.experiments.nano_experiments import nano_experiment
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fusedkv.experiments import verdicts as v
-from fusedkv.experiments.runner import _T_CRIT_05
+from fusedkv.experiments.report import _T_CRIT_05
 
 
 def test_t_p_values_match_the_critical_values_and_known_points():

@@ -55,6 +55,13 @@ CHECK = textwrap.dedent("""
     model = reduce_precision(tiny_model("fusedkv"), "int4")
     prompt = ids[:, :5]
     assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
+    # the KIVI cache read in place (cpu_kivi_attention.c): its AVX2 loops (64-channel heads), its portable ones
+    from tests.kernels import test_kivi_native as kivi
+    for bits in (2, 4):
+        for shape in kivi.SHAPES:
+            kivi.test_attention_matches_float64(bits, "2R+3", shape, "fusedkv")
+        kivi.test_native_step_matches_the_forward("fusedkv", bits)
+        kivi.test_generate_same_tokens_with_and_without_the_native_step("fusedkv", bits)
     print("ok")
 """)
 

@@ -61,7 +61,7 @@ def test_stage1_compiles_for_sm90(case):
 
 
 def test_combine_compiles_for_sm90():
-    from fusedkv.kernels import triton_decode as td
+    from fusedkv.kernels import triton_decode_blocks as td
 
     k = _compile(td._fused_decode_combine, {"O_PART": "*fp32", "LSE_PART": "*fp32", "OUT": "*bf16"},
                  {"BLOCK_S": 64, "D": 128}, 4)

@@ -101,7 +101,7 @@ def test_save_load_round_trip_and_auto_classes(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(num_hidden_layers=5), "even number of layers"),
+    (dict(num_hidden_layers=1), "at least 2 layers"),
     (dict(kv_sharing="custom", kv_source_map=[{"layers": [3, 4], "k": 1, "v": 1}, {"layers": 4, "k": 3, "v": 1}]),
      "not a storage layer"),
     (dict(head_dim=15), "head_dim=15"),

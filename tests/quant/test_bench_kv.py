@@ -1,10 +1,10 @@
 """`fusedkv bench --kv-bits`: each plan also decodes through the KIVI cache; its row reports the
 measured bytes of that cache (equal to the closed form) next to the full-precision row."""
 
-from fusedkv.bench.inference import BenchShape, format_table, run_inference_bench
 from fusedkv.cli import main
 from fusedkv.config import FusedKVConfig
 from fusedkv.quant import kivi_cache_nbytes
+from fusedkv.speed.inference import BenchShape, format_table, run_inference_bench
 
 
 def test_bench_rows_with_the_kivi_cache():

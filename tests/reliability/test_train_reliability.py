@@ -243,6 +243,6 @@ def test_non_finite_loss_stops_with_exit_1_and_keeps_the_last_good_checkpoint(tm
     assert m, msg
     bad_step, last = int(m.group(1)), Path(m.group(2))
     assert last.name == f"step-{bad_step - 1:08d}" and last.is_dir() and not (out / "final").exists()
-    from fusedkv.train.checkpoint import verify_checkpoint
+    from fusedkv.train.full_checkpoint import verify_checkpoint
 
     verify_checkpoint(last)

@@ -17,7 +17,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from _paged_decode_checks import make_paged, max_error, reference  # noqa: E402
 
-from fusedkv.serving.paged import CrossLayerAttention  # noqa: E402
+from fusedkv.serving.paged import CrossLayerAttention, select_paths  # noqa: E402
 
 H_KV, G, D = 2, 2, 16
 SEQ_LENS, QUERY_LENS = [37, 37, 1, 20, 16], [1, 5, 1, 20, 1]
@@ -30,7 +30,8 @@ def run(impl_cls, meta_cls, extra, query_lens):
                     sliding_window=None, kv_cache_dtype="auto")
     # FusedKV: K from layers 1 and 2, V from layers 0 and 1 (make_paged's convention), weighted.
     layer = CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"], lambda: (dev["k_weights"], dev["v_weights"]))
-    assert layer.on_gpu and layer.kernel_fits, impl_cls
+    select_paths([layer], torch.float32, torch.device("cpu"), block_size=16)  # as serving's weight loading does
+    assert layer.on_gpu and layer.path == "triton", impl_cls
     t = dev["q"].shape[0]
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = meta_cls(num_actual_tokens=t, max_query_len=max(query_lens), query_start_loc=starts,

@@ -62,7 +62,7 @@ def test_native_paged_attention_equals_materialised_reference(dtype, transposed,
     out = torch.full_like(q, float("nan"))
     scale = D**-0.5
     assert native_paged_attention(q, keys, kw, values, vw, query_rows(qsl, seq_lens, q.shape[0]), block_table, scale,
-                                  transposed, out)
+                                  transposed, out) is out
     for r, (s, t) in enumerate(SEQS):
         # The reference reads the tokens as stored (rounded to the cache dtype) and attends causally.
         ks = [sources[i][r][0].to(dtype).float().transpose(0, 1)[None] for i in range(n_k)]

@@ -46,6 +46,35 @@ def test_head_size_the_cpu_backend_cannot_run_is_refused(vllm_python, tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_soft_capping_with_fused_k_sources_is_refused(vllm_python, tmp_path):
+    """Gemma 2's attention soft-capping is served for vanilla, CLA, YOCO and Lite (vLLM's attention applies
+    it), not where a layer fuses two K sources (the paged cross-layer attention has no soft-capping)."""
+    from tiny_checkpoints import write_checkpoints
+
+    path = write_checkpoints(tmp_path, plans=("fusedkv",), attn_logit_softcapping=5.0)["fusedkv"]
+    refused(serve(str(path)), "attn_logit_softcapping", "two or more K sources", "fusedkv-lite")
+
+
+def test_imported_family_features_are_served():
+    """The features of the imported dense families (biases, no QK-norm, scaled RoPE, Gemma's norms and
+    scalings, windows) pass the plugin's check (served: tests/serving/test_vllm_families.py)."""
+    from tiny_checkpoints import tiny_config
+
+    from fusedkv.serving.plugin import check_servable
+
+    for plan in ("vanilla", "fusedkv", "fusedkv-lite"):
+        config = tiny_config(plan, 320, attention_bias=True, mlp_bias=True, use_qk_norm=False,
+                             rms_norm_unit_offset=True, use_post_norms=True, embedding_multiplier=11.0,
+                             hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                             sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        assert config.extra_block_features()
+        check_servable(config)
+    check_servable(tiny_config("fusedkv-lite", 320, attn_logit_softcapping=5.0))
+
+
 def test_block_size_the_cpu_backend_cannot_run_is_refused(ckpt):
     refused(serve(ckpt, "--block-size", "48"), "--block-size 48", "multiple of 32")
 
@@ -78,6 +107,40 @@ def test_fast_prefill_without_eager_mode_is_refused_before_start(ckpt):
                                          (["--kv-cache-dtype", "fp8"], ("--kv-cache-dtype fp8", "unquantised"))])
 def test_options_the_plugin_cannot_run_are_refused(ckpt, extra, words):
     refused(serve(ckpt, "--", *extra), *words)
+
+
+MLA = dict(kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def mla_ckpt(vllm_python, tmp_path_factory):
+    from tiny_checkpoints import write_checkpoints
+
+    return str(write_checkpoints(tmp_path_factory.mktemp("mla"), plans=("vanilla",), **MLA)["vanilla"])
+
+
+def test_mla_latents_are_not_quantised(mla_ckpt):
+    """MLA's head_dim (the RoPE width, 16 here) is not a vLLM attention head: not refused as one; an fp8
+    cache is refused (the plugin's MLA layers keep their latents unquantised), even for vanilla."""
+    refused(serve(mla_ckpt, "--", "--kv-cache-dtype", "fp8"), "--kv-cache-dtype fp8", "MLA", "unquantised")
+
+
+def test_moe_and_mla_models_are_servable():
+    """What issue 26 added to the plugin is no longer refused; what it cannot take still is."""
+    from tiny_checkpoints import tiny_config
+
+    from fusedkv.serving.plugin import check_servable
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+               topk_method="noaux_tc", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale_all_dim": 0.707}
+    check_servable(tiny_config("fusedkv", 320, **moe))
+    check_servable(tiny_config("fusedkv", 320, **MLA, **moe, rope_parameters=yarn))
+    check_servable(tiny_config("fusedkv", 320, rope_parameters=yarn))  # scaled RoPE in multi-head attention too
+    with pytest.raises(ValueError, match="dynamic"):
+        check_servable(tiny_config("fusedkv", 320, **MLA, rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
 
 
 def test_nan_weights_are_refused(ckpt, tmp_path):

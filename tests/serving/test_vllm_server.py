@@ -177,13 +177,24 @@ def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
         assert sequential[prompts.index(row["prompt_ids"])] == row["tokens"][:16]
 
 
-@pytest.mark.slow
-def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints):
+def greedy_continuation(path, prompt_ids: list[int], n: int, pad_token_id: int) -> list[int]:
+    """The transformers model's `n` greedy tokens after `prompt_ids`."""
     import torch
-    from transformers import AutoTokenizer
 
     from fusedkv import FusedKVForCausalLM
-    from fusedkv.serving.preflight import DEFAULT_CHAT_TEMPLATE
+
+    model = FusedKVForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.slow
+def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints):
+    from transformers import AutoTokenizer
+
+    from fusedkv.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
     messages = [{"role": "system", "content": "Speak as Juliet."}, {"role": "user", "content": "Who is there?"}]
     body = {"model": server["model"], "messages": messages, "max_tokens": 12, "temperature": 0,
@@ -195,16 +206,44 @@ def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints
                                    add_generation_prompt=True)
     assert text == "System: Speak as Juliet.\n\nUser: Who is there?\n\nAssistant:"
     assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
-    model = FusedKVForCausalLM.from_pretrained(path).eval()
-    ids = torch.tensor([reply["prompt_token_ids"]])
-    with torch.no_grad():
-        expected = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                  pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    expected = greedy_continuation(path, reply["prompt_token_ids"], 12, tok.pad_token_id)
     choice = reply["choices"][0]
     assert choice["token_ids"] == expected
     # The text is the tokens' (vLLM holds back a trailing incomplete UTF-8 sequence of byte-level BPE).
     content = choice["message"]["content"]
     assert content and tok.decode(expected, skip_special_tokens=True).startswith(content)
+
+
+@pytest.mark.slow
+def test_chat_completions_on_a_trained_checkpoint_use_the_template_it_carries(vllm_python, tmp_path):
+    """`fusedkv train` saves a chat template with its tokenizer: a trained checkpoint serves chat completions
+    without `--chat-template` and without fusedkv serve's fallback."""
+    from transformers import AutoTokenizer
+
+    from fusedkv.data.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+    out = tmp_path / "run"
+    env = {**vllm_env(), "FUSEDKV_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
+    trained = subprocess.run([sys.executable, "-m", "fusedkv.cli", "train", "--preset", "nano", "--max-steps", "2",
+                              "--set", "model.head_dim=32", "--set", "threads=1", "--out", str(out), "--quiet"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    path = out / "final"
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+    s = start_server(vllm_python, path, tmp_path / "server.log")
+    try:
+        messages = [{"role": "user", "content": "Who is there?"}]
+        body = {"model": s["model"], "messages": messages, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True}
+        reply = post(s["port"], "/v1/chat/completions", body, key=None)
+        assert "no chat template" not in s["log"].read_text()
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # the saved template
+        assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
+        assert reply["choices"][0]["token_ids"] == greedy_continuation(path, reply["prompt_token_ids"], 8,
+                                                                       tok.pad_token_id)
+    finally:
+        stop(s)
 
 
 @pytest.mark.slow

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from fusedkv import FusedKVConfig, FusedKVForCausalLM
 from fusedkv.train import TrainConfig
 from fusedkv.train import distributed as D
-from fusedkv.train.checkpoint import capture_rng
-from fusedkv.train.dcp import ShardedCheckpointer, load_into
+from fusedkv.train.full_checkpoint import capture_rng
 from fusedkv.train.optim import build_optimizer
+from fusedkv.train.sharded_checkpoint import ShardedCheckpointer, load_into
 
 CFG = TrainConfig(preset="nano", data="builtin", progress=False)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusedkv.train import checkpoint as ck
+from fusedkv.train import full_checkpoint as ck
 
 
 def _save(root, step, keep=2, value=1.0):

@@ -19,8 +19,8 @@ import dcp_worker as W
 import pytest
 from train_helpers import REPO, subprocess_env
 
-from fusedkv.train import checkpoint as ck
-from fusedkv.train import dcp
+from fusedkv.train import full_checkpoint as ck
+from fusedkv.train import sharded_checkpoint as dcp
 
 WORKER = str(Path(__file__).with_name("dcp_worker.py"))
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from train_helpers import REPO, nano_config, subprocess_env, train_cli
 
-from fusedkv.train import checkpoint as ck
-from fusedkv.train import dcp, train
+from fusedkv.train import full_checkpoint as ck
+from fusedkv.train import sharded_checkpoint as dcp
+from fusedkv.train import train
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
 

@@ -11,7 +11,7 @@ import signal
 import pytest
 from train_helpers import nano_config, subprocess_env, train_cli, wait_for
 
-from fusedkv.train import checkpoint as ck
+from fusedkv.train import full_checkpoint as ck
 from fusedkv.train import train
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite

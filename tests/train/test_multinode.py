@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 from train_helpers import REPO, nano_config, subprocess_env
 
-from fusedkv.train import checkpoint as ck
+from fusedkv.train import full_checkpoint as ck
 from fusedkv.train import train
 from fusedkv.train.distributed import free_port
 

@@ -119,8 +119,8 @@ def test_bad_inputs_fail_before_writing(tmp_path, nano_data, corpus_file):
     empty.write_text("   \n\n  ")
     with pytest.raises(ValueError, match="no non-empty documents"):
         train(nano_config(out, empty, data_dir=str(tmp_path / "d")))
-    with pytest.raises(ValueError, match="vocabulary of 512 tokens but the model's vocab_size is 1024"):
-        train(nano_config(out, nano_data, vocab_size=1024))
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens but the model's vocab_size is 480"):
+        train(nano_config(out, nano_data, vocab_size=480))
     with pytest.raises(ValueError, match="vocabulary of 512 tokens but the model's vocab_size is 256"):
         train(nano_config(out, corpus_file, vocab_size=256, tokenizer=str(nano_data / "tokenizer")))
     assert not out.exists()
@@ -198,8 +198,8 @@ def test_checkpoint_written_before_the_field_rename_still_resumes(tmp_path, nano
     """Checkpoints saved before `plan`/`rope_base` became `kv_sharing`/`rope_theta` keep resuming."""
     import json
 
-    from fusedkv.checkpoints import write_manifest
-    from fusedkv.train import checkpoint as ck
+    from fusedkv.model_dirs import write_manifest
+    from fusedkv.train import full_checkpoint as ck
 
     out = tmp_path / "old"
     train(nano_config(out, nano_data, max_steps=4, ckpt_every=2, kv_sharing="yoco"))

@@ -1,5 +1,6 @@
 """`fusedkv uptrain` end to end through the real CLI, on tiny random checkpoints built with transformers' own
-classes (one per imported family), a kill in the middle of training and a re-run, and torchrun (DDP)."""
+classes (one per imported family), a kill in the middle of training and a re-run, torchrun (DDP; FSDP2 with
+sharded checkpoints, killed and resumed), and a vocabulary padded past the tokenizer."""
 
 from __future__ import annotations
 
@@ -171,3 +172,70 @@ def test_uptrain_under_torchrun_ddp(tmp_path, corpus, tokenizer_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     _check_report(out, "fusedkv", 2)
     assert "2 ranks" in proc.stdout
+
+
+@pytest.mark.slow
+def test_uptrain_padded_vocabulary(tmp_path, corpus, tokenizer_dir):
+    """A Llama whose vocab_size (384) is padded past its tokenizer (320 tokens), as published Llama / Qwen2.5 /
+    DeepSeek checkpoints are: the data is tokenised with the 320 tokens and the whole journey runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def padded():
+        return LlamaForCausalLM(LlamaConfig(**{**SHAPE, "vocab_size": VOCAB + 64}, num_key_value_heads=2,
+                                            intermediate_size=128))
+
+    src = _checkpoint(tmp_path, "llama", padded, tokenizer_dir)
+    out = tmp_path / "run"
+    proc = _uptrain(tmp_path, src, out, "--plan", "fusedkv-lite", "--data", corpus, "--max-steps", 2, *RECIPE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_report(out, "fusedkv-lite", 2)
+    assert json.loads((out / "converted" / "config.json").read_text())["vocab_size"] == VOCAB + 64
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (from /proc), deepest first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    order, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        order.append(pid)
+        todo.extend(children.get(pid, []))
+    return order[::-1]
+
+
+@pytest.mark.slow
+def test_uptrain_under_torchrun_fsdp_resumes_sharded(tmp_path, corpus, tokenizer_dir):
+    """FSDP2 on two ranks (gloo, CPU) with sharded (DCP) checkpoints: SIGKILL the whole torchrun group in the
+    middle of training; the same command resumes from the last sharded checkpoint, finishes and reports."""
+    src = _checkpoint(tmp_path, "llama", _llama, tokenizer_dir)
+    out = tmp_path / "run"
+    cmd = list(map(str, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                         "fusedkv.cli", "uptrain", src, out, "--plan", "fusedkv", "--data", corpus, "--max-steps", 4,
+                         "--distributed", "fsdp", "--device", "cpu", "--set", "checkpoint_format=sharded", *RECIPE]))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path, FUSEDKV_TRAIN_STEP_SLEEP="2"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpts = out / "train" / "checkpoints"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (ckpts.is_dir() and len(list(ckpts.glob("step-*"))) >= 2):
+        assert proc.poll() is None, "uptrain ended before it could be killed"
+        time.sleep(0.1)
+    tree = _process_tree(proc.pid)  # torchrun starts each worker in a session of its own: kill them all
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    proc.wait()
+    saved = sorted(ckpts.glob("step-*"))
+    assert saved and not (out / "train" / "final").exists()
+    assert all((c / "dcp" / ".metadata").is_file() and (c / "rank-00001.pt").is_file() for c in saved)
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "convert: done" in done.stdout and "resuming" in done.stdout, done.stdout
+    report = _check_report(out, "fusedkv", 4)
+    assert len(report["curve"]) == 4

@@ -9,7 +9,7 @@ A checkpoint is a directory `out_dir/checkpoints/step-NNNNNNNN/` holding
     train_config.json     the resolved TrainConfig
     model_config.json     the FusedKVConfig
     manifest.json         written last: step, and size + SHA-256 of every file above (the same
-                          manifest as a trained model's final/, fusedkv/checkpoints.py)
+                          manifest as a trained model's final/, fusedkv/model_dirs.py)
 
 Atomicity: everything is written into a hidden temporary directory next to the others, fsynced,
 and only then renamed to its final name (a rename within one filesystem is atomic). A crash or
@@ -40,11 +40,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpoints import MANIFEST_FORMAT, sha256_file, verify_manifest, write_manifest
 from ..errors import RunError
+from ..model_dirs import MANIFEST_FORMAT, sha256_file, verify_manifest, write_manifest
 from ..utils import replace_dir
 
-FORMAT_VERSION = MANIFEST_FORMAT  # names train/dcp.py uses
+FORMAT_VERSION = MANIFEST_FORMAT  # names train/sharded_checkpoint.py uses
 _sha256 = sha256_file
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

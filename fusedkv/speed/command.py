@@ -29,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=argtypes.int_range(1, 1 << 20), default=16,
                    help="decode steps per measurement (default 16)")
     p.add_argument("--repeats", type=argtypes.int_range(1, 1000), default=3, help="interleaved repeats (default 3)")
-    p.add_argument("--layers", type=argtypes.int_range(2, 1024), default=8, help="decoder layers, even (default 8)")
+    p.add_argument("--layers", type=argtypes.int_range(2, 1024), default=8, help="decoder layers (default 8)")
     p.add_argument("--hidden", type=argtypes.int_range(2, 1 << 16), default=512, help="hidden size (default 512)")
     p.add_argument("--heads", type=argtypes.int_range(1, 1024), default=8, help="attention heads (default 8)")
     p.add_argument("--head-dim", type=argtypes.int_range(2, 1024), default=64, help="head dim, even (default 64)")

@@ -1,9 +1,9 @@
 """The GPU benchmark: decode-kernel throughput, then model TTFT / TPOT at 8k-128k in bf16.
 
-    python -m fusedkv.bench.gpu_suite            # or: fusedkv bench --gpu-suite
-    python -m fusedkv.bench.gpu_suite --dry-run  # every code path, tiny sizes, on CPU (Triton interpreter)
+    python -m fusedkv.speed.gpu_suite            # or: fusedkv bench --gpu-suite
+    python -m fusedkv.speed.gpu_suite --dry-run  # every code path, tiny sizes, on CPU (Triton interpreter)
 
-Part 1 (`fusedkv.bench.kernel_throughput`): one decode step of our Triton kernel against PyTorch's
+Part 1 (`fusedkv.speed.kernel_throughput`): one decode step of our Triton kernel against PyTorch's
 flash SDPA, each timed case first checked against the fp32 reference. Part 2 builds a ~1B-parameter
 model per plan (16 layers, d=2048, 16 heads of 128, bf16) and measures, with our lean generation loop
 and a static cache: TTFT at 8k/32k/128k prompts (prefill skipping for the half-cache plans) and TPOT
@@ -98,7 +98,7 @@ def main(argv=None, kernel=None) -> int:
         if kernels and kernel is None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             # The interpreter must be on before Triton is first imported (it decides at @jit time), and
             # `import fusedkv` already imports Triton (transformers -> torch._dynamo): rerun in a fresh process.
-            cmd = [sys.executable, "-m", "fusedkv.bench.gpu_suite", *(sys.argv[1:] if argv is None else argv)]
+            cmd = [sys.executable, "-m", "fusedkv.speed.gpu_suite", *(sys.argv[1:] if argv is None else argv)]
             return subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode
         device, dtype = torch.device("cpu"), torch.float32
     elif not torch.cuda.is_available():

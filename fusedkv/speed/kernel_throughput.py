@@ -1,6 +1,6 @@
 """Decode-kernel throughput on one GPU: our Triton kernel against PyTorch SDPA, one decode step.
 
-Part of the GPU benchmark (`fusedkv bench --gpu-suite`, `python -m fusedkv.bench.gpu_suite`). At contexts
+Part of the GPU benchmark (`fusedkv bench --gpu-suite`, `python -m fusedkv.speed.gpu_suite`). At contexts
 8k/32k/128k, batch 1 and 8, D=128, for H_q=H_kv=16 (MHA) and H_q=128, H_kv=2 (GQA, paper Fig. 5), it
 times our FusedKV case (2 weighted K + 2 weighted V sources), our Lite case (K^n, V^1, no weights), our
 one-source case, and SDPA (flash where supported, else efficient) on the plain one-source cache. It

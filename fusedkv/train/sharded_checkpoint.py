@@ -1,6 +1,6 @@
 """Sharded training checkpoints with `torch.distributed.checkpoint` (DCP): every rank writes its own shard.
 
-The full checkpoints of `checkpoint.py` gather the whole model and AdamW state onto rank 0, which
+The full checkpoints of `full_checkpoint.py` gather the whole model and AdamW state onto rank 0, which
 writes them alone: at 4B parameters that is ~64 GB through one process. Here, as in torchtitan, each
 rank writes the part of the state it holds, in parallel, and in the background:
 
@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..utils import replace_dir
-from . import checkpoint as ckpt_io
+from . import full_checkpoint as ckpt_io
 
 LAYOUT = "sharded"
 DCP_DIR = "dcp"

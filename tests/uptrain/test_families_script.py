@@ -1,0 +1,31 @@
+"""scripts/uptrain_families.py (the per-family results of docs/results.md) at a toy budget: one family, one
+seed; it writes the table with the control, and a second run reuses every cached stage."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_families_script_runs_and_reuses_its_cache(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "uptrain_families.py"), str(tmp_path / "out"),
+           "--families", "deepseek_v3", "--seeds", "0", "--teacher-steps", "3", "--steps", "2"]
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["family"], r["plan"], r["seed"]) for r in rows] == [("deepseek_v3", "fusedkv", 0)]
+    row = rows[0]
+    assert row["cache_student"] * 5 == row["cache_teacher"] * 3  # 5 layers: the lower 3 keep their cache
+    assert abs(row["control_start"] - row["teacher"]) < 1e-4  # the control starts as the teacher
+    assert "--plan fusedkv --seed 0" in row["command"]
+    assert "mean ± sd (1)" in (tmp_path / "out" / "results.md").read_text()
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and "pre-training" not in again.stdout
+    assert json.loads((tmp_path / "out" / "results.json").read_text()) == rows
