@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import tempfile
@@ -53,9 +54,10 @@ SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8",
 
 
 # ---- fusedkv rows ------------------------------------------------------------------------------------
-def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int) -> dict[str, dict]:
+def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int,
+             shape: BenchShape | None = None) -> dict[str, dict]:
     """label -> dict(model, kv_dtype, weight_bytes): one model per (plan, weight format)."""
-    base = build_models(BenchShape(), plans, max_len, "cpu", torch.float32, include_hf=True)
+    base = build_models(shape or BenchShape(), plans, max_len, "cpu", torch.float32, include_hf=True)
     rows = {}
     for plan in plans:
         for fmt in weights:
@@ -65,7 +67,7 @@ def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int)
                 kv_dtype = torch.float32 if kv == "float32" else half_dtype()
                 label = f"{plan} w={SHORT[fmt]} kv={SHORT[str(kv_dtype).removeprefix('torch.')]}"
                 rows[label] = dict(model=model, kv_dtype=kv_dtype, weight_bytes=weight_nbytes(model))
-    return rows, base[HF]
+    return rows, base.get(HF)  # no transformers twin for another architecture (--architecture)
 
 
 def _copy(model):
@@ -132,11 +134,11 @@ def run(args) -> list[dict]:
     max_len = max(prompts) + args.new_tokens + 8
     weights = [weight_format(w) for w in args.weights.split(",")]
     kvs = ["float32" if k in ("float32", "f32") else "half" for k in args.kv.split(",")]
-    ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len)
+    ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len, _shape(args))
     if args.step != "native":  # the module-by-module loop, as rows of their own ("both") or instead
         modules = {f"{name} modules": dict(row, native_step=False) for name, row in ours.items()}
         ours = {**(ours if args.step == "both" else {}), **modules}
-    llama = setup_llama(args, hf)
+    llama = setup_llama(args, hf) if hf is not None else {}  # no HF twin for --architecture
     del hf
     vocab = BenchShape().vocab_size
     out = []
@@ -166,6 +168,12 @@ def run(args) -> list[dict]:
         for runner, *_ in runners.values():
             runner.close()
     return out
+
+
+def _shape(args) -> BenchShape:
+    """The bench model, as a sliding-window hybrid with --sliding-window (three window layers, then a full one),
+    with --architecture's config fields (MoE, MLA) on every layer."""
+    return BenchShape(sliding_window=args.sliding_window, architecture=json.loads(args.architecture or "{}"))
 
 
 def setup_llama(args, hf) -> dict[str, Path]:
@@ -792,6 +800,11 @@ def main() -> None:
     ap.add_argument("--step", choices=("native", "modules", "both"), default="native",
                     help="how fusedkv rows decode: the layers in one native call where it covers the model "
                     "(generate's default), the modules one by one, or both as separate rows ('... modules')")
+    ap.add_argument("--sliding-window", type=int, default=None, help="decode a sliding-window hybrid of the bench "
+                    "model (window layers over ring caches); llama.cpp rows, if any, stay full attention")
+    ap.add_argument("--architecture", default=None, help="JSON of FusedKVConfig fields for another architecture "
+                    "of the bench model, e.g. '{\"num_experts\": 8, \"num_experts_per_tok\": 2, "
+                    "\"moe_intermediate_size\": 384}' (fresh weights, no llama.cpp rows)")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table instead")
     ap.add_argument("--kivi", action="store_true", help="print the KIVI-4 / KIVI-2 cache against the bf16 cache "
                     "instead: native step TPOT at each --prompt-lens tokens of cache (e.g. 2048,32768), --steps each")
@@ -843,7 +856,7 @@ def main() -> None:
                             llama, llama_kv))
         return
     rows = long_run(args) if args.long else run(args)
-    print(f"\nbench model {vars(BenchShape())}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
+    print(f"\nbench model {vars(_shape(args))}, {args.new_tokens} new tokens, medians of {args.repeats} interleaved "
           f"repeats (ratios: medians of per-round ratios); load average at the end "
           f"{open('/proc/loadavg').read().split()[0]}; native CPU product kernel: "
           f"{'on' if native.available() else 'off'} (FUSEDKV_NATIVE_KERNELS)"

@@ -34,6 +34,11 @@ class StaticKVCache:
     is allocated once, up front. Sliding-window storage layers hold only the last `sliding_window - 1`
     tokens (`[B, H_kv, W - 1, D]`, like transformers' `DynamicSlidingWindowLayer`): `update` returns
     those plus the new ones, the last keys a window query can see, so their memory stays bounded.
+    They are rings: a token is written once, into the slot of the oldest, never shifted. Row b's token
+    of column p lives in slot C - 1 - ((p - window_start[b]) mod C) (C = W - 1; `window_start`: each row's
+    first real column, from `set_padding`), so the tokens a row holds always fill the slots [C - held, C)
+    and the native decode step (`fusedkv.engine.native_step`) reads them as one key range per row; `update`
+    gathers them back into column order for the modules.
     `dtype` may be narrower than the model's: a 16-bit cache under f32 activations halves the bytes
     again on top of the plan's half-size cache (attention then runs in the cache's dtype).
     """
@@ -63,6 +68,14 @@ class StaticKVCache:
                        for i in config.plan.storage_layers}
         self._length = 0
         self._last = max(self.keys)  # the last storage layer advances the length
+        self.window_start = torch.zeros(batch_size, dtype=torch.int64, device=device)
+
+    def set_padding(self, padding_mask: torch.Tensor) -> None:
+        """Take each row's first real column from a left-padded [B, T] prompt mask (1 = real) before the
+        prompt is written: window rings place a row's tokens from there (see the class docstring)."""
+        if self._length:
+            raise ValueError("StaticKVCache.set_padding must come before the prompt is written")
+        self.window_start = padding_mask.long().argmax(-1).to(self.window_start.device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length
@@ -79,19 +92,29 @@ class StaticKVCache:
         return self.keys[layer_idx][:, :, : start + t], self.values[layer_idx][:, :, : start + t]
 
     def _update_window(self, k, v, layer_idx: int, start: int, t: int):
-        """The last `held` tokens plus the new ones are what a window query sees; keep the last W - 1."""
+        """The last `held` tokens (gathered from the ring in column order) plus the new ones are what a window
+        query sees; the new ones (the last C of them) go into the ring slots of the oldest."""
         capacity = self.windowed[layer_idx]
         held = min(start, capacity)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        full_k = torch.cat([keys[:, :, :held], k], dim=2)
-        full_v = torch.cat([values[:, :, :held], v], dim=2)
-        keep = min(capacity, full_k.shape[2])
+        past = self._slots(start - held, start, capacity, keys.shape)
+        k, v = k.to(keys.dtype), v.to(values.dtype)  # attended as stored, as full layers' keys are
+        full_k = torch.cat([keys.gather(2, past), k], dim=2)
+        full_v = torch.cat([values.gather(2, past), v], dim=2)
+        keep = min(capacity, t)
         if keep:
-            keys[:, :, :keep] = full_k[:, :, -keep:]
-            values[:, :, :keep] = full_v[:, :, -keep:]
+            new = self._slots(start + t - keep, start + t, capacity, keys.shape)
+            keys.scatter_(2, new, k[:, :, -keep:])
+            values.scatter_(2, new, v[:, :, -keep:])
         if layer_idx == self._last:
             self._length += t
         return full_k, full_v
+
+    def _slots(self, first: int, end: int, capacity: int, shape) -> torch.Tensor:
+        """The ring slots of columns [first, end) per row, as a gather / scatter index [B, H_kv, end - first, D]."""
+        columns = torch.arange(first, end, device=self.window_start.device)
+        slots = capacity - 1 - (columns[None, :] - self.window_start[:, None]) % capacity
+        return slots[:, None, :, None].expand(shape[0], shape[1], end - first, shape[3])
 
     def advance(self, t: int) -> None:
         """Count `t` new tokens that a writer filling every storage layer's buffers itself has written (the
@@ -105,6 +128,7 @@ class StaticKVCache:
 
     def reset(self) -> None:
         self._length = 0
+        self.window_start.zero_()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
-from .engine.packing import LAYOUTS, set_decode_layout
+from .engine.native_step import MAX_ROWS as STEP_MAX_ROWS
+from .engine.packing import LAYOUTS, decode_layout_for, set_decode_layout
 from .engine.selection import select_runtime
 from .errors import RunError
+from .kernels import native
 from .model.attention import first_real_key
 
 WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
@@ -115,17 +117,19 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
 
     `weight_layout`: "keep" (default) runs the model as the caller laid it out. "auto" first puts the
     weights in the layout this batch decodes fastest with (`fusedkv.engine.packing.set_decode_layout`:
-    packed for one-GEMV steps at small batch, row-major above), and "packed" / "row-major" force one;
+    packed for one-GEMV steps at small batch, row-major above; packed up to the native step's 16 rows where
+    that step runs), and "packed" / "row-major" force one;
     these re-lay out the caller's model in place and leave it so (same values, names and outputs; a
     change of layout copies the weights once, before the clock starts).
     `cache_factory(config, batch, max_len, dtype, device)` builds another cache instead (e.g.
     `fusedkv.quant.kivi_cache_factory(4)` for the 4-bit KIVI cache).
     `native_step`: on CPU, run each decode step's layers as one native call where it covers the model and
     the cache (`fusedkv.engine.native_step.unsupported`: f32 weights in the packed layout, bf16 / int8
-    blocks or int4 blocks, a static cache without windows, batch <= 4); False runs the model's modules every step.
+    blocks or int4 blocks, a static or KIVI cache, batch <= 16); False runs the model's modules every step.
     Each attention layer runs the implementation `fusedkv.engine.select_runtime` picks for this model and
     cache, for this call only."""
     batch, prompt_len = input_ids.shape
+    device = input_ids.device
     total = prompt_len + max_new_tokens
     if total > model.config.max_position_embeddings:
         raise ValueError(
@@ -134,9 +138,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
         )
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={weight_layout!r}: choose one of {WEIGHT_LAYOUTS}")
+    # "auto": the layout the modules decode this batch fastest with, or the packed one the native step reads
+    # wherever it may run (up to its MAX_ROWS; measured faster than the modules at batch 16 too); should the
+    # step then decline the model, the modules' layout after all (below).
+    for_step = (weight_layout == "auto" and native_step and device.type == "cpu" and native.available()
+                and batch <= STEP_MAX_ROWS and decode_layout_for(batch) != "packed")
     if weight_layout != "keep":
-        set_decode_layout(model, batch if weight_layout == "auto" else weight_layout)
-    device = input_ids.device
+        set_decode_layout(model, "packed" if for_step else batch if weight_layout == "auto" else weight_layout)
     dtype = next(model.parameters()).dtype
     if cache_factory is not None:
         cache = cache_factory(model.config, batch, total, dtype, device)
@@ -156,6 +164,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
 
     with select_runtime(model, cache=cache, batch=batch, native_step=native_step) as runtime:
+        if for_step and runtime.native_step is None:
+            set_decode_layout(model, batch)
         _sync(device)
         start = time.perf_counter()
         out = model(prompt_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,

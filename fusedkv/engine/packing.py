@@ -14,6 +14,8 @@ names, values, `state_dict()` and the optimizer's references are unchanged, trai
 and `save_pretrained` writes ordinary contiguous tensors. Single projections that gain from the
 layout (O, the queries of reconstruction layers, the LM head) are re-stored column-major in place.
 The down projection ([hidden, intermediate], tall and thin) streams faster row-major and stays so.
+Where the native kernels are built, MoE experts are re-stored column-major per expert too
+(`experts_column_major`), and MLA's projections but kv_b_proj (`MLA_PROJECTIONS`), for the native decode step.
 
 A packed group is only used while its parameters still view its buffer: `.to(device)`, `load_state_dict`
 with `assign=True` or FSDP replace parameter storage, and the modules then silently go back to
@@ -49,6 +51,8 @@ from torch import nn
 from ..kernels import cpu_gemv, native
 from ..model.attention import Attention
 from ..model.layers import SwiGLU
+from ..model.mla import MLA
+from ..model.moe import Experts
 
 PACKED_MAX_ROWS = 2
 LAYOUTS = ("packed", "row-major")
@@ -172,11 +176,37 @@ def pack_for_decode(model: nn.Module) -> nn.Module:
             if names != ("down_proj",) or column_major_down():
                 to_column_major(linears[0])
             setattr(module, names[0], _rewrap(DecodeLinear, linears[0]))
+        if isinstance(module, Experts) and column_major_down():
+            experts_column_major(module)
+        if isinstance(module, MLA) and column_major_down():  # for the native decode step's GEMVs
+            for name, linear in _mla_projections(module):
+                to_column_major(linear)
+                setattr(module, name, _rewrap(DecodeLinear, linear))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
         to_column_major(head)
         model.set_output_embeddings(_rewrap(DecodeLinear, head))
     return model
+
+
+# MLA's projections the native decode step streams (not kv_b_proj: it is read per head, row-major).
+MLA_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+
+
+def _mla_projections(module: MLA) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of an MLA layer's projections in `MLA_PROJECTIONS` that are f32-capable `nn.Linear`s
+    (not another engine layout's)."""
+    return [(name, getattr(module, name)) for name in MLA_PROJECTIONS
+            if isinstance(getattr(module, name, None), nn.Linear)]
+
+
+def experts_column_major(experts: Experts) -> None:
+    """Re-store each expert's weights column-major in place (W^T [in, out] per expert, same shapes and values),
+    the layout the native decode step's GEMVs stream; the module's grouped GEMM takes either layout."""
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)
+            param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def unpack_weights(model: nn.Module) -> nn.Module:
@@ -188,6 +218,9 @@ def unpack_weights(model: nn.Module) -> nn.Module:
                     setattr(module, slot, None)
                 elif slot is None and isinstance(getattr(module, names[0]), DecodeLinear):
                     setattr(module, names[0], _rewrap(nn.Linear, getattr(module, names[0])))
+            if isinstance(module, MLA):
+                for name, linear in _mla_projections(module):
+                    setattr(module, name, _rewrap(nn.Linear, linear))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(head, DecodeLinear):
             model.set_output_embeddings(_rewrap(nn.Linear, head))

@@ -276,7 +276,9 @@ class _Scratch(threading.local):
 
     def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self.buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        # one made under torch.inference_mode cannot be written outside it (a prefill after generate's)
+        stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+        if buf is None or stale or buf.numel() < numel or buf.dtype != dtype:
             buf = self.buffers[name] = torch.empty(numel, dtype=dtype)
         return buf[:numel]
 

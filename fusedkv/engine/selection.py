@@ -93,8 +93,8 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
                    native_step: bool = False) -> Runtime:
     """Install, once, the attention implementation of every layer of `model` (a FusedKV model or its
     decoder), for its current device and dtype; with `native_step`, also build the one-call native decode
-    step over `cache` (a `StaticKVCache` without windows, or an empty `fusedkv.quant.KIVICache` that knows its
-    max_len, which the step then reserves) for `batch` rows, where it covers them."""
+    step over `cache` (a `StaticKVCache`, or an empty `fusedkv.quant.KIVICache` that knows its max_len, which the
+    step then reserves) for `batch` rows, where it covers them."""
     if path not in ATTENTION_PATHS:
         raise ValueError(f"attention path {path!r}: choose one of {ATTENTION_PATHS}")
     param = next(model.parameters())
@@ -120,8 +120,8 @@ def select_runtime(model, path: str = "auto", cache=None, batch: int | None = No
     step = None
     if native_step and path in ("auto", "native"):
         try:  # the step checks, once, that it covers the model and the cache (`native_step.unsupported`)
-            if type(cache) is StaticKVCache and not cache.windowed:
-                step = NativeDecodeStep(model, cache.keys, cache.values, batch)
+            if type(cache) is StaticKVCache:
+                step = NativeDecodeStep(model, cache.keys, cache.values, batch, cache.window_start, cache.max_len)
             elif getattr(cache, "quantization", None) == "kivi" and cache.get_seq_length() == 0:
                 # KIVI read in place (`fusedkv.kernels.cpu_kivi`); the step reserves the cache's buffers
                 step = NativeDecodeStep(model, {}, {}, batch, kivi=cache)

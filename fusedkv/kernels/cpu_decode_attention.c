@@ -122,6 +122,19 @@ int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len,
                      int n_v, const void* v0, const void* v1, long vsb, long vsh, long vst,
                      const float* vb0, const float* vb1, long vb_hs,
                      const int64_t* kv_start, float* out, int threads) {
+    return decode_attention_capped(q, B, H_q, H_kv, D, T_len, scale, 0.f, kind, n_k, k0, k1, ksb, ksh, kst, ka0, ka1,
+                                   ka_hs, n_v, v0, v1, vsb, vsh, vst, vb0, vb1, vb_hs, kv_start, out, NULL, threads);
+}
+
+/* The same, with Gemma 2's soft-capping of the scores (softcap > 0: s -> softcap tanh(s / softcap), after the
+ * scale) and, where `lse` [B, H_q] is given, each row's log-sum-exp of its scores (-inf with no key), so that
+ * the native step can merge attention over two sets of keys (a window's ring and this step's token). */
+int decode_attention_capped(const float* q, int B, int H_q, int H_kv, int D, int T_len, float scale, float softcap,
+                            int kind, int n_k, const void* k0, const void* k1, long ksb, long ksh, long kst,
+                            const float* ka0, const float* ka1, long ka_hs,
+                            int n_v, const void* v0, const void* v1, long vsb, long vsh, long vst,
+                            const float* vb0, const float* vb1, long vb_hs,
+                            const int64_t* kv_start, float* out, float* lse, int threads) {
     const void* k_ptr[2] = {k0, k1};
     const void* v_ptr[2] = {v0, v1};
     const long k_sb[2] = {ksb, ksb}, k_sh[2] = {ksh, ksh}, k_st[2] = {kst, kst};
@@ -152,10 +165,13 @@ int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len,
         for (int j = 0; j < group; j++) {  /* softmax over [start, T) */
             float* s = scores + (long)j * T_len;
             float m = -INFINITY, sum = 0.f;
+            if (softcap > 0.f)
+                for (int t = start; t < T_len; t++) s[t] = softcap * tanhf(s[t] / softcap);
             for (int t = start; t < T_len; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+:sum)
             for (int t = start; t < T_len; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
             const float inv = sum > 0.f ? 1.f / sum : 0.f;  /* no key at all: zeros, as the reference */
+            if (lse) lse[(long)b * H_q + g * group + j] = sum > 0.f ? m + logf(sum) : -INFINITY;
 #pragma omp simd
             for (int t = start; t < T_len; t++) s[t] *= inv;
         }

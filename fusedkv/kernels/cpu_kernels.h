@@ -26,6 +26,12 @@ int decode_attention(const float* q, int B, int H_q, int H_kv, int D, int T_len,
                      int n_v, const void* v0, const void* v1, long vsb, long vsh, long vst,
                      const float* vb0, const float* vb1, long vb_hs,
                      const int64_t* kv_start, float* out, int threads);
+int decode_attention_capped(const float* q, int B, int H_q, int H_kv, int D, int T_len, float scale, float softcap,
+                            int kind, int n_k, const void* k0, const void* k1, long ksb, long ksh, long kst,
+                            const float* ka0, const float* ka1, long ka_hs,
+                            int n_v, const void* v0, const void* v1, long vsb, long vsh, long vst,
+                            const float* vb0, const float* vb1, long vb_hs,
+                            const int64_t* kv_start, float* out, float* lse, int threads);
 
 /* cpu_kivi_attention.c: a KIVI cache (fusedkv/quant/kivi.py) read in place; layouts in that file. */
 typedef struct {

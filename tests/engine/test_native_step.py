@@ -102,10 +102,10 @@ def test_generate_uses_the_step(monkeypatch):
 
 @pytest.mark.parametrize("case, overrides, batch, layout", [
     ("unpacked", {}, 1, "row-major"),
-    ("batch above 4", {}, 5, "packed"),
-    ("moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 1, "packed"),
-    ("mla", dict(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16), 1,
-     "packed"),
+    ("batch above 16", {}, 17, "packed"),
+    ("moe experts row-major", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 1, "row-major"),
+    ("mla row-major", dict(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                           v_head_dim=16), 1, "row-major"),
 ])
 def test_declined_models_fall_back(case, overrides, batch, layout):
     """What the step does not cover is named by `unsupported`, refused by the constructor with that
@@ -121,12 +121,6 @@ def test_declined_models_fall_back(case, overrides, batch, layout):
     fallback = generate(model, ids, 4)
     assert not fallback.native_step  # the modules ran, and gave what forcing them gives
     assert torch.equal(fallback.tokens, generate(model, ids, 4, native_step=False).tokens)
-
-
-def test_window_cache_is_declined():
-    model = _packed("fusedkv", sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
-    cache = StaticKVCache(model.config, 1, 16)
-    assert unsupported(model, cache.keys, cache.values, 1)
 
 
 def test_bf16_model_is_declined():

@@ -2,17 +2,19 @@
 over the same integers (the cache's own codes, scales and zeros, dequantised in float64) at every bit width,
 on both sides of the group and residual boundaries, with left padding, batch > 1 and the plans' sources;
 its flush against the module path's quantiser, bit for bit; the native decode step over a KIVI cache against
-the model's forward through the same cache; `generate` with and without the native step."""
+the model's forward through the same cache (MoE layers and 16 rows included); `generate` with and without the
+native step; what the step declines over a KIVI cache (window layers, MLA, soft-capped scores), by name."""
 
 import copy
 
 import pytest
 import torch
 
-from fusedkv.engine.native_step import NativeDecodeStep
+from fusedkv.engine.native_step import MAX_ROWS, NativeDecodeStep, unsupported
 from fusedkv.engine.packing import set_decode_layout
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_kivi, native
+from fusedkv.plan import FULL, SLIDING
 from fusedkv.quant import KIVICache, kivi_cache_factory
 from fusedkv.quant.kivi import KIVILayer, dequantize
 from tests.conftest import tiny_config, tiny_model
@@ -154,21 +156,27 @@ def test_pending_token_and_flush_match_the_module_path(bits, at, shape):
 STEP_G, STEP_R = SHAPES["vector"][1:]  # the step's model has 64-channel heads: the vector loops
 
 
-def _kivi_model(plan):
-    model = tiny_model(plan, head_dim=SHAPES["vector"][0], max_position_embeddings=128)
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24)
+
+
+def _kivi_model(plan, **overrides):
+    model = tiny_model(plan, head_dim=SHAPES["vector"][0], max_position_embeddings=128, **overrides)
     set_decode_layout(model, "packed")
     return model
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("plan", ["vanilla", "fusedkv-lite", "fusedkv", "fusedkv-gqa"])
-def test_native_step_matches_the_forward(plan, bits):
+@pytest.mark.parametrize("bits, plan, batch, overrides", [
+    *((bits, plan, 2, {}) for bits in (2, 4) for plan in ("vanilla", "fusedkv-lite", "fusedkv", "fusedkv-gqa")),
+    (4, "fusedkv", 5, MOE),  # sparse MLPs in the step, over a KIVI cache
+    (2, "fusedkv", MAX_ROWS, {}),  # the step's widest batch
+])
+def test_native_step_matches_the_forward(plan, bits, batch, overrides):
     """Each step over a reserved KIVI cache against the model's forward over a copy of that cache as it stands
     (its storage layers dequantise what is held, its reconstruction layers fuse what they return). A copy per
     step, not a second cache fed the same tokens: the step's K/V differ from the forward's in the last bits, and
     quantising can turn that into one code step, which later steps would then compare through."""
-    model = _kivi_model(plan)
-    batch, prompt, total = 2, 13, 13 + 2 * STEP_R + 3
+    model = _kivi_model(plan, **overrides)
+    prompt, total = 13, 13 + 2 * STEP_R + 3
     ids = torch.randint(1, 97, (batch, total), generator=torch.Generator().manual_seed(0))
     cache = KIVICache(model.config, bits, STEP_G, STEP_R, max_len=total)
     with torch.inference_mode():
@@ -184,17 +192,34 @@ def test_native_step_matches_the_forward(plan, bits):
             assert cache.nbytes() == reference.nbytes()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("plan", ["fusedkv", "fusedkv-lite"])
-def test_generate_same_tokens_with_and_without_the_native_step(plan, bits):
-    model = _kivi_model(plan)
-    ids = torch.randint(1, 97, (3, 14), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("bits, plan, batch, overrides", [
+    *((bits, plan, 3, {}) for bits in (2, 4) for plan in ("fusedkv", "fusedkv-lite")),
+    (4, "fusedkv", MAX_ROWS, MOE),
+])
+def test_generate_same_tokens_with_and_without_the_native_step(plan, bits, batch, overrides):
+    model = _kivi_model(plan, **overrides)
+    ids = torch.randint(1, 97, (batch, 14), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :9] = 0
+    for row in range(1, batch):  # left padding of 0-12 tokens
+        mask[row, : (row * 4 + 1) % 13] = 0
     factory = kivi_cache_factory(bits, STEP_G, STEP_R)
     native_run = generate(model, ids, 2 * STEP_R + 5, attention_mask=mask, cache_factory=factory)
     module_run = generate(model, ids, 2 * STEP_R + 5, attention_mask=mask, cache_factory=factory, native_step=False)
     assert native_run.native_step and not module_run.native_step
     assert torch.equal(native_run.tokens, module_run.tokens)
     assert native_run.cache_bytes == module_run.cache_bytes
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(sliding_window=4, layer_types=[SLIDING, FULL, SLIDING, FULL]), "sliding-window layers over a KIVI cache"),
+    (dict(attn_logit_softcapping=2.0), "soft-capping over a KIVI cache"),
+    (dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16), "MLA over a KIVI cache"),
+])
+def test_native_step_declines_what_the_kivi_kernel_lacks(overrides, reason):
+    """The KIVI kernel attends over a whole history with plain scores: window layers, MLA and soft-capped
+    scores over a KIVI cache stay module by module, by name, and `generate` then runs the modules."""
+    model = _kivi_model("fusedkv", **overrides)
+    cache = KIVICache(model.config, 4, STEP_G, STEP_R, max_len=32)
+    assert reason in unsupported(model, {}, {}, 2, kivi=cache)
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(2))
+    assert not generate(model, ids, 3, cache_factory=kivi_cache_factory(4, STEP_G, STEP_R)).native_step
