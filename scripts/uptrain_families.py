@@ -134,7 +134,7 @@ def run_control(args: list[str], out: Path) -> dict:
     another OUT): distillation from itself plus the LM loss, the same steps, seed and held-out windows."""
     from fusedkv.cli import build_parser
     from fusedkv.convert import convert_checkpoint
-    from fusedkv.train import checkpoint as ckpt_io
+    from fusedkv.train import full_checkpoint as ckpt_io
     from fusedkv.train import train
     from fusedkv.uptrain.command import build
 

@@ -77,12 +77,13 @@ def test_metadata_fields_are_only_bookkeeping():
     assert not METADATA & {"hidden_act", "rope_parameters", "sliding_window", "attention_bias"}
 
 
-def test_paths_that_run_only_the_qwen3_block_decline_the_imported_features():
-    """The native CPU decode step implements the Qwen3 block alone: an imported Llama (no QK-norm, llama3
-    RoPE) or Gemma model is refused there by name, never run with the wrong block. The vLLM plugin serves
-    them (tests/serving/test_vllm_families.py)."""
+def test_imported_features_are_served_and_run_by_the_native_step():
+    """An imported Llama (no QK-norm, llama3 RoPE) needs block features beyond Qwen3's; the vLLM plugin serves
+    them (tests/serving/test_vllm_families.py) and the native CPU decode step runs them once the weights are
+    in its layout (tests/engine/test_native_step_coverage.py checks its tokens)."""
     from fusedkv import FusedKVForCausalLM
     from fusedkv.engine.native_step import unsupported
+    from fusedkv.engine.packing import set_decode_layout
     from fusedkv.serving.plugin import check_servable
 
     hf = transformers.LlamaConfig(**SMALL, rope_parameters={
@@ -93,7 +94,7 @@ def test_paths_that_run_only_the_qwen3_block_decline_the_imported_features():
     check_servable(config)  # served by the vLLM plugin
     model = FusedKVForCausalLM(config).eval()
     keys = {i: torch.zeros(1, 2, 8, 16) for i in range(2)}
-    reason = unsupported(model, keys, dict(keys), 1)
-    assert reason is not None and ("use_qk_norm" in reason or "native" in reason)
+    assert "packed decode layout" in unsupported(model, keys, dict(keys), 1)  # row-major weights: not yet
+    assert unsupported(set_decode_layout(model, "packed"), keys, dict(keys), 1) is None
     hf = transformers.Qwen3Config(**SMALL).to_dict()
     assert family_for(hf).to_config(hf, "vanilla").extra_block_features() == []
