@@ -36,9 +36,11 @@ def worker(prompt: int, new_tokens: int, repeats: int) -> None:
 
     import fusedkv
     from fusedkv.generation import generate
-    try:
+    # Choose by what this tree holds, not by trying: a failed import of fusedkv.speed would otherwise be
+    # answered by the editable install's finder from the repository's own tree.
+    if (Path(fusedkv.__file__).parent / "speed").is_dir():
         from fusedkv.speed.inference import BenchShape, build_models
-    except ImportError:  # a tree from before fusedkv/bench/ was renamed fusedkv/speed/
+    else:  # a tree from before fusedkv/bench/ was renamed fusedkv/speed/
         from fusedkv.bench.inference import BenchShape, build_models
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

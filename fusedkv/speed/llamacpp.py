@@ -302,6 +302,7 @@ class LlamaCppRunner:
         if llama_cpp.llama_state_seq_get_data(llm.ctx, buf, size, 0) != size:
             raise RuntimeError("llama.cpp did not return its sequence state")
         state = tile_seq_state(bytes(buf), context)
+        state = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)  # the binding takes a uint8 pointer
         if llama_cpp.llama_state_seq_set_data(llm.ctx, state, len(state), 0) != len(state):
             raise RuntimeError(f"llama.cpp refused a sequence state of {context} cells (n_ctx={llm.n_ctx()})")
         llm.n_tokens = context
