@@ -8,7 +8,8 @@ differ):
 
 `prompts.json` is a list of token-id lists (token ids, not text, so that both sides see the same
 inputs). For every checkpoint: greedy tokens, the log-probability of each prompt token after the
-first, vLLM's cache capacity (blocks, tokens, max concurrency) and, with --timed, the wall time.
+first, vLLM's cache capacity (blocks, tokens, max concurrency), the class of each layer's MLP (which
+MoE path ran) and, with --timed, the wall time.
 The checkpoints run one after another in this process (in-process engine, eager mode), so a
 comparison of many plans pays vLLM's start-up once per checkpoint, not once per process.
 
@@ -95,8 +96,14 @@ def describe(llm, model: str, prompts: list[list[int]], outputs, args) -> dict:
               "storage_layers": list(hf_config.plan.storage_layers),
               "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": cache.kv_cache_size_tokens, "max_concurrency": cache.kv_cache_max_concurrency,
-              "generated_tokens": sum(len(r["tokens"]) for r in rows)}
+              "generated_tokens": sum(len(r["tokens"]) for r in rows),
+              "mlp": llm.apply_model(mlp_kinds)[0]}
     return result
+
+
+def mlp_kinds(model) -> list[str]:
+    """The class of every decoder layer's MLP (which MoE path the plugin chose: `vllm_moe`)."""
+    return [type(layer.mlp).__name__ for layer in model.model.layers]
 
 
 def main(argv=None) -> int:

@@ -60,7 +60,7 @@ from ..plan import SLIDING, LayerKV
 from .paged import CrossLayerAttention, select_paths
 from .plugin import check_servable
 from .vllm_mla import make_mla
-from .vllm_moe import make_moe_mlp
+from .vllm_moe import FusedSparseMoE, make_moe_mlp
 
 
 def check_backend_runs(config) -> None:
@@ -193,8 +193,12 @@ def make_attention(config, layer: LayerKV, cache_config, quant_config, model_pre
 def make_mlp(config, layer: LayerKV, quant_config, prefix: str) -> nn.Module:
     """The MLP of one decoder layer: `forward(hidden_states) -> hidden_states`. The one place that chooses
     it: a mixture of experts (`vllm_moe`) or the gated MLP."""
-    return make_moe_mlp(config, layer.index, prefix) or GatedMLP(
-        config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, quant_config, prefix)
+    def gated(size: int, prefix: str, act: str = "silu", bias: bool = False) -> GatedMLP:
+        return GatedMLP(config.hidden_size, size, act, bias, quant_config, prefix)
+
+    # DeepSeekMoE's shared experts: a bias-free SwiGLU (the model's `SwiGLU` default).
+    return make_moe_mlp(config, layer.index, prefix, gated) or gated(
+        config.intermediate_size, prefix, config.hidden_act, config.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -367,11 +371,18 @@ class FusedKVForCausalLM(nn.Module):
                    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
                    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
                    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
-                   (".mlp.up_proj.", ".mlp.gate_up_proj.", 1)]
+                   (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+                   (".shared_experts.gate_proj.", ".shared_experts.gate_up_proj.", 0),
+                   (".shared_experts.up_proj.", ".shared_experts.gate_up_proj.", 1)]
         params = {**dict(self.named_buffers()), **dict(self.named_parameters())}  # buffers: MoE score bias
+        fused_moe = {name: m for name, m in self.named_modules() if isinstance(m, FusedSparseMoE)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            owner, _, leaf = name.rpartition(".experts.")
+            if owner in fused_moe:  # stacked experts: vLLM's FusedMoE takes them in its own layout
+                loaded.update(f"{owner}.{p}" for p in fused_moe[owner].load_experts(leaf, tensor))
                 continue
             if name in params:  # direct: embeddings, norms, o_proj, reconstruction layers' q_proj, fusion
                 param = params[name]

@@ -1,35 +1,115 @@
 """Mixture-of-experts MLPs of FusedKV models served by vLLM (Qwen3-MoE and DeepSeekMoE routing).
 
-KV sharing touches attention only (paper App. A.6), so a sparse layer's MLP is the model's own
-`fusedkv.model.moe.SparseMoE`: its router (softmax or DeepSeek-V3's sigmoid with
-`e_score_correction_bias`, grouped top-k, `norm_topk_prob`, `routed_scaling_factor`), its grouped
-expert GEMM and its shared experts, with the checkpoint's parameter names. It is transformers'
-arithmetic step for step (`fusedkv.model.moe`), so float32 greedy tokens equal transformers' and
-`fusedkv generate`'s (tests/serving/test_vllm_moe_mla.py). vLLM's `FusedMoE` is not used yet: its CPU
-router (vLLM 0.32 `fused_moe/router/cpu_router.py`) does express this routing (softmax or sigmoid scores,
-e_score_correction_bias, grouped top-k, renormalisation, routed_scaling_factor on the weights), but its
-experts run in its own fused CPU kernel with another summation order, and wiring it (expert weight
-mapping, shared experts beside it) was not tried against the exactness bar.
+KV sharing touches attention only (paper App. A.6), so a sparse layer's MLP is an ordinary MoE. Two ways to
+run it, chosen once when the model is built (`moe_path`, logged once):
 
-Under torch.compile the layer runs as one opaque custom op (`torch.ops.vllm.fusedkv_moe`), as
-vLLM's own MoE layers do: the routing has data-dependent shapes (tokens per expert) that the graph
-must not trace. The op finds its layer by name in vLLM's forward context.
+  * "fused" (the default): vLLM's own `FusedMoE` (`FusedMoEFactory`, as vLLM's qwen3_moe.py and
+    deepseek_v2.py build it). The router is vLLM's (on CPU `fused_moe/router/cpu_router.py`), configured
+    from our config: Qwen3-MoE's softmax top-k with `norm_topk_prob` (renormalize); DeepSeek-V2's grouped
+    top-k ("group_limited_greedy": softmax, groups ranked by their best expert); DeepSeek-V3's "noaux_tc"
+    (sigmoid scores, `e_score_correction_bias` in the choice only, groups ranked by their top-2 sum);
+    `routed_scaling_factor` on the routed weights (after renormalisation, as ours). The experts run in vLLM's
+    fused kernel (on CPU `cpu_fused_moe`); DeepSeekMoE's shared experts are a gated MLP beside it, added by
+    vLLM's MoE runner as in its DeepSeek model. The checkpoint's stacked expert tensors
+    (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]) load
+    through vLLM's own expert mapping (`RoutedExperts.load_weights`, the fused-checkpoint entries of
+    `make_expert_params_mapping`). Same math as ours, another summation order: float32 prompt
+    log-probabilities agree to ~1e-6 (tests/serving/test_vllm_fused_moe.py).
+  * "exact": the model's own `fusedkv.model.moe.SparseMoE` (transformers' arithmetic step for step, so
+    float32 greedy tokens equal `fusedkv generate`'s and transformers'), run under torch.compile as one
+    opaque custom op (`torch.ops.vllm.fusedkv_moe`) so the graph does not trace its data-dependent expert
+    blocks; the op finds its layer by name in vLLM's forward context. Chosen by `FUSEDKV_VLLM_MOE=exact`, and
+    where vLLM's FusedMoE cannot run the config: on CPU, a hidden size that is not a multiple of the fused
+    kernel's output alignment (32 in vLLM 0.32's `CPUUnquantizedExperts`). Every routing the config admits
+    (`FusedKVConfig._check_routing`) is expressible by vLLM's router, so nothing else falls back.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from ..model.moe import SparseMoE, is_sparse_layer
 
+logger = init_logger(__name__)
+
+MOE_ENV = "FUSEDKV_VLLM_MOE"
+FUSED, EXACT = "fused", "exact"
+
+
+def moe_path(config) -> tuple[str, str]:
+    """(FUSED or EXACT, why): how this model's sparse layers run, from `FUSEDKV_VLLM_MOE` and the config."""
+    chosen = os.environ.get(MOE_ENV) or FUSED
+    if chosen not in (FUSED, EXACT):
+        raise ValueError(f"{MOE_ENV}={chosen!r}: choose {FUSED!r} (vLLM's FusedMoE, the default) or {EXACT!r} "
+                         "(the model's own SparseMoE as one custom op)")
+    if chosen == EXACT:
+        return EXACT, f"{MOE_ENV}={EXACT}"
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        align = CPUUnquantizedExperts.output_alignment
+        if config.hidden_size % align:
+            return EXACT, (f"hidden_size={config.hidden_size} is not a multiple of {align}, which vLLM's CPU fused-MoE "
+                           "kernel needs")
+    return FUSED, "vLLM's FusedMoE"
+
+
+class FusedSparseMoE(nn.Module):
+    """One sparse MLP on vLLM's FusedMoE: `forward(hidden_states [T, H]) -> [T, H]`. Parameters: `gate.weight`
+    (+ `gate.e_score_correction_bias` for "noaux_tc"), `shared_experts.*` (vLLM's stacked gate_up_proj), and
+    `experts.routed_experts.w13_weight` / `w2_weight` (vLLM's layout, filled by `load_experts`)."""
+
+    def __init__(self, config, prefix: str, shared_mlp: Callable[[int, str], nn.Module]):
+        super().__init__()
+        noaux = config.topk_method == "noaux_tc"
+        self.gate = GateLinear(config.hidden_size, config.num_experts, prefix=f"{prefix}.gate")
+        # A parameter, as vLLM's DeepSeek model keeps it (fp32); the router reads this very tensor.
+        self.gate.e_score_correction_bias = (
+            nn.Parameter(torch.empty(config.num_experts, dtype=torch.float32), requires_grad=False) if noaux else None)
+        self.shared_experts = (shared_mlp(config.moe_intermediate_size * config.n_shared_experts,
+                                          f"{prefix}.shared_experts") if config.n_shared_experts else None)
+        # vLLM's plain softmax top-k has no scaling factor: any other routing goes through its grouped top-k
+        # (one group of all experts for "greedy", as vLLM's DeepSeek model does).
+        grouped = config.topk_method != "greedy" or config.routed_scaling_factor != 1.0
+        groups = (config.n_group, config.topk_group) if config.topk_method != "greedy" else (1, 1)
+        self.experts = FusedMoEFactory(
+            num_experts=config.num_experts, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+            use_grouped_topk=grouped, num_expert_group=groups[0] if grouped else None,
+            topk_group=groups[1] if grouped else None, scoring_func="sigmoid" if noaux else "softmax",
+            routed_scaling_factor=config.routed_scaling_factor,
+            e_score_correction_bias=self.gate.e_score_correction_bias,
+            gate=self.gate, shared_experts=self.shared_experts, prefix=f"{prefix}.experts")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # The runner holds the gate: it computes the router logits itself from the hidden states.
+        return self.experts(hidden_states=hidden_states, router_logits=hidden_states)
+
+    def load_experts(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """Load the checkpoint tensor `experts.<name>` (all experts stacked); returns the parameter names filled,
+        relative to this module."""
+        filled = sorted(set(self.experts.load_weights([(name, tensor)])))
+        if not filled:
+            raise ValueError(f"checkpoint tensor 'experts.{name}' {tuple(tensor.shape)} does not map onto "
+                             "vLLM's FusedMoE experts (expected experts.gate_up_proj [E, 2I, H] or "
+                             "experts.down_proj [E, H, I])")
+        return [f"experts.{n}" for n in filled]
+
 
 class ServedMoE(SparseMoE):
-    """One sparse MLP: `forward(hidden_states [T, H]) -> [T, H]` (the router logits are not needed).
-    Its parameters are SparseMoE's, named as in the checkpoint (`mlp.gate.weight`, `mlp.experts.*`)."""
+    """The exact path: the model's own SparseMoE, `forward(hidden_states [T, H]) -> [T, H]` through one custom
+    op (the router logits are not needed). Its parameters are SparseMoE's, named as in the checkpoint."""
 
     def __init__(self, config, prefix: str):
         super().__init__(config)
@@ -57,7 +137,13 @@ def _moe_fake(hidden_states: torch.Tensor, layer_name: str) -> torch.Tensor:
 direct_register_custom_op(op_name="fusedkv_moe", op_func=_moe, fake_impl=_moe_fake)
 
 
-def make_moe_mlp(config, index: int, prefix: str) -> nn.Module | None:
+def make_moe_mlp(config, index: int, prefix: str, shared_mlp: Callable[[int, str], nn.Module]) -> nn.Module | None:
     """The sparse MLP of layer `index`, or None where the layer keeps the dense MLP (Qwen3-MoE's
-    `mlp_only_layers` / `decoder_sparse_step`, DeepSeek's first_k_dense_replace)."""
-    return ServedMoE(config, prefix) if is_sparse_layer(config, index) else None
+    `mlp_only_layers` / `decoder_sparse_step`, DeepSeek's first_k_dense_replace). `shared_mlp(size, prefix)`
+    builds DeepSeekMoE's shared experts (the served gated MLP) for the fused path."""
+    if not is_sparse_layer(config, index):
+        return None
+    path, why = moe_path(config)
+    (logger.info_once if path == FUSED else logger.warning_once)(
+        f"fusedkv: sparse MoE layers run on the {path} path ({why})")
+    return FusedSparseMoE(config, prefix, shared_mlp) if path == FUSED else ServedMoE(config, prefix)
