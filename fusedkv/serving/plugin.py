@@ -12,6 +12,8 @@ environment has an older transformers in which the project's HF forward does not
 
 from __future__ import annotations
 
+import os
+
 ARCHITECTURE = "FusedKVForCausalLM"
 MODEL_CLASS = "fusedkv.serving.vllm_model:FusedKVForCausalLM"
 
@@ -43,8 +45,24 @@ def serving_config_class():
     return FusedKVServingConfig
 
 
+# How sparse MoE layers run under vLLM (`vllm_moe`): vLLM's FusedMoE (the default) or the model's own SparseMoE.
+MOE_ENV = "FUSEDKV_VLLM_MOE"
+MOE_PATHS = ("fused", "exact")
+
+
+def requested_moe_path() -> str:
+    """$FUSEDKV_VLLM_MOE ("fused" when unset); ValueError naming the variable for any other value."""
+    chosen = os.environ.get(MOE_ENV) or MOE_PATHS[0]
+    if chosen not in MOE_PATHS:
+        raise ValueError(f"{MOE_ENV}={chosen!r}: choose 'fused' (vLLM's FusedMoE, the default) or 'exact' (the "
+                         "model's own SparseMoE as one custom op)")
+    return chosen
+
+
 def check_servable(config) -> None:
     """Raise ValueError naming what the vLLM plugin cannot serve yet (the HF model can)."""
+    if getattr(config, "num_experts", 0):
+        requested_moe_path()  # a mistyped path is refused before vLLM starts, not after its start-up
     if getattr(config, "kv_lora_rank", None) is not None and config.rope_parameters.get("rope_type") == "dynamic":
         raise ValueError("rope_type='dynamic': MLA layers served by the vLLM plugin take fixed RoPE tables (vllm_mla "
                          "builds the model's own); use `fusedkv generate`")

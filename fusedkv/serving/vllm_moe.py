@@ -26,7 +26,6 @@ run it, chosen once when the model is built (`moe_path`, logged once):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -40,20 +39,16 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from ..model.moe import SparseMoE, is_sparse_layer
+from .plugin import MOE_ENV, MOE_PATHS, requested_moe_path
 
 logger = init_logger(__name__)
 
-MOE_ENV = "FUSEDKV_VLLM_MOE"
-FUSED, EXACT = "fused", "exact"
+FUSED, EXACT = MOE_PATHS
 
 
 def moe_path(config) -> tuple[str, str]:
     """(FUSED or EXACT, why): how this model's sparse layers run, from `FUSEDKV_VLLM_MOE` and the config."""
-    chosen = os.environ.get(MOE_ENV) or FUSED
-    if chosen not in (FUSED, EXACT):
-        raise ValueError(f"{MOE_ENV}={chosen!r}: choose {FUSED!r} (vLLM's FusedMoE, the default) or {EXACT!r} "
-                         "(the model's own SparseMoE as one custom op)")
-    if chosen == EXACT:
+    if requested_moe_path() == EXACT:
         return EXACT, f"{MOE_ENV}={EXACT}"
     if current_platform.is_cpu():
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts

@@ -13,7 +13,8 @@ Checkpoints (tiny, random, head_dim 32; routers drawn wide enough that top-k cho
   * a hidden size (80) that vLLM's CPU fused-MoE kernel cannot run (it needs multiples of 32): served on the
     exact path (the model's own SparseMoE as a custom op), FusedKV.
 
-One vLLM process, one eager engine per checkpoint (six in all).
+One vLLM process, one eager engine per checkpoint (six in all). Without vLLM: the path variable is checked
+before vLLM starts (`plugin.check_servable`, which `fusedkv serve` runs first).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from family_checkpoints import randomize_fusion
 from tiny_checkpoints import MAX_NEW_TOKENS, PROMPTS, reference_outputs, tiny_config, write_tokenizer
 
 from tests.serving.conftest import run_offline
-
-pytestmark = pytest.mark.slow  # starts vLLM
 
 # fp32, two summation orders of the same math (vLLM's fused CPU kernel against grouped GEMMs); observed ~1e-6.
 LOGPROB_TOL = 1e-4
@@ -119,6 +118,7 @@ def served(vllm_python, moe_checkpoints, references, tmp_path_factory) -> dict[s
     return dict(zip(SERVED, results))
 
 
+@pytest.mark.slow  # starts vLLM
 @pytest.mark.parametrize("name", SERVED)
 def test_sparse_layers_run_on_the_chosen_path(name, served, moe_checkpoints):
     from fusedkv import FusedKVConfig
@@ -131,6 +131,7 @@ def test_sparse_layers_run_on_the_chosen_path(name, served, moe_checkpoints):
     assert served[name]["mlp"] == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SERVED)
 def test_greedy_tokens_and_prompt_logprobs_equal_fusedkv(name, served, references):
     ref, got = references[name]["rows"], served[name]["rows"]
@@ -144,6 +145,7 @@ def test_greedy_tokens_and_prompt_logprobs_equal_fusedkv(name, served, reference
     assert worst < LOGPROB_TOL, f"{name}: prompt log-probabilities differ by {worst:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", IMPORTED)
 @torch.no_grad()
 def test_vanilla_import_served_equals_transformers(family, served, moe_checkpoints, references):
@@ -154,3 +156,16 @@ def test_vanilla_import_served_equals_transformers(family, served, moe_checkpoin
         ids = torch.tensor([ref["prompt_ids"]])
         gen = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=1)
         assert row["tokens"] == gen[0, ids.shape[1]:].tolist(), (family, ref["prompt"])
+
+
+def test_moe_path_variable_is_checked_before_vllm_starts(monkeypatch):
+    from fusedkv.serving.plugin import MOE_ENV, check_servable
+
+    moe = tiny_config("vanilla", 64, **ODD_HIDDEN)
+    for ok in ("", "fused", "exact"):
+        monkeypatch.setenv(MOE_ENV, ok)
+        check_servable(moe)
+    monkeypatch.setenv(MOE_ENV, "fast")
+    with pytest.raises(ValueError, match=f"{MOE_ENV}='fast': choose 'fused'"):
+        check_servable(moe)
+    check_servable(tiny_config("vanilla", 64))  # a dense model does not read it
