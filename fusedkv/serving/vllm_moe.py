@@ -18,7 +18,8 @@ run it, chosen once when the model is built (`moe_path`, logged once):
   * "exact": the model's own `fusedkv.model.moe.SparseMoE` (transformers' arithmetic step for step, so
     float32 greedy tokens equal `fusedkv generate`'s and transformers'), run under torch.compile as one
     opaque custom op (`torch.ops.vllm.fusedkv_moe`) so the graph does not trace its data-dependent expert
-    blocks; the op finds its layer by name in vLLM's forward context. Chosen by `FUSEDKV_VLLM_MOE=exact`, and
+    blocks; the op finds its layer by name in vLLM's forward context. Chosen by `FUSEDKV_VLLM_MOE=exact` (the
+    variable is read by `plugin.requested_moe_path`, which `fusedkv serve` checks before vLLM starts), and
     where vLLM's FusedMoE cannot run the config: on CPU, a hidden size that is not a multiple of the fused
     kernel's output alignment (32 in vLLM 0.32's `CPUUnquantizedExperts`). Every routing the config admits
     (`FusedKVConfig._check_routing`) is expressible by vLLM's router, so nothing else falls back.
