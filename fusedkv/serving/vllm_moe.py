@@ -42,7 +42,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from ..model.moe import SparseMoE, is_sparse_layer
 from .plugin import MOE_ENV, MOE_PATHS, requested_moe_path
 
-logger = init_logger(__name__)
+# Under "vllm.": vLLM configures handlers for its own logger tree only, so a plain module name would print nothing.
+logger = init_logger(f"vllm.{__name__}")
 
 FUSED, EXACT = MOE_PATHS
 
