@@ -141,6 +141,8 @@ def make_moe_mlp(config, index: int, prefix: str, shared_mlp: Callable[[int, str
     if not is_sparse_layer(config, index):
         return None
     path, why = moe_path(config)
-    (logger.info_once if path == FUSED else logger.warning_once)(
-        f"fusedkv: sparse MoE layers run on the {path} path ({why})")
+    # A warning where the fused path was asked for (the default) but cannot run this config.
+    fallback = path == EXACT and requested_moe_path() == FUSED
+    say = logger.warning_once if fallback else logger.info_once
+    say(f"fusedkv: sparse MoE layers run on the {path} path ({why})")
     return FusedSparseMoE(config, prefix, shared_mlp) if path == FUSED else ServedMoE(config, prefix)
