@@ -322,14 +322,28 @@ def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], R
     return parts, ReducedGroup(whole, [m.out_features for m in linears])
 
 
-@torch.no_grad()
-def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
-    """Store every projection and the LM head of `model` in `fmt` (see the module docstring); the rest
-    of the model keeps its dtype. In place; returns the model. "float32" leaves it unchanged."""
+def head_format(fmt: str, head: str | None = None) -> str:
+    """The LM head's weight format for projections in `fmt`: `head` when given, else int8 under int4 weights
+    (`DEFAULT_INT4_HEAD`) and `fmt` otherwise. The head is the one product whose error reaches the logits
+    directly and nothing averages it out; llama.cpp's Q4_0 / Q4_K_M files keep theirs at 6 bits (Q6_K) for
+    that reason, and on the model of docs/cpu-decode.md ("int4 and the LM head") an int4 head alone costs
+    about as much perplexity and top-1 agreement as every other product at int4 together."""
     fmt = weight_format(fmt)
-    if fmt == "float32":
+    return weight_format(head) if head is not None else DEFAULT_INT4_HEAD if fmt == "int4" else fmt
+
+
+DEFAULT_INT4_HEAD = "int8"
+
+
+@torch.no_grad()
+def reduce_precision(model: nn.Module, fmt: str, head: str | None = None) -> nn.Module:
+    """Store every projection of `model` in `fmt` and its LM head in `head_format(fmt, head)` (int8 under int4
+    unless `head` says otherwise; see the module docstring); the rest of the model keeps its dtype. In place;
+    returns the model. "float32" (with an f32 head) leaves it unchanged."""
+    fmt, head_fmt = weight_format(fmt), head_format(fmt, head)
+    if fmt == "float32" and head_fmt == "float32":
         return model
-    if fmt == "int8" and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+    if "int8" in (fmt, head_fmt) and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         raise ValueError("--weights int8 needs torch.ops.aten._weight_int8pack_mm (PyTorch >= 2.3)")
     if is_reduced(model):
         raise ValueError("the model's weights are already reduced; reduce a fresh float model")
@@ -337,7 +351,7 @@ def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
         raise ValueError("reduced-precision weights are a CPU decode path; on a GPU use --dtype bfloat16 for "
                          "the whole model instead")
     unpack_weights(model)  # plain row-major nn.Linear weights to read from
-    for module in list(model.modules()):
+    for module in list(model.modules()) if fmt != "float32" else []:
         # The model's seam (`fusedkv.engine.packing.projection_groups`): a group becomes one reduced product
         # in its slot, with its projections as slices of it; a single projection becomes a `ReducedLinear`.
         for names, slot in projection_groups(module):
@@ -349,12 +363,13 @@ def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
             for name, part in zip(names, parts):
                 setattr(module, name, part)
             setattr(module, slot, group)
-    head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear):
+    lm_head = model.get_output_embeddings()
+    if isinstance(lm_head, nn.Linear) and head_fmt != "float32":
         # An LM head tied to the embeddings stays tied in f32 in the embedding table; the head's copy
         # is the reduced one (decode reads the head every step, the embedding one row).
-        model.set_output_embeddings(ReducedLinear.from_linears([head], fmt))
+        model.set_output_embeddings(ReducedLinear.from_linears([lm_head], head_fmt))
     model.reduced_precision = fmt
+    model.reduced_head = head_fmt
     return model
 
 
