@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from fusedkv.cache import StaticKVCache
-from fusedkv.engine import select_runtime
+from fusedkv.engine import precision, select_runtime
 from fusedkv.engine.precision import (
     half_dtype,
     head_format,
@@ -751,14 +751,14 @@ def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[t
         select_runtime(model)  # decode through the engine's attention implementations, as generate() does
     lines = [f"{checkpoint} (plan {ref.config.kv_sharing}), {len(batches)} held-out windows of {ctx} tokens",
              "| weights | KV | full-forward ppl | decode ppl | decode ppl vs f32 | decode max abs logit diff vs f32 | "
-             "top-1 agreement |", "|---|---|---|---|---|---|---|"]
+             "top-1 agreement | mean KL vs f32 (1e-3 nats) |", "|---|---|---|---|---|---|---|---|"]
     with torch.inference_mode():
         refs = [ref(ids).logits for ids, _ in batches]
         ref_ppl = math.exp(sum(F.cross_entropy(r[0], y[0], reduction="sum").item() for r, (_, y) in zip(refs, batches))
                            / sum(y.numel() for _, y in batches))
         for w, kv in configs:
             model = models[w]
-            nll_full = nll_dec = n = agree = 0
+            nll_full = nll_dec = n = agree = kl = 0
             worst = 0.0
             for (ids, labels), ref_logits in zip(batches, refs):
                 full = model(ids).logits
@@ -769,26 +769,37 @@ def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[t
                 nll_dec += F.cross_entropy(dec, labels[0], reduction="sum").item()
                 worst = max(worst, (dec - ref_logits[0]).abs().max().item())
                 agree += (dec.argmax(-1) == ref_logits[0].argmax(-1)).sum().item()
+                kl += _kl_sum(ref_logits[0], dec)
                 n += labels.numel()
             lines.append(f"| {short(w)} | {SHORT[str(kv).removeprefix('torch.')]} | {math.exp(nll_full / n):.3f} | "
                          f"{math.exp(nll_dec / n):.3f} | {100 * (math.exp(nll_dec / n) / ref_ppl - 1):+.2f}% | "
-                         f"{worst:.4f} | {agree / n:.4f} |")
+                         f"{worst:.4f} | {agree / n:.4f} | {1e3 * kl / n:.3f} |")
         from fusedkv.speed.llamacpp import window_logits
 
         for ty, path in (llama or {}).items():
             kv = (llama_kv or {}).get(ty, "f32")
             logits = window_logits(path, [ids[0].tolist() for ids, _ in batches], torch.get_num_threads(), kv)
-            nll = n = agree = 0
+            nll = n = agree = kl = 0
             worst = 0.0
             for out, (_, labels), ref_logits in zip(logits, batches, refs):
                 out = torch.from_numpy(out).float()
                 nll += F.cross_entropy(out, labels[0], reduction="sum").item()
                 worst = max(worst, (out - ref_logits[0]).abs().max().item())
                 agree += (out.argmax(-1) == ref_logits[0].argmax(-1)).sum().item()
+                kl += _kl_sum(ref_logits[0], out)
                 n += labels.numel()
             lines.append(f"| llama.cpp {ty} | {kv} | {math.exp(nll / n):.3f} | - | "
-                         f"{100 * (math.exp(nll / n) / ref_ppl - 1):+.2f}% | {worst:.4f} | {agree / n:.4f} |")
+                         f"{100 * (math.exp(nll / n) / ref_ppl - 1):+.2f}% | {worst:.4f} | {agree / n:.4f} | "
+                         f"{1e3 * kl / n:.3f} |")
     return "\n".join(lines)
+
+
+def _kl_sum(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Sum over positions of KL(f32 model || this one), in nats: the whole next-token distribution's change (as
+    llama.cpp's `perplexity --kl-divergence` reports), steadier than a perplexity difference over a few thousand
+    tokens, whose sign a small change of the weights can flip."""
+    p = torch.log_softmax(ref_logits.double(), -1)
+    return (p.exp() * (p - torch.log_softmax(logits.double(), -1))).sum().item()
 
 
 def quality_gguf(checkpoint: str, src: str | None, specs: str) -> tuple[dict[str, Path], dict[str, str]]:
@@ -843,6 +854,9 @@ def main() -> None:
                     "(weight formats from --weights, e.g. float32,bfloat16,float16,int8,int4; KV kinds from --kv, "
                     "e.g. float32,bfloat16,float16)")
     ap.add_argument("--windows", type=int, default=16, help="--quality: held-out windows")
+    ap.add_argument("--int4-rule", choices=precision.INT4_RULES, default=precision.INT4_RULE,
+                    help="how int4 chooses its group scales (fusedkv.engine.precision.quantize_int4): the least "
+                    "squared error (mse, the default) or llama.cpp's Q4_0 rule (q4_0), to compare them")
     ap.add_argument("--overhead", action="store_true", help="print where one decode step's CPU time goes (weight "
                     "products, the rest, its dispatch floor; 1 thread, batch 1; --plans, --weights, --prompt-lens, "
                     "--kv: one of float32, half)")
@@ -850,6 +864,7 @@ def main() -> None:
                     "--plans, --weights, --prompt-lens, --repeats)")
     ap.add_argument("--steps", type=int, default=64, help="--overhead: decode steps per cell")
     args = ap.parse_args()
+    precision.INT4_RULE = args.int4_rule
     if args.overhead:
         print(overhead_table(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
                              [int(p) for p in args.prompt_lens.split(",")], args.steps, args.kv.split(",")[0]))
