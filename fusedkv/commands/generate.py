@@ -43,12 +43,12 @@ def register(sub) -> None:
                    "arithmetic, else float16. On CPU activations stay float32 (fusedkv.engine.precision)")
     p.add_argument("--weights", default=None, choices=[*precisions, "int8", "int4"],
                    help="weight storage instead of --dtype's (CPU, weight-only): int8 = one scale per output channel, "
-                   "int4 = one f16 scale per 32 weights (llama.cpp's Q4_0 rule) with the LM head at int8, as "
-                   "llama.cpp's Q4 files keep theirs at 6 bits (--head-weights int4 for every product at 4 bits)")
+                   "int4 = one f16 scale per 32 weights (Q4_0's format, least-squares scales) with the LM head at "
+                   "int8, as llama.cpp's Q4 files keep theirs at 6 bits (--head-weights int4: every product at 4 bits)")
     p.add_argument("--head-weights", default=None, choices=[*precisions, "int8", "int4"],
                    help="the LM head's weight storage (CPU); default: int8 under --weights int4, else as the other "
                    "weights. Its error reaches the logits directly: on a trained model int4 with an int4 head changed "
-                   "the top token at 8.6%% of positions, with an int8 head at 1.5%% (docs/cpu-decode.md)")
+                   "the top token at 4.6%% of positions, with an int8 head at 0.9%% (docs/cpu-decode.md)")
     p.add_argument("--kv-dtype", default=None, choices=precisions, help="KV cache dtype instead of --dtype's")
     add_kivi_flags(p, "KIVI 2/4-bit KV cache (fusedkv.quant): keys per channel, values per token, recent ones exact")
     p.set_defaults(func=run)
