@@ -44,13 +44,41 @@ from pathlib import Path
 import torch
 
 from fusedkv.cache import StaticKVCache
-from fusedkv.engine import select_runtime
-from fusedkv.engine.precision import half_dtype, kv_dtype_for, reduce_precision, weight_format, weight_nbytes
+from fusedkv.engine import precision, select_runtime
+from fusedkv.engine.precision import (
+    half_dtype,
+    head_format,
+    kv_dtype_for,
+    reduce_precision,
+    weight_format,
+    weight_nbytes,
+)
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
 from fusedkv.speed.inference import HF, BenchShape, build_models
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8", "int4": "int4"}
+
+
+def weight_spec(spec: str) -> str:
+    """A --weights entry normalised: FORMAT (the LM head in its default format: int8 under int4) or
+    FORMAT@HEAD (the LM head in HEAD, e.g. int4@int4 for every product at int4)."""
+    fmt, _, head = spec.partition("@")
+    fmt = weight_format(fmt)
+    return fmt if not head or head_format(fmt, head) == head_format(fmt) else f"{fmt}@{weight_format(head)}"
+
+
+def reduced(model, spec: str):
+    """`model` itself for f32, else a reduced copy of it for a `weight_spec`."""
+    if spec == "float32":
+        return model
+    fmt, _, head = spec.partition("@")
+    return reduce_precision(_copy(model), fmt, head or None)
+
+
+def short(spec: str) -> str:
+    fmt, _, head = spec.partition("@")
+    return SHORT[fmt] + (f"@{SHORT[head]}" if head else "")
 
 
 # ---- fusedkv rows ------------------------------------------------------------------------------------
@@ -61,11 +89,11 @@ def our_rows(plans: list[str], weights: list[str], kvs: list[str], max_len: int,
     rows = {}
     for plan in plans:
         for fmt in weights:
-            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
+            model = reduced(base[plan], fmt)
             # An f32 cache is compared for f32 weights only (llama.cpp's 16-bit weights run an f16 cache).
             for kv in kvs if fmt == "float32" else [k for k in kvs if k != "float32"] or kvs:
                 kv_dtype = torch.float32 if kv == "float32" else half_dtype()
-                label = f"{plan} w={SHORT[fmt]} kv={SHORT[str(kv_dtype).removeprefix('torch.')]}"
+                label = f"{plan} w={short(fmt)} kv={SHORT[str(kv_dtype).removeprefix('torch.')]}"
                 rows[label] = dict(model=model, kv_dtype=kv_dtype, weight_bytes=weight_nbytes(model))
     return rows, base.get(HF)  # no transformers twin for another architecture (--architecture)
 
@@ -132,7 +160,7 @@ def run(args) -> list[dict]:
     prompts = [int(p) for p in args.prompt_lens.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     max_len = max(prompts) + args.new_tokens + 8
-    weights = [weight_format(w) for w in args.weights.split(",")]
+    weights = [weight_spec(w) for w in args.weights.split(",")]
     kvs = ["float32" if k in ("float32", "f32") else "half" for k in args.kv.split(",")]
     ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len, _shape(args))
     if args.step != "native":  # the module-by-module loop, as rows of their own ("both") or instead
@@ -219,7 +247,7 @@ def _one(name, ours, runners, ids, new_tokens):
 def peer_of(name: str) -> list[str]:
     """The llama.cpp rows a fusedkv row is compared with: same weight kind (16-bit -> f16, int8 -> q8_0,
     int4 -> q4_0 and q4_k_m) and same KV width; the f32 rows of any plan -> llama.cpp f32 (vanilla)."""
-    w = name.split(" w=")[1].split()[0]
+    w = name.split(" w=")[1].split()[0].split("@")[0]
     kv = "f32" if name.split(" kv=")[1].split()[0] == "f32" else "f16"
     types = {"f32": ["f32"], "bf16": ["f16"], "f16": ["f16"], "int8": ["q8_0"], "int4": ["q4_0", "q4_k_m"]}[w]
     return [f"llama.cpp w={ty} kv={kv}" for ty in types]
@@ -297,7 +325,7 @@ def long_run(args) -> list[dict]:
     --seed-len prompt (`fill_ours`, `LlamaCppRunner.fill_cache`), so a cell costs seconds, not a 32k prefill."""
     contexts = [int(c) for c in args.long.split(",")]
     max_len = max(contexts) + args.new_tokens + 8
-    weights = [weight_format(w) for w in args.weights.split(",")]
+    weights = [weight_spec(w) for w in args.weights.split(",")]
     kvs = ["float32" if k in ("float32", "f32") else "half" for k in args.kv.split(",")]
     ours, hf = our_rows(args.plans.split(","), weights, kvs, max_len)
     llama = setup_llama(args, hf)
@@ -718,19 +746,19 @@ def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[t
         shard = prepare_dataset("builtin", tmp, tokenizer=checkpoint).val
         batches = list(iter_eval_batches(shard, ctx, 1, max_batches=windows))
     configs = [(w, kv) for w in weights for kv in kvs]
-    models = {w: ref if w == "float32" else reduce_precision(_copy(ref), w) for w in weights}
+    models = {w: reduced(ref, w) for w in weights}
     for model in models.values():
         select_runtime(model)  # decode through the engine's attention implementations, as generate() does
     lines = [f"{checkpoint} (plan {ref.config.kv_sharing}), {len(batches)} held-out windows of {ctx} tokens",
              "| weights | KV | full-forward ppl | decode ppl | decode ppl vs f32 | decode max abs logit diff vs f32 | "
-             "top-1 agreement |", "|---|---|---|---|---|---|---|"]
+             "top-1 agreement | mean KL vs f32 (1e-3 nats) |", "|---|---|---|---|---|---|---|---|"]
     with torch.inference_mode():
         refs = [ref(ids).logits for ids, _ in batches]
         ref_ppl = math.exp(sum(F.cross_entropy(r[0], y[0], reduction="sum").item() for r, (_, y) in zip(refs, batches))
                            / sum(y.numel() for _, y in batches))
         for w, kv in configs:
             model = models[w]
-            nll_full = nll_dec = n = agree = 0
+            nll_full = nll_dec = n = agree = kl = 0
             worst = 0.0
             for (ids, labels), ref_logits in zip(batches, refs):
                 full = model(ids).logits
@@ -741,26 +769,37 @@ def quality_table(checkpoint: str, windows: int, weights: list[str], kvs: list[t
                 nll_dec += F.cross_entropy(dec, labels[0], reduction="sum").item()
                 worst = max(worst, (dec - ref_logits[0]).abs().max().item())
                 agree += (dec.argmax(-1) == ref_logits[0].argmax(-1)).sum().item()
+                kl += _kl_sum(ref_logits[0], dec)
                 n += labels.numel()
-            lines.append(f"| {SHORT[w]} | {SHORT[str(kv).removeprefix('torch.')]} | {math.exp(nll_full / n):.3f} | "
+            lines.append(f"| {short(w)} | {SHORT[str(kv).removeprefix('torch.')]} | {math.exp(nll_full / n):.3f} | "
                          f"{math.exp(nll_dec / n):.3f} | {100 * (math.exp(nll_dec / n) / ref_ppl - 1):+.2f}% | "
-                         f"{worst:.4f} | {agree / n:.4f} |")
+                         f"{worst:.4f} | {agree / n:.4f} | {1e3 * kl / n:.3f} |")
         from fusedkv.speed.llamacpp import window_logits
 
         for ty, path in (llama or {}).items():
             kv = (llama_kv or {}).get(ty, "f32")
             logits = window_logits(path, [ids[0].tolist() for ids, _ in batches], torch.get_num_threads(), kv)
-            nll = n = agree = 0
+            nll = n = agree = kl = 0
             worst = 0.0
             for out, (_, labels), ref_logits in zip(logits, batches, refs):
                 out = torch.from_numpy(out).float()
                 nll += F.cross_entropy(out, labels[0], reduction="sum").item()
                 worst = max(worst, (out - ref_logits[0]).abs().max().item())
                 agree += (out.argmax(-1) == ref_logits[0].argmax(-1)).sum().item()
+                kl += _kl_sum(ref_logits[0], out)
                 n += labels.numel()
             lines.append(f"| llama.cpp {ty} | {kv} | {math.exp(nll / n):.3f} | - | "
-                         f"{100 * (math.exp(nll / n) / ref_ppl - 1):+.2f}% | {worst:.4f} | {agree / n:.4f} |")
+                         f"{100 * (math.exp(nll / n) / ref_ppl - 1):+.2f}% | {worst:.4f} | {agree / n:.4f} | "
+                         f"{1e3 * kl / n:.3f} |")
     return "\n".join(lines)
+
+
+def _kl_sum(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Sum over positions of KL(f32 model || this one), in nats: the whole next-token distribution's change (as
+    llama.cpp's `perplexity --kl-divergence` reports), steadier than a perplexity difference over a few thousand
+    tokens, whose sign a small change of the weights can flip."""
+    p = torch.log_softmax(ref_logits.double(), -1)
+    return (p.exp() * (p - torch.log_softmax(logits.double(), -1))).sum().item()
 
 
 def quality_gguf(checkpoint: str, src: str | None, specs: str) -> tuple[dict[str, Path], dict[str, str]]:
@@ -815,6 +854,9 @@ def main() -> None:
                     "(weight formats from --weights, e.g. float32,bfloat16,float16,int8,int4; KV kinds from --kv, "
                     "e.g. float32,bfloat16,float16)")
     ap.add_argument("--windows", type=int, default=16, help="--quality: held-out windows")
+    ap.add_argument("--int4-rule", choices=precision.INT4_RULES, default=precision.INT4_RULE,
+                    help="how int4 chooses its group scales (fusedkv.engine.precision.quantize_int4): the least "
+                    "squared error (mse, the default) or llama.cpp's Q4_0 rule (q4_0), to compare them")
     ap.add_argument("--overhead", action="store_true", help="print where one decode step's CPU time goes (weight "
                     "products, the rest, its dispatch floor; 1 thread, batch 1; --plans, --weights, --prompt-lens, "
                     "--kv: one of float32, half)")
@@ -822,6 +864,7 @@ def main() -> None:
                     "--plans, --weights, --prompt-lens, --repeats)")
     ap.add_argument("--steps", type=int, default=64, help="--overhead: decode steps per cell")
     args = ap.parse_args()
+    precision.INT4_RULE = args.int4_rule
     if args.overhead:
         print(overhead_table(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
                              [int(p) for p in args.prompt_lens.split(",")], args.steps, args.kv.split(",")[0]))
@@ -852,7 +895,7 @@ def main() -> None:
             print(why, file=sys.stderr)
         llama, llama_kv = ({}, {}) if args.no_llama or why else quality_gguf(
             args.quality, args.llamacpp_src, args.llama_rows)
-        print(quality_table(args.quality, args.windows, [weight_format(w) for w in args.weights.split(",")], kvs,
+        print(quality_table(args.quality, args.windows, [weight_spec(w) for w in args.weights.split(",")], kvs,
                             llama, llama_kv))
         return
     rows = long_run(args) if args.long else run(args)

@@ -48,14 +48,16 @@ def test_generate_from_checkpoint(tmp_path, capsys):
     assert "KV cache held" in capsys.readouterr().err
 
 
-def test_generate_int4_weights(tmp_path, capsys):
-    """--weights int4 (an LM head of 300 outputs: padded to whole blocks) decodes through the native step
-    where the kernels are built."""
+@pytest.mark.parametrize("head", [[], ["--head-weights", "int4"]])
+def test_generate_int4_weights(tmp_path, capsys, head):
+    """--weights int4 (LM head at int8 by default; --head-weights int4: an LM head of 300 outputs, padded to
+    whole blocks) decodes through the native step where the kernels are built."""
     from fusedkv.kernels import native
 
     save_tokenizer(tmp_path, 300)
     tiny_model("fusedkv", vocab_size=300).save_pretrained(tmp_path)
-    argv = ["generate", str(tmp_path), "--prompt", "ROMEO:", "--max-new-tokens", "5", "--greedy", "--weights", "int4"]
+    argv = ["generate", str(tmp_path), "--prompt", "ROMEO:", "--max-new-tokens", "5", "--greedy", "--weights", "int4",
+            *head]
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "KV cache held" in err and ("native decode step" in err) == native.available()

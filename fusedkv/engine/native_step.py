@@ -97,11 +97,9 @@ def _product(module) -> _Product | None:
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if isinstance(module, ReducedLinear):
-        if not module.blocked:
+        if not module.blocked or module.out_features != weight.shape[0] * cpu_gemv.BLOCK:  # padded: not laid out
             return None
         if module.fmt == "int4":
-            if module.out_features != weight.shape[0] * cpu_gemv.BLOCK:
-                return None
             return _Product(W_INT4_BLOCKS, module.in_features, weight.shape[1] * cpu_gemv.GROUP, module.out_features,
                             weight.data_ptr(), weight.stride(0), module.scale.data_ptr(),
                             None if bias is None else bias.data_ptr())

@@ -17,10 +17,11 @@ by `benchmarks/cpu_decode.py --kernels`):
     route is the slower of the two); `int8` runs `torch.ops.aten._weight_int8pack_mm`, the kernel behind
     PyTorch's / torchao's int8 weight-only CPU path, with the activation dtype it runs fastest with here
     (`int8_activation_dtype`).
-  * `int4` (any processor the native kernels build for): llama.cpp's Q4_0 rule (`quantize_int4`: 32 input
-    channels per f16 scale, levels -8..7, 4.5 bits per weight) in the blocks of
+  * `int4` (any processor the native kernels build for): llama.cpp's Q4_0 format (`quantize_int4`: 32 input
+    channels per f16 scale, levels -8..7, 4.5 bits per weight; the scale of least squared error) in the blocks of
     `fusedkv.kernels.cpu_gemv.linear_int4`, widened to bf16 by a table look-up where AVX-512 BF16 is
-    present, else multiplied in f32 by a vectorised loop; many rows dequantise it like int8.
+    present, else multiplied in f32 by a vectorised loop; many rows dequantise it like int8. The LM head
+    stays int8 under int4 unless asked (`head_format`), as llama.cpp's Q4 files keep theirs at 6 bits.
   * int8 is symmetric per-output-channel quantisation (scale = max |w| / 127 per row of W), weight-only:
     activations are rounded to the kernel's 16-bit kind, never quantised.
   * Many rows (prefill, large batches): on a processor with bf16 arithmetic, bf16 and int8 weights run
@@ -85,20 +86,44 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def quantize_int4(weight: torch.Tensor, group: int = cpu_gemv.GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric group-wise int4, llama.cpp's Q4_0 rule: per group of `group` input channels the weight of
-    largest magnitude m maps to level -8 (scale d = -m / 8, rounded to f16 first so that the stored scale is
-    the one used), the others to round(w / d) clamped to -8..7. Returns (q int8 [out, in], f16 d [out, groups]).
-    No zero point: trained projection weights are centred on zero, and without one each group costs one
-    multiply-add in the kernel and 4.5 bits per weight (Q4_0's size)."""
+INT4_RULES = ("mse", "q4_0")
+INT4_RULE = "mse"  # how `quantize_int4` chooses a group's scale (benchmarks/cpu_decode.py --int4-rule compares)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = cpu_gemv.GROUP, rule: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-wise int4 in llama.cpp's Q4_0 format: per group of `group` input channels one f16 scale d
+    and levels q in -8..7, W ~= d q. Returns (q int8 [out, in], f16 d [out, groups]). No zero point: trained
+    projection weights are centred on zero, and without one each group costs one multiply-add in the kernel and
+    4.5 bits per weight (Q4_0's size).
+
+    `rule` (default `INT4_RULE`) picks d. "q4_0" is llama.cpp's Q4_0 rule: the weight of largest magnitude m maps
+    to level -8 (d = -m / 8). "mse" (the default) tries 9 level grids around it (m maps to -(8 + 0.2 s), s =
+    -4..4, as llama.cpp's K-quants search theirs), takes for each the least-squares d of its levels, and keeps
+    the grid of least squared error: 12% less error than Q4_0's rule on trained weights, same bytes and
+    kernel. Either way d is rounded to f16 before the levels are chosen (q = round(w / d) clamped), so the
+    stored scale is the one used."""
+    rule = rule or INT4_RULE
+    if rule not in INT4_RULES:
+        raise ValueError(f"int4 rule {rule!r}: choose one of {', '.join(INT4_RULES)}")
     w = weight.detach().float()
     out_features, in_features = w.shape
     groups = -(-in_features // group)
     padded = torch.zeros(out_features, groups * group)
     padded[:, :in_features] = w
     g = padded.reshape(out_features, groups, group)
-    m = g.gather(2, g.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-    scale = (m / -8).half()
+    m = g.gather(2, g.abs().argmax(dim=2, keepdim=True))
+    scale = m.squeeze(2) / -8
+    if rule == "mse":
+        inverse = torch.where(m == 0, 0.0, -1.0 / m)
+        best = torch.full_like(scale, -1.0)
+        for s in range(-4, 5):
+            levels = torch.round(g * (inverse * (8 + 0.2 * s))).clamp_(-8, 7)
+            xl, ll = (g * levels).sum(2), (levels * levels).sum(2).clamp_(min=1e-30)
+            gain = xl * xl / ll  # the squared error of the least-squares d = xl / ll is sum(w^2) - gain
+            better = gain > best
+            best, scale = torch.where(better, gain, best), torch.where(better, xl / ll, scale)
+    scale = scale.half()
     inverse = torch.where(scale == 0, 0.0, 1.0 / scale.float())
     q = torch.round(g * inverse[..., None]).clamp_(-8, 7).to(torch.int8)
     return q.reshape(out_features, -1)[:, :in_features].contiguous(), scale
@@ -172,8 +197,10 @@ class ReducedLinear(nn.Module):
         bias = torch.cat([b.detach() for b in biases]).float() if all(b is not None for b in biases) else None
         if any(b is not None for b in biases) and bias is None:
             raise ValueError("grouped projections must all have a bias or none")
+        # Slices of a group stay whole blocks; a single product (an LM head of any vocabulary) is padded to them,
+        # so its logits come from the block kernel in f32 rather than a 16-bit GEMV's rounded output.
         blocks = (fmt in ("bfloat16", "int8") and cpu_gemv.bf16_blocks_available()
-                  and all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears))  # slices stay whole blocks
+                  and (len(linears) == 1 or all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears)))
         if fmt == "int4":
             # Every int4 product is a block product (outputs padded to whole blocks), except a slice of a group
             # member whose outputs are not whole blocks: that group keeps its dequantised weight in f32.
@@ -182,13 +209,16 @@ class ReducedLinear(nn.Module):
                 packed, scales = cpu_gemv.to_int4_blocks(q, scale)
                 return cls(packed, scales, bias, fmt, in_features=weight.shape[1], out_features=weight.shape[0])
             return cls(_dequantize_int4(q, scale), None, bias, fmt)
+        out_features, in_features = weight.shape
         if fmt == "int8":
             q, scale = quantize_int8(weight)
             if blocks:
-                return cls(cpu_gemv.to_blocks(q), scale, bias, fmt, in_features=weight.shape[1])
+                q, scale = _pad_rows(q, cpu_gemv.BLOCK), _pad_rows(scale, cpu_gemv.BLOCK)
+                return cls(cpu_gemv.to_blocks(q), scale, bias, fmt, in_features, out_features)
             return cls(q, scale.to(int8_activation_dtype()), bias, fmt)
         if blocks:
-            return cls(cpu_gemv.to_bf16_blocks(weight), None, bias, fmt, in_features=weight.shape[1])
+            return cls(cpu_gemv.to_bf16_blocks(_pad_rows(weight, cpu_gemv.BLOCK)), None, bias, fmt, in_features,
+                       out_features)
         return cls(weight.to(_DTYPES[fmt]).contiguous(), None, bias, fmt)
 
     def slice(self, start: int, stop: int) -> ReducedLinear:
@@ -208,9 +238,10 @@ class ReducedLinear(nn.Module):
             if not self.blocked:
                 return self.weight.to(dtype)
             return self._gemm_weight(dtype).contiguous()
-        weight = cpu_gemv.from_blocks(self.weight, self.in_features) if self.blocked else self.weight
+        n = self.out_features
+        weight = cpu_gemv.from_blocks(self.weight, self.in_features)[:n] if self.blocked else self.weight
         if self.fmt == "int8":
-            return weight.to(dtype) * self.scale.to(dtype)[:, None]
+            return weight.to(dtype) * self.scale[:n].to(dtype)[:, None]
         return weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,9 +267,11 @@ class ReducedLinear(nn.Module):
             if y is None:
                 return F.linear(x.to(torch.bfloat16).float(), self.dequantized(torch.float32))
             return y[:, :self.out_features]
-        if self.blocked:  # the native kernel rounds x to bf16 itself
+        if self.blocked:  # the native kernel rounds x to bf16 itself (outputs padded to whole blocks are cut)
             y = cpu_gemv.linear_blocks(x.float(), self.weight, self.in_features, self.scale)
-            return y if y is not None else F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16))
+            if y is None:
+                return F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16))
+            return y[:, :self.out_features]
         x = x.to(self.kernel_dtype)
         if self.fmt == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
@@ -308,6 +341,12 @@ def _int4_gemm_weight(packed: torch.Tensor, scales: torch.Tensor, in_features: i
     return w.view(groups * g, blocks * b)[:in_features, :out_features].t()
 
 
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """`t` with zero rows appended up to a multiple of `multiple` (outputs padded to whole blocks)."""
+    pad = -t.shape[0] % multiple
+    return t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+
 def _dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W = scale (.) q in f32 (exact: an f16 scale times a level -8..7), [out, in] as q."""
     return (q.reshape(q.shape[0], scale.shape[1], -1) * scale.float()[..., None]).reshape(q.shape)
@@ -322,14 +361,28 @@ def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], R
     return parts, ReducedGroup(whole, [m.out_features for m in linears])
 
 
-@torch.no_grad()
-def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
-    """Store every projection and the LM head of `model` in `fmt` (see the module docstring); the rest
-    of the model keeps its dtype. In place; returns the model. "float32" leaves it unchanged."""
+def head_format(fmt: str, head: str | None = None) -> str:
+    """The LM head's weight format for projections in `fmt`: `head` when given, else int8 under int4 weights
+    (`DEFAULT_INT4_HEAD`) and `fmt` otherwise. The head is the one product whose error reaches the logits
+    directly and nothing averages it out; llama.cpp's Q4_0 / Q4_K_M files keep theirs at 6 bits (Q6_K) for
+    that reason. On the trained model of docs/cpu-decode.md ("int4 against Q4_0 / Q4_K_M") an int4 head alone
+    cost nearly all of int4's top-1 agreement, and an int8 one almost none."""
     fmt = weight_format(fmt)
-    if fmt == "float32":
+    return weight_format(head) if head is not None else DEFAULT_INT4_HEAD if fmt == "int4" else fmt
+
+
+DEFAULT_INT4_HEAD = "int8"
+
+
+@torch.no_grad()
+def reduce_precision(model: nn.Module, fmt: str, head: str | None = None) -> nn.Module:
+    """Store every projection of `model` in `fmt` and its LM head in `head_format(fmt, head)` (int8 under int4
+    unless `head` says otherwise; see the module docstring); the rest of the model keeps its dtype. In place;
+    returns the model. "float32" (with an f32 head) leaves it unchanged."""
+    fmt, head_fmt = weight_format(fmt), head_format(fmt, head)
+    if fmt == "float32" and head_fmt == "float32":
         return model
-    if fmt == "int8" and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+    if "int8" in (fmt, head_fmt) and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         raise ValueError("--weights int8 needs torch.ops.aten._weight_int8pack_mm (PyTorch >= 2.3)")
     if is_reduced(model):
         raise ValueError("the model's weights are already reduced; reduce a fresh float model")
@@ -337,7 +390,7 @@ def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
         raise ValueError("reduced-precision weights are a CPU decode path; on a GPU use --dtype bfloat16 for "
                          "the whole model instead")
     unpack_weights(model)  # plain row-major nn.Linear weights to read from
-    for module in list(model.modules()):
+    for module in list(model.modules()) if fmt != "float32" else []:
         # The model's seam (`fusedkv.engine.packing.projection_groups`): a group becomes one reduced product
         # in its slot, with its projections as slices of it; a single projection becomes a `ReducedLinear`.
         for names, slot in projection_groups(module):
@@ -349,12 +402,13 @@ def reduce_precision(model: nn.Module, fmt: str) -> nn.Module:
             for name, part in zip(names, parts):
                 setattr(module, name, part)
             setattr(module, slot, group)
-    head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear):
+    lm_head = model.get_output_embeddings()
+    if isinstance(lm_head, nn.Linear) and head_fmt != "float32":
         # An LM head tied to the embeddings stays tied in f32 in the embedding table; the head's copy
         # is the reduced one (decode reads the head every step, the embedding one row).
-        model.set_output_embeddings(ReducedLinear.from_linears([head], fmt))
+        model.set_output_embeddings(ReducedLinear.from_linears([lm_head], head_fmt))
     model.reduced_precision = fmt
+    model.reduced_head = head_fmt
     return model
 
 
@@ -384,19 +438,19 @@ def kv_dtype_for(name: str) -> torch.dtype:
 
 
 def apply_precision(model: nn.Module, dtype: str = "float32", weights: str | None = None,
-                    kv_dtype: str | None = None) -> torch.dtype:
+                    kv_dtype: str | None = None, head: str | None = None) -> torch.dtype:
     """The command-line choice, made once before decoding: `dtype` for weights and KV cache, `weights`
-    (e.g. int8) and `kv_dtype` overriding either. On CPU, reduced weights are `ReducedLinear`s under
-    f32 activations; on a GPU a 16-bit `dtype` casts the whole model. Returns the KV cache dtype
-    (for `StaticKVCache`)."""
+    (e.g. int8), `kv_dtype` and `head` (the LM head's format, `head_format`) overriding them. On CPU,
+    reduced weights are `ReducedLinear`s under f32 activations; on a GPU a 16-bit `dtype` casts the whole
+    model. Returns the KV cache dtype (for `StaticKVCache`)."""
     kv = kv_dtype_for(kv_dtype or dtype)
     fmt = weight_format(weights or dtype)
     if next(model.parameters()).device.type != "cpu":
-        if fmt in ("int8", "int4"):
-            raise ValueError(f"--weights {fmt} is a CPU decode path; on a GPU use --dtype bfloat16")
+        if fmt in ("int8", "int4") or head is not None:
+            raise ValueError(f"--weights {fmt} / --head-weights are a CPU decode path; on a GPU use --dtype bfloat16")
         model.to(torch.float32 if fmt == "float32" else _DTYPES[fmt])
         return kv
-    reduce_precision(model, fmt)
+    reduce_precision(model, fmt, head)
     return kv
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .. import argtypes
-from ..engine.precision import kv_dtype_for, weight_format
+from ..engine.precision import head_format, kv_dtype_for, weight_format
 from ..errors import UsageError, writing
 from ..flags import add_kivi_flags, add_plan_flag, kv_group
 from ..kernels import native
@@ -55,7 +55,8 @@ def register(sub) -> None:
     p.add_argument("--precisions", default="",
                    help="extra rows per plan with reduced-precision weights and KV cache on CPU, comma-separated "
                    "WEIGHTS/KV (weights float32, bfloat16, float16, half, int8, int4; KV float32, bfloat16, float16, "
-                   "half), e.g. float32/half,half/half,int8/half; benchmarks/cpu_decode.py adds llama.cpp next to them")
+                   "half), e.g. float32/half,half/half,int8/half,int4/half (int4: LM head at int8; int4@int4/half: "
+                   "at int4 too); benchmarks/cpu_decode.py adds llama.cpp next to them")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=argtypes.int_range(1, 1024), default=None,
@@ -101,7 +102,8 @@ def run(args) -> None:
             raise ValueError("--precisions: reduced-precision weights are a CPU decode path; use --dtype on a GPU")
         for spec in precisions:
             weights, _, kv = spec.partition("/")
-            weight_format(weights), kv_dtype_for(kv or weights)  # a bad name is refused before any work
+            weights, _, head = weights.partition("@")
+            weight_format(weights), kv_dtype_for(kv or weights), head_format(weights, head or None)  # refused early
     per_plan = 1 + len(args.kv_bits) + len(precisions)
     runs_per_shape = per_plan * len(set(plans) | {VANILLA}) + (0 if args.no_hf else 1)
     total = args.repeats * len(lens) * len(batches) * runs_per_shape

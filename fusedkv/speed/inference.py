@@ -19,7 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, Qwen3Config, Qwen
 from ..cache import StaticKVCache
 from ..config import FusedKVConfig
 from ..convert import from_qwen3_state, qwen3_to_fusedkv_config
-from ..engine.precision import SHORT_NAMES, kv_dtype_for, reduce_precision, weight_format
+from ..engine.precision import SHORT_NAMES, head_format, kv_dtype_for, reduce_precision, weight_format
 from ..generation import generate
 from ..model import FusedKVForCausalLM
 from ..plan import FULL, SLIDING, VANILLA, resolve_plan_choice
@@ -127,18 +127,22 @@ def _measure(model, name: str, ids: torch.Tensor, new_tokens: int, cache_factory
 
 
 def precision_row(model, label: str, spec: str):
-    """(row name, reduced copy of `model`, cache factory) for a "WEIGHTS/KV" spec ("int8/half")."""
+    """(row name, reduced copy of `model`, cache factory) for a "WEIGHTS/KV" spec ("int8/half"); WEIGHTS may
+    name the LM head's format after an @ ("int4@int4/half": the head at int4 too, not int8)."""
     import copy
 
     weights, _, kv = spec.partition("/")
+    weights, _, head = weights.partition("@")
     fmt, kv_dtype = weight_format(weights), kv_dtype_for(kv or weights)
-    reduced = model if fmt == "float32" else reduce_precision(copy.deepcopy(model), fmt)
+    head = head_format(fmt, head or None)
+    reduced = model if fmt == head == "float32" else reduce_precision(copy.deepcopy(model), fmt, head)
 
     def factory(config, batch, max_len, dtype, device):
         return StaticKVCache(config, batch, max_len, kv_dtype, device)
 
     factory.kv_element_size = torch.finfo(kv_dtype).bits // 8
-    return f"{label} w={SHORT_NAMES[fmt]} kv={SHORT_NAMES[str(kv_dtype).removeprefix('torch.')]}", reduced, factory
+    w = SHORT_NAMES[fmt] + ("" if head == head_format(fmt) else f"@{SHORT_NAMES[head]}")
+    return f"{label} w={w} kv={SHORT_NAMES[str(kv_dtype).removeprefix('torch.')]}", reduced, factory
 
 
 def byte_floor(model: FusedKVForCausalLM, vanilla: FusedKVForCausalLM, context: int, batch: int,

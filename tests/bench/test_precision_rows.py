@@ -17,3 +17,17 @@ def test_precision_rows_report_smaller_bytes():
                        "fusedkv-lite w=f32 kv=bf16", "fusedkv-lite w=int8 kv=bf16"}
     assert by["fusedkv-lite w=int8 kv=bf16"]["cache_bytes"] * 4 == by["vanilla"]["cache_bytes"]
     assert by["vanilla w=int8 kv=bf16"]["tpot_byte_floor"] < by["vanilla w=f32 kv=bf16"]["tpot_byte_floor"] < 1
+
+
+def test_int4_rows_name_a_head_other_than_the_default():
+    """int4/KV keeps the LM head at int8 (unnamed: the default); int4@int4/KV quantises it too, a row of its own
+    that streams fewer weight bytes."""
+    from fusedkv.speed.inference import build_models, precision_row
+
+    shape = BenchShape(num_hidden_layers=1, hidden_size=64, intermediate_size=192, num_attention_heads=2,
+                       head_dim=32, vocab_size=256)
+    model = build_models(shape, ["vanilla"], 32, "cpu", torch.float32, include_hf=False)["vanilla"]
+    (name8, m8, _), (name4, m4, _) = (precision_row(model, "vanilla", s) for s in ("int4/half", "int4@int4/half"))
+    assert name8.startswith("vanilla w=int4 kv=") and name4.startswith("vanilla w=int4@int4 kv=")
+    assert m8.lm_head.fmt == "int8" and m4.lm_head.fmt == "int4"
+    assert m8.model.layers[0].mlp.down_proj.fmt == m4.model.layers[0].mlp.down_proj.fmt == "int4"

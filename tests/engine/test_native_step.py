@@ -184,11 +184,11 @@ def test_step_with_reduced_weights_matches_module_decode(plan, fmt):
             assert (got - ref).abs().max() <= tol * ref.abs().max()
 
 
-@pytest.mark.parametrize("plan", ["vanilla", "fusedkv"])
-def test_int4_generate_with_and_without_the_native_step(plan):
-    """--weights int4: the native step (int4 blocks in the C step) and the module path (the same kernel per
-    product) give the same greedy tokens, batch 1 and a batch of 2."""
-    model = reduce_precision(tiny_model(plan), "int4")
+@pytest.mark.parametrize("plan, head", [("vanilla", None), ("fusedkv", None), ("vanilla", "int4")])
+def test_int4_generate_with_and_without_the_native_step(plan, head):
+    """--weights int4 (LM head at int8 by default, or int4 too): the native step (int4 blocks in the C step)
+    and the module path (the same kernel per product) give the same greedy tokens, batch 1 and a batch of 2."""
+    model = reduce_precision(tiny_model(plan), "int4", head)
     cache = StaticKVCache(model.config, 1, 16)
     assert unsupported(model, cache.keys, cache.values, 1) is None
     for prompt in (torch.tensor([[5, 9, 2, 41, 7]]), torch.randint(1, 97, (2, 6), generator=torch.Generator())):
