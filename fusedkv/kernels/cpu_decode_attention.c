@@ -127,6 +127,14 @@ typedef __m512 vf;
 #define V_STORE(p, x) _mm512_storeu_ps((p), (x))
 #define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define V_SET1(x) _mm512_set1_ps(x)
+#define V_MAX(a, b) _mm512_max_ps((a), (b))
+#define V_ADD(a, b) _mm512_add_ps((a), (b))
+#define V_SUB(a, b) _mm512_sub_ps((a), (b))
+#define V_MUL(a, b) _mm512_mul_ps((a), (b))
+#define V_MIN(a, b) _mm512_min_ps((a), (b))
+#define V_FLOOR(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define V_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
+                                                                         _mm512_set1_epi32(127)), 23))
 static inline void chunk(int kind, const void* p, vf* a, vf* b) {
     if (kind == KV_F32) { *a = _mm512_loadu_ps((const float*)p); *b = _mm512_loadu_ps((const float*)p + 16); }
     else if (kind == KV_BF16) {
@@ -150,6 +158,14 @@ typedef __m256 vf;
 #define V_STORE(p, x) _mm256_storeu_ps((p), (x))
 #define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define V_SET1(x) _mm256_set1_ps(x)
+#define V_MAX(a, b) _mm256_max_ps((a), (b))
+#define V_ADD(a, b) _mm256_add_ps((a), (b))
+#define V_SUB(a, b) _mm256_sub_ps((a), (b))
+#define V_MUL(a, b) _mm256_mul_ps((a), (b))
+#define V_MIN(a, b) _mm256_min_ps((a), (b))
+#define V_FLOOR(x) _mm256_floor_ps(x)
+#define V_POW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
+                                                                         _mm256_set1_epi32(127)), 23))
 static inline void chunk(int kind, const void* p, vf* a, vf* b) {
     if (kind == KV_F32) { *a = _mm256_loadu_ps((const float*)p); *b = _mm256_loadu_ps((const float*)p + 8); }
     else if (kind == KV_BF16) {
@@ -175,6 +191,44 @@ static inline __m128 sum4(vf x0, vf x1, vf x2, vf x3) {
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(x0), half_sum(x1)),
                                     _mm256_hadd_ps(half_sum(x2), half_sum(x3)));
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* exp_poly (cpu_kernels.h) on a vector: the compiler leaves the scalar loop over the scores unvectorised. */
+static inline vf v_exp(vf x) {
+    x = V_MIN(V_MAX(x, V_SET1(-87.f)), V_SET1(87.f));
+    const vf n = V_FLOOR(V_FMA(x, V_SET1(1.44269504088896341f), V_SET1(0.5f)));
+    const vf r = V_FMA(n, V_SET1(2.12194440e-4f), V_FMA(n, V_SET1(-0.693359375f), x));
+    vf p = V_SET1(1.9875691500e-4f);
+    p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
+    p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
+    p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
+    p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
+    p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
+    p = V_FMA(V_MUL(p, r), r, V_ADD(r, V_SET1(1.f)));
+    return V_MUL(p, V_POW2(n));
+}
+
+/* The softmax's max and sum of exp(s - max) over s[start, T), the exps written back; sum 0 with no key. */
+static float vec_softmax(float* s, int start, int T, float* m_out) {
+    float lanes[VL], m = -INFINITY, sum = 0.f;
+    int t = start;
+    vf mv = V_SET1(-INFINITY);
+    for (; t + VL <= T; t += VL) mv = V_MAX(mv, V_LOAD(s + t));
+    V_STORE(lanes, mv);
+    for (int i = 0; i < VL; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (; t < T; t++) m = s[t] > m ? s[t] : m;
+    const vf mm = V_SET1(m);
+    vf sv = V_ZERO();
+    for (t = start; t + VL <= T; t += VL) {
+        const vf e = v_exp(V_SUB(V_LOAD(s + t), mm));
+        V_STORE(s + t, e);
+        sv = V_ADD(sv, e);
+    }
+    V_STORE(lanes, sv);
+    for (int i = 0; i < VL; i++) sum += lanes[i];
+    for (; t < T; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
+    *m_out = m;
+    return sum;
 }
 
 /* Where element e of a row lands in a chunk's lanes: bf16 chunks deinterleave (even elements, then odd). */
@@ -362,18 +416,20 @@ int decode_attention_capped(const float* q, int B, int H_q, int H_kv, int D, int
         if (kind == KV_F32) { DOT_ROW(KV_F32, float) }
         else if (kind == KV_BF16) { DOT_ROW(KV_BF16, uint16_t) }
         else { DOT_ROW(KV_F16, _Float16) }
+        float inv[MAX_GROUP];  /* 1 / each head's sum of exps: applied to its output, not to every p */
         for (int j = 0; j < group; j++) {  /* softmax over [start, T) */
             float* s = scores + (long)j * T_len;
             float m = -INFINITY, sum = 0.f;
             if (softcap > 0.f)
                 for (int t = start; t < T_len; t++) s[t] = softcap * tanhf(s[t] / softcap);
+#ifdef VL
+            sum = vec_softmax(s, start, T_len, &m);
+#else
             for (int t = start; t < T_len; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+:sum)
             for (int t = start; t < T_len; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;  /* no key at all: zeros, as the reference */
+#endif
+            inv[j] = sum > 0.f ? 1.f / sum : 0.f;  /* no key at all: zeros, as the reference */
             if (lse) lse[(long)b * H_q + g * group + j] = sum > 0.f ? m + logf(sum) : -INFINITY;
-#pragma omp simd
-            for (int t = start; t < T_len; t++) s[t] *= inv;
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D);
 #ifdef VL
@@ -393,7 +449,7 @@ int decode_attention_capped(const float* q, int B, int H_q, int H_kv, int D, int
                 float y = 0.f;
                 for (int v = 0; v < n_v; v++)
                     y += (v_w[v] ? v_w[v][(long)g * vb_hs + d] : 1.f) * acc[((long)j * n_v + v) * D + d];
-                o[d] = y;
+                o[d] = y * inv[j];
             }
         }
         free(scores);
