@@ -616,7 +616,7 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
     for context in contexts:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             kv = [[torch.randn(1, h, context, d).to(dtype) for _ in range(2)] for _ in range(layers)]
-            words = [x.view(torch.int32) for pair in kv for x in pair]
+            words = [x.view(torch.float32) for pair in kv for x in pair]  # finite: 16-bit pairs are normal f32
 
             def call(kv=kv):
                 for k, v in kv:
