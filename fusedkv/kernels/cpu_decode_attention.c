@@ -12,8 +12,8 @@
  * and in the cache's element type: f32, bf16 or f16, widened to f32 as read (f16 a row at a time),
  * f32 arithmetic throughout.
  * One task per (b, kv head) streams that head's keys once for all the query heads that share it
- * (GQA), then its values once; tasks are split across threads. exp is a vectorisable polynomial
- * (Cephes expf, relative error ~1e-7) so the softmax loop vectorises with the rest.
+ * (GQA), then its values once; tasks are split across threads. exp is a polynomial (Cephes expf,
+ * relative error ~1e-7), on vectors in the vector path below (AVX-512 / AVX2), which is what runs in practice.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,9 +32,9 @@
  * is first widened into `buf` by F16C in a loop of its own (element by element it does not vectorise,
  * measured 2x slower). ROWT: the row pointer's type; PREP: the row as read; EL: element d as f32. */
 static inline const float* widen_f16(const void* row, int D, float* buf) {
-    const uint16_t* s = (const uint16_t*)row;
     int d = 0;
 #if defined(__F16C__)
+    const uint16_t* s = (const uint16_t*)row;
     for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + d))));
 #endif
     for (; d < D; d++) buf[d] = (float)((const _Float16*)row)[d];
@@ -113,12 +113,13 @@ static inline const float* widen_f16(const void* row, int D, float* buf) {
         }                                                                                               \
     }
 
-/* The vector path (AVX-512, or AVX2 + FMA; D a multiple of CH): both passes stream the cache in blocks of 4
- * rows, each row read once for two query heads under GQA, one chunk of CH elements (two f32 vectors) at a
- * time, widened in registers. A bf16 chunk is loaded whole and split into its even elements (shifted up) and
- * its odd ones (masked): two operations per 2 VL elements, no per-element widening, which is what made the
- * portable loops compute-bound over a long cache (~4.7 GB/s). Its lanes then hold the elements
- * deinterleaved, so the query (and the value accumulator) are kept in that order: `perm_bf16` below. */
+/* The vector path (AVX-512, or AVX2 + FMA + F16C; D a multiple of CH): both passes stream the cache in
+ * blocks of 4 rows, each row read once for two query heads under GQA, one chunk of CH elements (two f32
+ * vectors) at a time, widened in registers, with a prefetch ahead. A bf16 chunk is loaded whole and split into
+ * its even elements (shifted up) and its odd ones (masked): two operations per 2 VL elements, no per-element
+ * widening, which is what made the portable loops compute-bound over a long cache (~4.7 GB/s). Its lanes then
+ * hold the elements deinterleaved, so the query and the value accumulator are kept in that order (`reorder`).
+ * The portable loops above remain for other head widths and processors. */
 #if defined(__AVX512F__)
 #define VL 16
 typedef __m512 vf;
@@ -150,7 +151,7 @@ static inline __m256 half_sum(vf x) {  /* 16 lanes -> 8 */
     return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 }
 #define PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VL 8
 typedef __m256 vf;
 #define V_ZERO() _mm256_setzero_ps()
