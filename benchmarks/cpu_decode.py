@@ -626,35 +626,46 @@ def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], re
 
 # ---- attention ---------------------------------------------------------------------------------------
 def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
-    """The native one-token attention (`fusedkv.kernels.cpu_attention`) over one layer's cache of the bench
-    shape (8 kv heads of 64, batch 1) in f32, bf16 and f16, at each context length: ms per call (median)
-    and GB/s of K/V read. From 8k tokens on the cache (16-67 MB) no longer fits the caches, as in a
-    decode step, which reads every layer's cache in turn."""
+    """The native one-token attention (`fusedkv.kernels.cpu_attention`) over the caches of the bench shape's
+    layers (8 kv heads of 64, batch 1) in f32, bf16 and f16, at each context length: ms per layer (median),
+    GB/s of K/V read, and the same bytes read by a plain sum (the read ceiling). Every layer's cache is read in
+    turn, as in a decode step, so from a few thousand tokens on it comes from memory, not the caches."""
     from fusedkv.kernels import cpu_attention
 
+    if not native.available():
+        return "the native kernels are not built here (FUSEDKV_NATIVE_KERNELS, a C compiler)"
     torch.set_num_threads(threads)
-    h, d = BenchShape().num_attention_heads, BenchShape().head_dim
+    shape = BenchShape()
+    h, d, layers = shape.num_attention_heads, shape.head_dim, shape.num_hidden_layers
     q = torch.randn(1, h, 1, d)
-    lines = [f"{threads} thread(s), native one-token attention, {h} heads of {d}, batch 1, medians of {repeats}",
-             "| context | cache | ms per call | GB/s |", "|---|---|---|---|"]
+    lines = [f"{threads} thread(s), native one-token attention, {layers} layers of {h} heads of {d}, batch 1, "
+             f"medians of {repeats}", "| context | cache | ms per layer | GB/s | read ceiling GB/s | ceiling / ours |",
+             "|---|---|---|---|---|---|"]
     for context in contexts:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            k, v = (torch.randn(1, h, context, d).to(dtype) for _ in range(2))
+            kv = [[torch.randn(1, h, context, d).to(dtype) for _ in range(2)] for _ in range(layers)]
+            words = [x.view(torch.float32) for pair in kv for x in pair]  # finite: 16-bit pairs are normal f32
 
-            def call(k=k, v=v):
-                return cpu_attention.decode_attention(q, [k], [None], [v], [None], None, d**-0.5)
+            def call(kv=kv):
+                for k, v in kv:
+                    cpu_attention.decode_attention(q, [k], [None], [v], [None], None, d**-0.5)
 
-            if call() is None:
-                return "the native kernels are not built here (FUSEDKV_NATIVE_KERNELS, a C compiler)"
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            ms = statistics.median(times) * 1e3
-            nbytes = 2 * k.numel() * k.element_size()
+            def read(words=words):
+                for w in words:
+                    w.sum()
+
+            times, ceiling = [], []
+            for _ in range(repeats + 1):  # the first round warms up
+                for fn, into in ((call, times), (read, ceiling)):
+                    t0 = time.perf_counter()
+                    fn()
+                    into.append(time.perf_counter() - t0)
+            ms = statistics.median(times[1:]) * 1e3 / layers
+            nbytes = 2 * kv[0][0].numel() * kv[0][0].element_size()
+            ceil_ms = statistics.median(ceiling[1:]) * 1e3 / layers
             lines.append(f"| {context} | {SHORT[str(dtype).removeprefix('torch.')]} | {ms:.3f} | "
-                         f"{nbytes / ms / 1e6:.1f} |")
+                         f"{nbytes / ms / 1e6:.1f} | {nbytes / ceil_ms / 1e6:.1f} | {ceil_ms / ms:.2f} |")
+            del kv, words
     return "\n".join(lines)
 
 

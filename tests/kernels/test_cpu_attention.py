@@ -52,6 +52,36 @@ def test_matches_the_float64_reference(dtype, n_k, n_v, weights, h_q, h_kv, leng
     assert (no_padding.double() - ref_all).abs().max() < 2e-5 * (1 + ref_all.abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,h_q,h_kv", [(64, 8, 8), (128, 6, 2), (64, 8, 2), (48, 4, 1), (96, 3, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_caches_match_the_float64_reference(dtype, d, h_q, h_kv, threads):
+    """The vector path (4-row blocks, two heads per key row under GQA, prefetch ahead, bf16 deinterleaved) over a
+    long cache: head widths on and off its chunk (48: the portable loops under AVX-512), odd and even groups,
+    lengths and left padding off the 4-row blocks, a [B, S, H, D] cache (rows H * D apart), 1 and 2 threads."""
+    g = torch.Generator().manual_seed(d + h_q)
+    b, length = 2, 3001
+    k_src = [torch.randn(b, length + 7, h_kv, d, generator=g).to(dtype).transpose(1, 2)[:, :, :length]
+             for _ in range(2)]
+    v_src = [torch.randn(b, length + 7, h_kv, d, generator=g).to(dtype).transpose(1, 2)[:, :, :length]
+             for _ in range(2)]
+    k_w = [torch.randn(h_kv, d, generator=g) for _ in range(2)]
+    v_w = [torch.randn(h_kv, d, generator=g) for _ in range(2)]
+    q = 3 * torch.randn(b, h_q, 1, d, generator=g)  # peaked scores: the softmax's max matters
+    start = torch.tensor([5, 1234])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (1, 2):  # plain reuse (Lite's upper layers), and fusion of two sources with weights
+            ws = (k_w[:n], v_w[:n]) if n == 2 else ([None], [None])
+            out = cpu_attention.decode_attention(q, k_src[:n], ws[0], v_src[:n], ws[1], start, d**-0.5)
+            ref = materialized_attention(q.double(), _double(k_src[:n]), _double(ws[0]), _double(v_src[:n]),
+                                         _double(ws[1]), mask=kv_start_to_mask(start, length), scale=d**-0.5)
+            assert (out.double() - ref).abs().max() < 2e-5 * (1 + ref.abs().max()), (n, float((out - ref).abs().max()))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_selection_gives_it_only_what_it_takes():
     # The kernel no longer declines per call: what it does not take (blocks, scalar weights, 3+ sources, a
     # model that is not f32 on CPU) never reaches it, because the selection decides once.

@@ -55,6 +55,11 @@ CHECK = textwrap.dedent("""
     model = reduce_precision(tiny_model("fusedkv"), "int4")
     prompt = ids[:, :5]
     assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
+    # one-token attention over a long 16-bit cache: the AVX2 vector path (16-wide chunks) and the portable loops (40)
+    from tests.kernels import test_cpu_attention as att
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for d, h_q, h_kv in ((64, 8, 2), (48, 3, 3), (40, 4, 4)):
+            att.test_long_caches_match_the_float64_reference(dtype, d, h_q, h_kv, 2)
     # the KIVI cache read in place (cpu_kivi_attention.c): its AVX2 loops (64-channel heads), its portable ones
     from tests.kernels import test_kivi_native as kivi
     for bits in (2, 4):
