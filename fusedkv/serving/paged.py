@@ -113,6 +113,9 @@ def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens
     """For each query token of a vLLM batch: its request (block-table row) and how many keys it sees
     (a prefill chunk's token i of t, in a sequence of s, sees s - t + i + 1)."""
     num_reqs = query_start_loc.shape[0] - 1
+    one_each = torch.arange(num_reqs + 1, dtype=query_start_loc.dtype)
+    if num_tokens == num_reqs and torch.equal(query_start_loc, one_each):  # decode only: row r is request r
+        return one_each[:-1].to(torch.int32), seq_lens[:num_reqs].to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.long)
     q_lens = starts[1:] - starts[:-1]
     row_seq = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
@@ -370,11 +373,22 @@ class CrossLayerAttention:
                 out.add_(target)
 
     # ---- several K sources: the native kernel over the blocks in place -----------------------------
+    _step_rows: tuple = (None, None)  # (a step's metadata, its `query_rows`): shared by every layer of the step
+
     def _native(self, layer, layers, q, meta, out):
         keys, values, k_weights, v_weights = self._cpu_sources(layers)
-        native_paged_attention(q, keys, k_weights, values, v_weights, query_rows(meta.query_start_loc, meta.seq_lens,
-                                                                                  q.shape[0]),
+        native_paged_attention(q, keys, k_weights, values, v_weights, self._rows(meta, q.shape[0]),
                                meta.block_table, self.base.scale, self.layout[0] == TRANSPOSED, out)
+
+    @staticmethod
+    def _rows(meta, num_tokens: int):
+        """The batch's query rows, computed once per step: the runner builds a new metadata object every step,
+        and the one held here cannot be another step's."""
+        held, rows = CrossLayerAttention._step_rows
+        if held is not meta:
+            rows = query_rows(meta.query_start_loc, meta.seq_lens, num_tokens)
+            CrossLayerAttention._step_rows = (meta, rows)
+        return rows
 
     # ---- fallback: gather each sequence's blocks, factored attention -----------------------------
     def _gathered(self, layer, layers, q, meta, out):
