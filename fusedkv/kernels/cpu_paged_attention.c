@@ -11,6 +11,11 @@
  * values as [bs, D] rows; both key layouts are read here (the caller checks the layout). Elements are f32
  * or bf16 (widened as read), arithmetic f32. One task per (row, kv head) covers the query heads sharing
  * it (GQA); tasks are split across threads.
+ *
+ * With AVX-512, f32 caches (what vLLM's "vec" ISA keeps) and D a multiple of 16 take register-blocked loops
+ * (`scores_t_f32`, `values_f32`): the scores of 32 tokens in 8 independent accumulators with both key
+ * sources in one pass, and the values of both sources for 64 channels at a time held in registers across
+ * a block's tokens. The generic loops below (the macros) read every other case.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +25,87 @@
 #include "cpu_kernels.h"
 
 #define MAX_GROUP_PAGED 64
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGED_AVX512 1
+
+static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* s[i] = sum_k sum_d qk[k * D + d] * K_k[d * bs + i] for i < cnt: keys transposed ([D, bs] per block and head),
+ * f32; `bases[k]` at the block and head. Tokens in pairs of 16-lane tiles, channels in 4 chains. */
+static inline __attribute__((always_inline)) void scores_t_f32(const float* const* bases, const int NK,
+                                                                const float* qk, int D, int bs, int cnt, float* s) {
+    for (int i0 = 0; i0 < cnt; i0 += 32) {
+        const __mmask16 m0 = lanes(cnt - i0), m1 = lanes(cnt - i0 - 16);
+        __m512 a[4][2];
+        for (int c = 0; c < 4; c++) a[c][0] = a[c][1] = _mm512_setzero_ps();
+        for (int k = 0; k < NK; k++) {
+            const float* base = bases[k] + i0;
+            const float* q = qk + (long)k * D;
+            int d = 0;
+            for (; d + 4 <= D; d += 4)
+                for (int c = 0; c < 4; c++) {
+                    const __m512 qd = _mm512_set1_ps(q[d + c]);
+                    const float* row = base + (long)(d + c) * bs;
+                    a[c][0] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m0, row), a[c][0]);
+                    a[c][1] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m1, row + 16), a[c][1]);
+                }
+            for (; d < D; d++) {
+                const __m512 qd = _mm512_set1_ps(q[d]);
+                const float* row = base + (long)d * bs;
+                a[0][0] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m0, row), a[0][0]);
+                a[0][1] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m1, row + 16), a[0][1]);
+            }
+        }
+        for (int t = 0; t < 2; t++) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0][t], a[1][t]), _mm512_add_ps(a[2][t], a[3][t]));
+            _mm512_mask_storeu_ps(s + i0 + 16 * t, t ? m1 : m0, sum);
+        }
+    }
+}
+
+/* acc[v * D + d] += sum_i p[i] * V_v[i * D + d] for i < cnt: value rows [bs, D] per block and head, f32, D a
+ * multiple of 16; `bases[v]` at the block and head. 64 channels of every source in registers at a time. */
+static inline __attribute__((always_inline)) void values_f32(const float* const* bases, const int NV,
+                                                              const float* p, int cnt, int D, float* acc) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int nz = D - d0 >= 64 ? 4 : (D - d0) / 16;
+        __m512 o[2][4];
+        for (int v = 0; v < NV; v++)
+            for (int z = 0; z < 4; z++)
+                o[v][z] = z < nz ? _mm512_loadu_ps(acc + (long)v * D + d0 + 16 * z) : _mm512_setzero_ps();
+        for (int i = 0; i < cnt; i++) {
+            const __m512 pi = _mm512_set1_ps(p[i]);
+            for (int v = 0; v < NV; v++) {
+                const float* row = bases[v] + (long)i * D + d0;
+                for (int z = 0; z < 4; z++)
+                    if (z < nz) o[v][z] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(row + 16 * z), o[v][z]);
+            }
+        }
+        for (int v = 0; v < NV; v++)
+            for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc + (long)v * D + d0 + 16 * z, o[v][z]);
+    }
+}
+
+/* The two loops over a sequence's blocks for f32 caches, for 1 or 2 sources (constants after inlining). */
+#define FAST_SCORES(NK)                                                                                   \
+    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+        const long off = (long)table[blk] * block_stride + g * head_stride;                               \
+        const float* b[2] = {(const float*)k_ptr[0] + off, (const float*)k_ptr[NK - 1] + off};            \
+        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
+        for (int j = 0; j < group; j++)                                                                   \
+            scores_t_f32(b, NK, qs + (long)j * n_k * D, D, bs, cnt, scores + (long)j * L + t0);           \
+    }
+#define FAST_VALUES(NV)                                                                                   \
+    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+        const long off = (long)table[blk] * block_stride + g * head_stride;                               \
+        const float* b[2] = {(const float*)v_ptr[0] + off, (const float*)v_ptr[NV - 1] + off};            \
+        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
+        for (int j = 0; j < group; j++)                                                                   \
+            values_f32(b, NV, scores + (long)j * L + t0, cnt, D, acc + (long)j * n_v * D);                \
+    }
+#endif
 
 #define EL_F32(p, i) ((p)[i])
 #define EL_BF16(p, i) bf16_to_f32((p)[i])
@@ -114,6 +200,12 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
                     const float w = k_w[k] ? k_w[k][(long)g * ka_hs + d] : 1.f;
                     qs[((long)j * n_k + k) * D + d] = q[((long)n * H_q + g * group + j) * D + d] * w * scale;
                 }
+#ifdef PAGED_AVX512
+        const int fast = kind == KV_F32 && D % 16 == 0;
+        if (fast && k_transposed && n_k == 2) { FAST_SCORES(2) }
+        else if (fast && k_transposed) { FAST_SCORES(1) }
+        else
+#endif
         if (kind == KV_F32) { SCORES(float, EL_F32) } else { SCORES(uint16_t, EL_BF16) }
         for (int j = 0; j < group; j++) {  /* softmax over [0, L) */
             float* s = scores + (long)j * L;
@@ -126,6 +218,11 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
             for (int t = 0; t < L; t++) s[t] *= inv;
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D);
+#ifdef PAGED_AVX512
+        if (fast && n_v == 2) { FAST_VALUES(2) }
+        else if (fast) { FAST_VALUES(1) }
+        else
+#endif
         if (kind == KV_F32) { VALUES(float, EL_F32) } else { VALUES(uint16_t, EL_BF16) }
         for (int j = 0; j < group; j++)
             for (int d = 0; d < D; d++) {

@@ -28,11 +28,12 @@ import sys
 import time
 
 
-def engine_kwargs(args) -> dict:
+def engine_kwargs(args, fast_prefill: bool | None = None) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
                 max_model_len=args.max_model_len, enforce_eager=not args.compile, seed=0,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=False, skip_tokenizer_init=True, kv_sharing_fast_prefill=args.fast_prefill)
+                enable_prefix_caching=False, skip_tokenizer_init=True,
+                kv_sharing_fast_prefill=args.fast_prefill if fast_prefill is None else fast_prefill)
 
 
 def sampling(args, max_tokens: int | None = None):
@@ -42,19 +43,20 @@ def sampling(args, max_tokens: int | None = None):
                           prompt_logprobs=0 if args.prompt_logprobs else None, detokenize=False)
 
 
-def timed_generate(llm, prompts: list[list[int]], params) -> tuple[list, float]:
+def timed_generate(llm, prompts: list[list[int]], params) -> tuple[list, float, float]:
+    """Outputs, wall seconds, CPU seconds of this process (the engine runs in it)."""
     from vllm.inputs import TokensPrompt
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return outputs, time.perf_counter() - start
+    return outputs, time.perf_counter() - start, time.process_time() - cpu
 
 
 def run_one(model: str, prompts: list[list[int]], args) -> dict:
     from vllm import LLM
 
     llm = LLM(model=model, **engine_kwargs(args))
-    outputs, elapsed = timed_generate(llm, prompts, sampling(args))
+    outputs, elapsed, _ = timed_generate(llm, prompts, sampling(args))
     result = describe(llm, model, prompts, outputs, args)
     result["elapsed_s"] = elapsed
     del llm
@@ -62,23 +64,67 @@ def run_one(model: str, prompts: list[list[int]], args) -> dict:
     return result
 
 
+class ScheduleLog:
+    """Counts what vLLM's scheduler does in an in-process engine: steps, preemptions (a request pushed back
+    to recompute when the cache is full), and the requests of each decode-only step."""
+
+    def __init__(self, llm):
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine (see main)
+        self.reset()
+        schedule, preempt = scheduler.schedule, scheduler._preempt_request
+
+        def logged_schedule(*a, **k):
+            out = schedule(*a, **k)
+            tokens = out.num_scheduled_tokens
+            if tokens:
+                self.steps += 1
+                if out.total_num_scheduled_tokens == len(tokens):  # every request one token: a decode step
+                    self.decode_batches.append(len(tokens))
+            return out
+
+        def logged_preempt(*a, **k):
+            self.preemptions += 1
+            return preempt(*a, **k)
+
+        scheduler.schedule, scheduler._preempt_request = logged_schedule, logged_preempt
+
+    def reset(self) -> None:
+        self.steps, self.preemptions, self.decode_batches = 0, 0, []
+
+    def summary(self) -> dict:
+        n = len(self.decode_batches)
+        return {"steps": self.steps, "preemptions": self.preemptions, "decode_steps": n,
+                "mean_decode_batch": sum(self.decode_batches) / n if n else 0.0,
+                "max_decode_batch": max(self.decode_batches, default=0)}
+
+
 def run_rounds(models: list[str], prompts: list[list[int]], args) -> list[dict]:
-    """One engine per model, each warmed up, then `args.rounds` timed rounds in rotated order."""
+    """One engine per model (then one per `--fast-prefill-models` entry, with fast prefill), each warmed up,
+    then `args.rounds` timed rounds in rotated order."""
     from vllm import LLM
 
-    engines = [LLM(model=m, **engine_kwargs(args)) for m in models]
+    specs = [(m, None) for m in models] + [(m, True) for m in args.fast_prefill_models]
+    engines = [LLM(model=m, **engine_kwargs(args, fast)) for m, fast in specs]
+    logs = [ScheduleLog(llm) for llm in engines]
     for llm in engines:  # warm-up: the same batch shape, a few tokens
         timed_generate(llm, prompts, sampling(args, max_tokens=min(8, args.max_new_tokens)))
-    elapsed: list[list[float]] = [[] for _ in models]
-    outputs: list = [None] * len(models)
+    elapsed: list[list[float]] = [[] for _ in specs]
+    cpu: list[list[float]] = [[] for _ in specs]
+    outputs: list = [None] * len(specs)
+    schedules: list = [None] * len(specs)
     for r in range(args.rounds):
-        for i in (r % len(models) + j for j in range(len(models))):
-            i %= len(models)
-            outputs[i], seconds = timed_generate(engines[i], prompts, sampling(args))
+        for i in (r % len(specs) + j for j in range(len(specs))):
+            i %= len(specs)
+            logs[i].reset()
+            outputs[i], seconds, cpu_seconds = timed_generate(engines[i], prompts, sampling(args))
             elapsed[i].append(seconds)
+            cpu[i].append(cpu_seconds)
+            schedules[i] = logs[i].summary()
     results = []
-    for model, llm, out, times in zip(models, engines, outputs, elapsed):
-        results.append({**describe(llm, model, prompts, out, args), "elapsed_s": times})
+    for (model, fast), llm, out, times, cpu_times, sched in zip(specs, engines, outputs, elapsed, cpu, schedules):
+        fast = args.fast_prefill if fast is None else fast
+        results.append({**describe(llm, model, prompts, out, args), "elapsed_s": times, "cpu_s": cpu_times,
+                        "schedule": sched, "fast_prefill": fast})
     return results
 
 
@@ -121,6 +167,8 @@ def main(argv=None) -> int:
                    help="tokens per engine step; below the prompt length it splits prefills into chunks")
     p.add_argument("--fast-prefill", action="store_true",
                    help="vLLM's kv_sharing_fast_prefill: layers without a cache skip all but the sampled positions")
+    p.add_argument("--fast-prefill-models", nargs="*", default=[],
+                   help="with --rounds: also run these checkpoints with kv_sharing_fast_prefill, as extra engines")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
     p.add_argument("--rounds", type=int, default=0,
                    help="benchmark: keep an engine per model, warm each up, time this many rotated rounds")
@@ -130,6 +178,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with open(args.prompts) as f:
         prompts = json.load(f)
+    if args.fast_prefill_models and not args.rounds:
+        p.error("--fast-prefill-models needs --rounds")
     if args.rounds:
         results = run_rounds(args.models, prompts, args)
     else:

@@ -92,6 +92,10 @@ def block_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -
 
 
 TRANSPOSED = "transposed"  # each (block, head) stored [head_dim, block]: the "vec" ISA's key layout
+# Prefill chunks of at least this many rows take matrix products over their gathered blocks instead of the
+# native kernel, which works one query row at a time (one 1024-token chunk: ~52 ms gathered against ~96 ms in
+# the kernel, 2 K + 2 V sources, head_dim 64, 4 heads, one thread; benchmarks/serving_step_profile.py's setting).
+GATHER_PREFILL_ROWS = 16
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor:
@@ -113,6 +117,9 @@ def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens
     """For each query token of a vLLM batch: its request (block-table row) and how many keys it sees
     (a prefill chunk's token i of t, in a sequence of s, sees s - t + i + 1)."""
     num_reqs = query_start_loc.shape[0] - 1
+    one_each = torch.arange(num_reqs + 1, dtype=query_start_loc.dtype)
+    if num_tokens == num_reqs and torch.equal(query_start_loc, one_each):  # decode only: row r is request r
+        return one_each[:-1].to(torch.int32), seq_lens[:num_reqs].to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.long)
     q_lens = starts[1:] - starts[:-1]
     row_seq = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
@@ -370,11 +377,40 @@ class CrossLayerAttention:
                 out.add_(target)
 
     # ---- several K sources: the native kernel over the blocks in place -----------------------------
+    _step_rows: tuple = (None, None)  # (a step's metadata, its `query_rows`): shared by every layer of the step
+
     def _native(self, layer, layers, q, meta, out):
         keys, values, k_weights, v_weights = self._cpu_sources(layers)
-        native_paged_attention(q, keys, k_weights, values, v_weights, query_rows(meta.query_start_loc, meta.seq_lens,
-                                                                                  q.shape[0]),
-                               meta.block_table, self.base.scale, self.layout[0] == TRANSPOSED, out)
+        if meta.max_query_len < GATHER_PREFILL_ROWS:  # decode steps: every row in the kernel
+            native_paged_attention(q, keys, k_weights, values, v_weights, self._rows(meta, q.shape[0]),
+                                   meta.block_table, self.base.scale, self.layout[0] == TRANSPOSED, out)
+            return
+        # Long prefill chunks as matrix products over their gathered blocks (the kernel works row by row, and
+        # a chunk of t rows re-reads the sequence t times); the other rows in the kernel.
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens[:len(starts) - 1].tolist()
+        long = [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] >= GATHER_PREFILL_ROWS]
+        self._gathered_chunks(q, meta, out, keys, k_weights, values, v_weights, long, starts, seq_lens)
+        in_kernel = torch.ones(q.shape[0], dtype=torch.bool)
+        for r in long:
+            in_kernel[starts[r]:starts[r + 1]] = False
+        tokens = in_kernel.nonzero()[:, 0]
+        if tokens.numel():
+            row_seq, row_len = self._rows(meta, q.shape[0])
+            o = native_paged_attention(q[tokens], keys, k_weights, values, v_weights,
+                                       (row_seq[tokens].contiguous(), row_len[tokens].contiguous()), meta.block_table,
+                                       self.base.scale, self.layout[0] == TRANSPOSED, torch.empty_like(q[tokens]))
+            out[tokens] = o.to(out.dtype)
+
+    @staticmethod
+    def _rows(meta, num_tokens: int):
+        """The batch's query rows, computed once per step: the runner builds a new metadata object every step,
+        and the one held here cannot be another step's."""
+        held, rows = CrossLayerAttention._step_rows
+        if held is not meta:
+            rows = query_rows(meta.query_start_loc, meta.seq_lens, num_tokens)
+            CrossLayerAttention._step_rows = (meta, rows)
+        return rows
 
     # ---- fallback: gather each sequence's blocks, factored attention -----------------------------
     def _gathered(self, layer, layers, q, meta, out):
@@ -402,10 +438,16 @@ class CrossLayerAttention:
             o = factored_attention(q[token_rows].unsqueeze(2), k_src, k_weights, v_src, v_weights,  # [R, H, 1, D]
                                    mask=mask[:, None, None, :], scale=self.base.scale)
             out[token_rows] = o[:, :, 0].to(out.dtype)
-        for r in range(num_reqs):
+        chunks = [r for r in range(num_reqs) if starts[r + 1] - starts[r] > 1]
+        self._gathered_chunks(q, meta, out, keys, k_weights, values, v_weights, chunks, starts, seq_lens)
+
+    def _gathered_chunks(self, q, meta, out, keys, k_weights, values, v_weights, requests, starts, seq_lens):
+        """Each listed request's query rows (a prefill chunk) over its gathered blocks, causal (and windowed)."""
+        block_size = keys[0].shape[2]
+        key_layout, value_layout = self.layout
+        window = self.base.sliding_window or -1
+        for r in requests:
             t = starts[r + 1] - starts[r]
-            if t <= 1:
-                continue
             s = seq_lens[r]
             blocks = meta.block_table[r:r + 1, : -(-s // block_size)]
             k_src = [gather_blocks(c, blocks, key_layout)[:, :, :s] for c in keys]

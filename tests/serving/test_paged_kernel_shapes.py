@@ -1,0 +1,86 @@
+"""The native paged kernel (`cpu_paged_attention.c`) at the shapes its register-blocked f32 loops take apart:
+head sizes that fill 64-channel chunks or leave a partial one (64, 80, 128), blocks of 32 and 64 tokens
+(two 16-lane tiles or four), sequence lengths that end mid-tile, GQA groups, 1-2 weighted K and V sources,
+transposed and plain key blocks; against the materialised reference in float64. Decode rows and a prefill
+chunk in one batch, as vLLM sends them. Runs in the project's environment (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedkv.kernels import native
+from fusedkv.kernels.reference import materialized_attention
+from fusedkv.serving.paged import native_paged_attention, query_rows, split_cpu_kv_cache
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native CPU kernels are not built here")
+
+
+def write_blocks(cache_k, cache_v, k, v, table, bs, transposed):
+    """Token t of a sequence's K/V [S, H_kv, D] into slot t % bs of block table[t // bs], as vLLM's CPU backend
+    lays it out (keys [D, bs] per block and head when transposed)."""
+    n, h, _, d = cache_k.shape
+    keys_t = torch.as_strided(cache_k, (n, h, d, bs), (cache_k.stride(0), cache_k.stride(1), bs, 1))
+    for t in range(k.shape[0]):
+        block, slot = table[t // bs], t % bs
+        if transposed:
+            keys_t[block, :, :, slot] = k[t]
+        else:
+            cache_k[block, :, slot] = k[t]
+        cache_v[block, :, slot] = v[t]
+
+
+@pytest.mark.parametrize("head_dim,bs,h_q,h_kv", [(64, 32, 4, 4), (80, 32, 4, 2), (128, 64, 2, 1), (64, 64, 8, 2)])
+@pytest.mark.parametrize("n_k,n_v", [(2, 2), (1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_paged_kernel_equals_reference(head_dim, bs, h_q, h_kv, n_k, n_v, transposed):
+    g = torch.Generator().manual_seed(head_dim + bs + 10 * n_k + n_v)
+    seqs = [(1, 1), (17, 1), (bs, 1), (3 * bs + 5, 1), (2 * bs + 31, 7)]  # (length after this step, query tokens)
+    max_blocks = max(-(-s // bs) for s, _ in seqs)
+    num_blocks = len(seqs) * max_blocks + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[r * max_blocks:(r + 1) * max_blocks] for r in range(len(seqs))]
+    sources = []
+    for _ in range(2):
+        kv = torch.zeros(num_blocks, h_kv, bs, 2 * head_dim)
+        key_cache, value_cache = split_cpu_kv_cache(kv)
+        tokens = [(torch.randn(s, h_kv, head_dim, generator=g), torch.randn(s, h_kv, head_dim, generator=g))
+                  for s, _ in seqs]
+        for r, (k, v) in enumerate(tokens):
+            write_blocks(key_cache, value_cache, k, v, tables[r], bs, transposed)
+        sources.append((key_cache, value_cache, tokens))
+    kw = [torch.rand(h_kv, head_dim, generator=g) + 0.5 for _ in range(n_k)]
+    vw = [torch.rand(h_kv, head_dim, generator=g) + 0.5 if n_v == 2 else None for _ in range(n_v)]
+    q_lens = [t for _, t in seqs]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), h_q, head_dim, generator=g)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    native_paged_attention(q, [src[0] for src in sources[:n_k]], kw, [src[1] for src in sources[:n_v]], vw,
+                           query_rows(qsl, seq_lens, q.shape[0]), torch.tensor(tables, dtype=torch.int32), scale,
+                           transposed, out)
+    for r, (s, t) in enumerate(seqs):
+        ks = [sources[i][2][r][0].double().transpose(0, 1)[None] for i in range(n_k)]
+        vs = [sources[i][2][r][1].double().transpose(0, 1)[None] for i in range(n_v)]
+        qr = q[qsl[r]:qsl[r + 1]].double().transpose(0, 1)[None]
+        mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+        want = materialized_attention(qr, ks, [w.double() for w in kw], vs,
+                                      [None if w is None else w.double() for w in vw], mask=mask, scale=scale)
+        torch.testing.assert_close(out[qsl[r]:qsl[r + 1]].double(), want[0].transpose(0, 1), atol=2e-5, rtol=2e-5)
+
+
+def test_query_rows_decode_only_equals_general_path():
+    """Decode-only batches take a shortcut in `query_rows`; it must give what the general path gives."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 16):
+        seq_lens = torch.randint(1, 300, (n + 3,), generator=g, dtype=torch.int32)  # padded past the requests
+        qsl = torch.arange(n + 1, dtype=torch.int32)
+        rows = query_rows(qsl, seq_lens, n)
+        assert rows[0].tolist() == list(range(n)) and rows[1].tolist() == seq_lens[:n].tolist()
+        assert rows[0].dtype == rows[1].dtype == torch.int32 and rows[1].is_contiguous()
+        # Not decode only: one request with two tokens, one with none (same token count).
+        qsl = torch.tensor([0, 2, *range(2, n + 1)], dtype=torch.int32)[: n + 1]
+        if n > 1:
+            seq, length = query_rows(qsl, seq_lens, n)
+            assert seq[:2].tolist() == [0, 0] and length[:2].tolist() == [seq_lens[0] - 1, seq_lens[0]]
