@@ -36,6 +36,7 @@ _ZYGOTE = textwrap.dedent(r'''
     sys.path[0] = os.getcwd()  # the repository, absolute, as `python -m` run there puts it first
     import fusedkv, fusedkv.cli, fusedkv.data, fusedkv.eval.command  # the slow imports, paid once
     fusedkv.cli.build_parser()  # and every subcommand's module, which each run would import again
+    import datasets, matplotlib.pyplot  # imported when run by data preparation and by every plot
     sys.stdout.write("ready\n"); sys.stdout.flush()
     for line in sys.stdin:
         req = json.loads(line)
