@@ -30,8 +30,8 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_triton_kernel_under_interpreter():
-    r = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-              str(HERE / "_triton_interpret_cases.py")], timeout=300)
+    r = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.kernels._triton_interpreter",
+              "-o", "addopts=", str(HERE / "_triton_interpret_cases.py")], timeout=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
