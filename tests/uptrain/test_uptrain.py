@@ -146,8 +146,8 @@ def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     out = tmp_path / "run"
     args = [src, out, "--plan", "fusedkv-lite", "--data", corpus, "--max-steps", 6, *RECIPE]
     env = _env(tmp_path, FUSEDKV_TRAIN_STEP_SLEEP="1.5")  # time to kill it between steps
-    proc = subprocess.Popen([sys.executable, "-m", "fusedkv.cli", "uptrain", *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # A forked `python -m fusedkv.cli` (tests/_cli.py), in a session of its own.
+    proc = cli_process.start_module("fusedkv.cli", "uptrain", *args, cwd=REPO, env=env)
     ckpts = out / "train" / "checkpoints"
     deadline = time.time() + 300
     while time.time() < deadline and not (ckpts.is_dir() and len(list(ckpts.glob("step-*"))) >= 2):
