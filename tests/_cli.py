@@ -64,6 +64,7 @@ _ZYGOTE = textwrap.dedent(r'''
             sys.stdin.close()
             os.environ.clear(); os.environ.update(req["env"]); os.chdir(req["cwd"])
             sys.argv = [req["module"], *req["argv"]]
+            sys.orig_argv = [sys.executable, "-m", req["module"], *req["argv"]]  # what `python -m` would show
             sys.modules.pop(req["module"], None)  # run it as __main__, as `python -m` does
             try:
                 runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
