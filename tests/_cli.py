@@ -63,11 +63,17 @@ _ZYGOTE = textwrap.dedent(r'''
             os.dup2(out, 1); os.dup2(err, 2)
             sys.stdin.close()
             os.environ.clear(); os.environ.update(req["env"]); os.chdir(req["cwd"])
-            sys.argv = [req["module"], *req["argv"]]
-            sys.orig_argv = [sys.executable, "-m", req["module"], *req["argv"]]  # what `python -m` would show
-            sys.modules.pop(req["module"], None)  # run it as __main__, as `python -m` does
+            script = req.get("script")  # `python SCRIPT ARGS` rather than `python -m MODULE ARGS`
+            sys.argv = [script or req["module"], *req["argv"]]
+            # what a fresh interpreter would show
+            sys.orig_argv = [sys.executable, *([script] if script else ["-m", req["module"]]), *req["argv"]]
             try:
-                runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+                if script:
+                    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts it first
+                    runpy.run_path(script, run_name="__main__")
+                else:
+                    sys.modules.pop(req["module"], None)  # run it as __main__, as `python -m` does
+                    runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
                 code = 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -160,7 +166,7 @@ class Runner:
             self.zygotes.pop(idle.pop(0)).close()
         return z
 
-    def _request(self, module: str, args, env: dict | None, cwd, timeout: float | None, op: str):
+    def _request(self, module: str, args, env: dict | None, cwd, timeout: float | None, op: str, script=None):
         argv = [str(a) for a in args]
         env = dict(os.environ if env is None else env)
         cwd = str(cwd or os.getcwd())
@@ -168,20 +174,22 @@ class Runner:
             return None, argv, env, cwd
         self.count += 1
         out, err = self.workdir / f"case{self.count}.out", self.workdir / f"case{self.count}.err"
-        req = dict(op=op, module=module, argv=argv, env=env, cwd=cwd, out=str(out), err=str(err), timeout=timeout)
+        req = dict(op=op, module=module, script=script, argv=argv, env=env, cwd=cwd, out=str(out), err=str(err),
+                   timeout=timeout)
         return (z, z.ask(req), out, err), argv, env, cwd
 
-    def run(self, module: str, args, env: dict | None = None, cwd: Path | str | None = None,
-            timeout: float = 300) -> Result:
-        forked, argv, env, cwd = self._request(module, args, env, cwd, timeout, "run")
+    def run(self, module: str | None, args, env: dict | None = None, cwd: Path | str | None = None,
+            timeout: float = 300, script: str | None = None) -> Result:
+        """... or `python SCRIPT ARGS` where `script` (a path) is given instead of a module."""
+        forked, argv, env, cwd = self._request(module, args, env, cwd, timeout, "run", script)
         if forked is None:
-            p = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, env=env,
-                               cwd=cwd, timeout=timeout)
+            p = subprocess.run([sys.executable, *([script] if script else ["-m", module]), *argv],
+                               capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
             return Result(argv, p.returncode, p.stdout, p.stderr)
         _, reply, out, err = forked
         rc = reply["rc"]
         if rc == "timeout":
-            raise subprocess.TimeoutExpired([module, *argv], timeout)
+            raise subprocess.TimeoutExpired([script or module, *argv], timeout)
         result = Result(argv, rc, out.read_text(errors="replace"), err.read_text(errors="replace"))
         out.unlink(), err.unlink()
         return result
@@ -258,6 +266,12 @@ def _runner() -> Runner:
         _shared = Runner()
         atexit.register(_shared.close)
     return _shared
+
+
+def run_script(script: str | Path, *args, env: dict | None = None, cwd: Path | str | None = None,
+               timeout: float = 300) -> Result:
+    """`python SCRIPT ARGS` as a child process of the session's shared runner (as run_module)."""
+    return _runner().run(None, args, env=env, cwd=cwd, timeout=timeout, script=str(script))
 
 
 def start_module(module: str, *args, env: dict | None = None, cwd: Path | str | None = None):
