@@ -14,6 +14,10 @@ reads those when it runs, not when it is imported) and in pytest's PYTEST_CURREN
 imports printed anything (a warning) is not used: its children would not print it again, so those cases
 start a fresh interpreter. FUSEDKV_TEST_FRESH=1 starts a fresh interpreter for every case (slower, same
 assertions); tests/reliability/test_cli_policy.py checks that both agree.
+
+`run_module` waits for the case to end; `start_module` leaves it running and returns a Popen-like Child (for
+the tests that signal or kill a run); `run_script` runs `python SCRIPT ARGS`. The zygote has also built the
+CLI's parser (importing every subcommand) and imported datasets and matplotlib, which runs import anyway.
 """
 
 from __future__ import annotations
