@@ -14,6 +14,10 @@ reads those when it runs, not when it is imported) and in pytest's PYTEST_CURREN
 imports printed anything (a warning) is not used: its children would not print it again, so those cases
 start a fresh interpreter. FUSEDKV_TEST_FRESH=1 starts a fresh interpreter for every case (slower, same
 assertions); tests/reliability/test_cli_policy.py checks that both agree.
+
+`run_module` waits for the case to end; `start_module` leaves it running and returns a Popen-like Child (for
+the tests that signal or kill a run); `run_script` runs `python SCRIPT ARGS`. The zygote has also built the
+CLI's parser (importing every subcommand) and imported datasets and matplotlib, which runs import anyway.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,9 +40,25 @@ _ZYGOTE = textwrap.dedent(r'''
     import json, os, runpy, signal, sys, time, traceback
     sys.path[0] = os.getcwd()  # the repository, absolute, as `python -m` run there puts it first
     import fusedkv, fusedkv.cli, fusedkv.data, fusedkv.eval.command  # the slow imports, paid once
+    fusedkv.cli.build_parser()  # and every subcommand's module, which each run would import again
+    import datasets, matplotlib.pyplot  # imported when run by data preparation and by every plot
     sys.stdout.write("ready\n"); sys.stdout.flush()
+    def reap(pid, timeout):  # the exit code, "timeout" once `timeout` seconds have passed (None: wait on)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            if deadline is not None and time.monotonic() >= deadline:
+                return "timeout"
+            time.sleep(0.01)
     for line in sys.stdin:
         req = json.loads(line)
+        op = req.get("op", "run")
+        if op in ("poll", "wait"):  # a child started by "start"
+            code = reap(req["pid"], 0 if op == "poll" else req["timeout"])
+            sys.stdout.write(json.dumps({"rc": code}) + "\n"); sys.stdout.flush()
+            continue
         pid = os.fork()
         if pid == 0:
             os.setsid()
@@ -46,10 +67,17 @@ _ZYGOTE = textwrap.dedent(r'''
             os.dup2(out, 1); os.dup2(err, 2)
             sys.stdin.close()
             os.environ.clear(); os.environ.update(req["env"]); os.chdir(req["cwd"])
-            sys.argv = [req["module"], *req["argv"]]
-            sys.modules.pop(req["module"], None)  # run it as __main__, as `python -m` does
+            script = req.get("script")  # `python SCRIPT ARGS` rather than `python -m MODULE ARGS`
+            sys.argv = [script or req["module"], *req["argv"]]
+            # what a fresh interpreter would show
+            sys.orig_argv = [sys.executable, *([script] if script else ["-m", req["module"]]), *req["argv"]]
             try:
-                runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+                if script:
+                    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts it first
+                    runpy.run_path(script, run_name="__main__")
+                else:
+                    sys.modules.pop(req["module"], None)  # run it as __main__, as `python -m` does
+                    runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
                 code = 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -60,17 +88,12 @@ _ZYGOTE = textwrap.dedent(r'''
                 code = 1
             sys.stdout.flush(); sys.stderr.flush()
             os._exit(code)
-        deadline = time.monotonic() + req["timeout"]
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL); os.waitpid(pid, 0)
-                code = "timeout"
-                break
-            time.sleep(0.01)
+        if op == "start":  # it runs on; the caller polls, waits for and signals it by pid
+            sys.stdout.write(json.dumps({"pid": pid}) + "\n"); sys.stdout.flush()
+            continue
+        code = reap(pid, req["timeout"])
+        if code == "timeout":
+            os.killpg(pid, signal.SIGKILL); os.waitpid(pid, 0)
         sys.stdout.write(json.dumps({"rc": code}) + "\n"); sys.stdout.flush()
 ''')
 
@@ -105,6 +128,12 @@ class _Zygote:
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the CLI zygote did not start:\n{self.err_path.read_text()[-3000:]}")
         self.clean = self.err_path.read_text().strip() == ""  # its imports printed nothing
+        self.running: set[int] = set()  # children started by Runner.start and not yet reaped
+
+    def ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -136,30 +165,49 @@ class Runner:
         if z is None or not z.alive():
             z = _Zygote(env, self.workdir)
         self.zygotes[key] = z  # most recently used last
-        while len(self.zygotes) > self.keep:
-            self.zygotes.pop(next(iter(self.zygotes))).close()
+        idle = [k for k, other in self.zygotes.items() if k != key and not other.running]
+        while len(self.zygotes) > self.keep and idle:  # never one whose started children still run
+            self.zygotes.pop(idle.pop(0)).close()
         return z
 
-    def run(self, module: str, args, env: dict | None = None, cwd: Path | str | None = None,
-            timeout: float = 300) -> Result:
+    def _request(self, module: str, args, env: dict | None, cwd, timeout: float | None, op: str, script=None):
         argv = [str(a) for a in args]
         env = dict(os.environ if env is None else env)
         cwd = str(cwd or os.getcwd())
         if os.environ.get("FUSEDKV_TEST_FRESH") == "1" or not (z := self._zygote(env)).clean:
-            p = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, env=env,
-                               cwd=cwd, timeout=timeout)
-            return Result(argv, p.returncode, p.stdout, p.stderr)
+            return None, argv, env, cwd
         self.count += 1
         out, err = self.workdir / f"case{self.count}.out", self.workdir / f"case{self.count}.err"
-        req = dict(module=module, argv=argv, env=env, cwd=cwd, out=str(out), err=str(err), timeout=timeout)
-        z.proc.stdin.write(json.dumps(req) + "\n")
-        z.proc.stdin.flush()
-        rc = json.loads(z.proc.stdout.readline())["rc"]
+        req = dict(op=op, module=module, script=script, argv=argv, env=env, cwd=cwd, out=str(out), err=str(err),
+                   timeout=timeout)
+        return (z, z.ask(req), out, err), argv, env, cwd
+
+    def run(self, module: str | None, args, env: dict | None = None, cwd: Path | str | None = None,
+            timeout: float = 300, script: str | None = None) -> Result:
+        """... or `python SCRIPT ARGS` where `script` (a path) is given instead of a module."""
+        forked, argv, env, cwd = self._request(module, args, env, cwd, timeout, "run", script)
+        if forked is None:
+            p = subprocess.run([sys.executable, *([script] if script else ["-m", module]), *argv],
+                               capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+            return Result(argv, p.returncode, p.stdout, p.stderr)
+        _, reply, out, err = forked
+        rc = reply["rc"]
         if rc == "timeout":
-            raise subprocess.TimeoutExpired([module, *argv], timeout)
+            raise subprocess.TimeoutExpired([script or module, *argv], timeout)
         result = Result(argv, rc, out.read_text(errors="replace"), err.read_text(errors="replace"))
         out.unlink(), err.unlink()
         return result
+
+    def start(self, module: str, args, env: dict | None = None, cwd: Path | str | None = None):
+        """`python -m module ARGS` started in a child process and left running: a Child, or a
+        subprocess.Popen (text, stdout and stderr piped) where a fresh interpreter is due."""
+        forked, argv, env, cwd = self._request(module, args, env, cwd, None, "start")
+        if forked is None:
+            return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=cwd, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        z, reply, out, err = forked
+        z.running.add(reply["pid"])
+        return Child(z, reply["pid"], [module, *argv], out, err)
 
     def close(self):
         for z in self.zygotes.values():
@@ -169,6 +217,43 @@ class Runner:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+class Child:
+    """A running `python -m MODULE` forked by a zygote, with what the tests use of subprocess.Popen: pid,
+    returncode, poll, wait, communicate (its stdout and stderr, as text), send_signal and kill."""
+
+    def __init__(self, zygote: _Zygote, pid: int, args: list[str], out: Path, err: Path):
+        self.zygote, self.pid, self.args, self.out, self.err = zygote, pid, args, out, err
+        self.returncode: int | None = None
+
+    def _reap(self, op: str, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            rc = self.zygote.ask(dict(op=op, pid=self.pid, timeout=timeout))["rc"]
+            if rc == "timeout":
+                if op == "wait":
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+            else:
+                self.returncode = rc
+                self.zygote.running.discard(self.pid)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reap("poll", 0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._reap("wait", timeout)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # not reaped: the pid is still this child's
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 _shared: Runner | None = None
 
 
@@ -176,11 +261,27 @@ def run_module(module: str, *args, env: dict | None = None, cwd: Path | str | No
                timeout: float = 300) -> Result:
     """`python -m module ARGS` as a child process of the session's shared runner (environment: the test's,
     unless `env` is given; working directory: the current one, unless `cwd` is)."""
+    return _runner().run(module, args, env=env, cwd=cwd, timeout=timeout)
+
+
+def _runner() -> Runner:
     global _shared
     if _shared is None:
         _shared = Runner()
         atexit.register(_shared.close)
-    return _shared.run(module, args, env=env, cwd=cwd, timeout=timeout)
+    return _shared
+
+
+def run_script(script: str | Path, *args, env: dict | None = None, cwd: Path | str | None = None,
+               timeout: float = 300) -> Result:
+    """`python SCRIPT ARGS` as a child process of the session's shared runner (as run_module)."""
+    return _runner().run(None, args, env=env, cwd=cwd, timeout=timeout, script=str(script))
+
+
+def start_module(module: str, *args, env: dict | None = None, cwd: Path | str | None = None):
+    """`python -m module ARGS` started as a child process of the session's shared runner and left running:
+    a Popen-like Child (poll, wait, communicate, send_signal, kill, pid, returncode)."""
+    return _runner().start(module, args, env=env, cwd=cwd)
 
 
 def fusedkv(*args, env: dict | None = None, cwd: Path | str | None = None, timeout: float = 300) -> Result:

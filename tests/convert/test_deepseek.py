@@ -190,6 +190,7 @@ def test_mtp_layers_are_dropped(tmp_path):
     assert len(model.model.layers) == 4
 
 
+@pytest.mark.slow
 def test_cli_converts_and_refuses(tmp_path):
     src = tmp_path / "src"
     build_checkpoint(src, "v2-greedy-fullq")

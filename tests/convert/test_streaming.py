@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -13,6 +14,7 @@ import fusedkv.convert.core as core
 from fusedkv.convert import convert_checkpoint
 
 
+@pytest.mark.slow
 def test_each_shard_is_freed_before_the_next_is_read(tmp_path, monkeypatch):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2)

@@ -25,6 +25,7 @@ def builtin_docs():
     return list(BuiltinSource().iter_named())
 
 
+@pytest.mark.slow
 def test_builtin_corpus(builtin_docs):
     names = [n for n, _ in builtin_docs]
     assert len(builtin_docs) == 42 + 66  # 42 Shakespeare works + 66 books of the Bible

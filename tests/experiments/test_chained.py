@@ -114,18 +114,16 @@ def test_sigterm_stops_a_comparison_cleanly_and_the_rerun_resumes(tmp_path):
     """A comparison stopped by SIGTERM (the end of a working session) saves the running run's checkpoint,
     says how to go on and exits 143; the same command then resumes that run instead of starting over."""
     import signal
-    import subprocess
-    import sys
 
+    from tests import _cli as cli_process
     from tests.train.train_helpers import REPO, subprocess_env, wait_for
 
     spec_file = nano_experiment(tmp_path, "max_steps: 40, eval_every: 0, threads: 1, ckpt_every: 0",
                                 "runs:\n  - {name: lite, plan: fusedkv-lite}\n")
     env = subprocess_env(FUSEDKV_TRAIN_STEP_SLEEP="0.1", FUSEDKV_DATA_DIR=str(tmp_path / "data"),
                          FUSEDKV_COMPARE_CACHE=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "fusedkv.cli", "compare", str(spec_file), "--out", str(tmp_path / "out"),
-           "--seeds", "0", "--task-limit", "0"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = ["compare", str(spec_file), "--out", str(tmp_path / "out"), "--seeds", "0", "--task-limit", "0"]
+    proc = cli_process.start_module("fusedkv.cli", *args, cwd=REPO, env=env)  # a forked `python -m fusedkv.cli`
     metrics = lambda: list((tmp_path / "cache").glob("*/train/metrics.csv"))  # noqa: E731
     wait_for(lambda: metrics() and metrics()[0].read_text().count("\n") >= 3, proc, what="two logged steps")
     proc.send_signal(signal.SIGTERM)
@@ -133,8 +131,7 @@ def test_sigterm_stops_a_comparison_cleanly_and_the_rerun_resumes(tmp_path):
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM at step" in err and "re-run the same command to resume it" in err
     assert "huggingface" not in err.lower() and not list(tmp_path.glob("out/lite/seed0/result.json"))
-    again = subprocess.run(cmd, cwd=REPO, env={**env, "FUSEDKV_TRAIN_STEP_SLEEP": "0"}, capture_output=True,
-                           text=True, timeout=600)
+    again = cli_process.fusedkv(*args, cwd=REPO, env={**env, "FUSEDKV_TRAIN_STEP_SLEEP": "0"}, timeout=600)
     assert again.returncode == 0, again.stderr
     assert "resuming the interrupted run" in again.stdout
     assert json.loads((tmp_path / "out/lite/seed0/result.json").read_text())["plan"] == "fusedkv-lite"

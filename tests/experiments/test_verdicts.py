@@ -117,6 +117,7 @@ def test_experiment_claims_measure_loss_and_mqar_with_the_floor_rule():
     assert claim.not_testable is None and len(claim.diffs) == 3
 
 
+@pytest.mark.slow
 def test_claims_from_a_json_record(tmp_path):
     import json
 

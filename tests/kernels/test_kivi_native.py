@@ -165,10 +165,15 @@ def _kivi_model(plan, **overrides):
     return model
 
 
+# The fast tier (-m 'not slow') runs a few cases of the two model-level tests below; the full suite all of them.
+FAST_STEP = {(2, "fusedkv-lite"), (4, "fusedkv")}
+
+
 @pytest.mark.parametrize("bits, plan, batch, overrides", [
-    *((bits, plan, 2, {}) for bits in (2, 4) for plan in ("vanilla", "fusedkv-lite", "fusedkv", "fusedkv-gqa")),
+    *(pytest.param(bits, plan, 2, {}, marks=() if (bits, plan) in FAST_STEP else pytest.mark.slow)
+      for bits in (2, 4) for plan in ("vanilla", "fusedkv-lite", "fusedkv", "fusedkv-gqa")),
     (4, "fusedkv", 5, MOE),  # sparse MLPs in the step, over a KIVI cache
-    (2, "fusedkv", MAX_ROWS, {}),  # the step's widest batch
+    pytest.param(2, "fusedkv", MAX_ROWS, {}, marks=pytest.mark.slow),  # the step's widest batch
 ])
 def test_native_step_matches_the_forward(plan, bits, batch, overrides):
     """Each step over a reserved KIVI cache against the model's forward over a copy of that cache as it stands
@@ -193,8 +198,9 @@ def test_native_step_matches_the_forward(plan, bits, batch, overrides):
 
 
 @pytest.mark.parametrize("bits, plan, batch, overrides", [
-    *((bits, plan, 3, {}) for bits in (2, 4) for plan in ("fusedkv", "fusedkv-lite")),
-    (4, "fusedkv", MAX_ROWS, MOE),
+    *(pytest.param(bits, plan, 3, {}, marks=() if (bits, plan) == (2, "fusedkv") else pytest.mark.slow)
+      for bits in (2, 4) for plan in ("fusedkv", "fusedkv-lite")),
+    pytest.param(4, "fusedkv", MAX_ROWS, MOE, marks=pytest.mark.slow),
 ])
 def test_generate_same_tokens_with_and_without_the_native_step(plan, bits, batch, overrides):
     model = _kivi_model(plan, **overrides)

@@ -30,15 +30,18 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_triton_kernel_under_interpreter():
-    r = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-              str(HERE / "_triton_interpret_cases.py")], timeout=300)
+    r = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.kernels._triton_interpreter",
+              "-o", "addopts=", str(HERE / "_triton_interpret_cases.py")], timeout=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.slow
 def test_gpu_benchmark_kernel_part_dry_run():
-    r = _run([sys.executable, "-m", "fusedkv.speed.gpu_suite", "--dry-run", "--skip-model", "--tune"], timeout=300)
+    # `python -m fusedkv.speed.gpu_suite ARGS`, with the interpreter's repeated set-up skipped (_triton_interpreter.py)
+    run = ("import runpy, tests.kernels._triton_interpreter; "
+           "runpy.run_module('fusedkv.speed.gpu_suite', run_name='__main__', alter_sys=True)")
+    r = _run([sys.executable, "-c", run, "--dry-run", "--skip-model", "--tune"], timeout=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     out = r.stdout
     assert "### Decode throughput" in out and "### Launch sweep" in out and "0 failed checks" in out

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 def test_paged_kernel_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{HERE}",
            "TRITON_DEFAULT_FP_FUSION": os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                        "tests.kernels._triton_interpreter", "-o", "addopts=",
                         str(HERE / "_triton_paged_interpret_cases.py")], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]

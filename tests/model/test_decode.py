@@ -149,6 +149,7 @@ def test_unpadded_prompt_paths_agree(plan_name, prompt_len):
 
 TRITON_SCRIPT = """
 import torch
+import tests.kernels._triton_interpreter  # the interpreter without its repeated set-up
 from tests.conftest import tiny_model
 from tests.model.test_decode import padded_batch, incremental_logits
 from fusedkv.engine import select_runtime

@@ -26,6 +26,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, per_row", [(["--sparsity", "0.5"], None), (["--nm", "2:4"], 4)])
 def test_prune_writes_a_checkpoint_that_loads_and_runs(checkpoint, tmp_path, capsys, extra, per_row):
     out = tmp_path / "pruned"

@@ -53,6 +53,7 @@ def test_eval_kv_errors_are_one_line(checkpoint, extra, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_prune_through_the_cli(checkpoint, tmp_path, capsys):
     out = tmp_path / "pruned"
     assert main(["prune", str(checkpoint), "--out", str(out), "--nm", "2:4", "--calib-seqs", "2",

@@ -93,6 +93,7 @@ def test_the_harness_runs_what_a_fresh_interpreter_runs(cli):
         assert installed.returncode == 2 and installed.stderr.strip().splitlines()[-1] == ours.error_line()
 
 
+@pytest.mark.slow
 def test_train_module_entry_point_follows_the_same_policy(tmp_path):
     """`python -m fusedkv.train.command` (what torchrun launches) reports like `fusedkv train`."""
     r = subprocess.run([sys.executable, "-m", "fusedkv.train.command", "--preset", "nano", "--max-steps", "0",

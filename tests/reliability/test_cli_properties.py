@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,6 +49,7 @@ def config_kwargs(draw):
     return {n: draw(value.get(n, st.one_of(small_int, junk))) for n in names}
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(config_kwargs())
 def test_any_config_kwargs_construct_or_raise_value_error(kwargs):
@@ -61,6 +63,7 @@ def test_any_config_kwargs_construct_or_raise_value_error(kwargs):
     assert all(s in plan.storage_layers for i in plan.reconstruction_layers for s in plan.layers[i].sources)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(st.integers(-3, 64), st.lists(source_entry, max_size=4))
 def test_any_source_map_builds_a_consistent_plan_or_raises_value_error(num_layers, source_map):

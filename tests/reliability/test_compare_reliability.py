@@ -22,6 +22,7 @@ def nano(tmp_path):
     return spec, env
 
 
+@pytest.mark.slow
 def test_a_changed_setting_into_the_same_out_trains_again(cli, nano, tmp_path):
     """Was (#3): the second call trained nothing and reported the 2-step result as the 4-step one."""
     spec, env = nano
@@ -39,6 +40,7 @@ def test_a_changed_setting_into_the_same_out_trains_again(cli, nano, tmp_path):
     assert result["key"] != two["key"]
 
 
+@pytest.mark.slow
 def test_a_preset_value_changed_through_the_file_is_another_run(cli, nano, tmp_path):
     """The key is the resolved TrainConfig: spelling out a preset's own value is the same run, changing it
     is another."""
@@ -56,6 +58,7 @@ def test_a_preset_value_changed_through_the_file_is_another_run(cli, nano, tmp_p
     assert json.loads((out / "vanilla" / "seed0" / "result.json").read_text())["key"] != key
 
 
+@pytest.mark.slow
 def test_another_task_limit_rescores_without_training(cli, nano, tmp_path):
     """A result scored with --task-limit 0 (no tasks) was reused as it was under --task-limit 2."""
     spec, env = nano

@@ -74,6 +74,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_any_work(cli, model
     assert not out.exists() and not data_cache.exists()
 
 
+@pytest.mark.slow
 def test_the_teacher_it_was_converted_from_is_accepted(cli, models, tmp_path):
     result, out, _ = _train(cli, models, "teacher", tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]

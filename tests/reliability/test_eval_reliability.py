@@ -91,6 +91,7 @@ def test_nan_weights_fail_instead_of_printing_nan(cli, nan_ckpt, overflow_ckpt, 
     assert "nan" not in r.stdout
 
 
+@pytest.mark.slow
 def test_unknown_lm_eval_task(cli, tiny_ckpt, tiny_val):
     """Was a KeyError traceback from lm-eval's task index (indexing its tasks takes a while)."""
     r = cli("eval", tiny_ckpt, "--val", tiny_val, "--max-batches", "1", "--tasks", "bogus_task", timeout=300)

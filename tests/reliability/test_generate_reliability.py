@@ -47,6 +47,7 @@ def test_the_default_length_fits_a_short_context(cli, tiny_ckpt):
     assert 0 < new < CONTEXT
 
 
+@pytest.mark.slow
 def test_empty_prompt_and_bad_checkpoints(cli, tiny_ckpt, bad_files, qwen3_src):
     assert_one_line_error(cli("generate", tiny_ckpt, "--prompt", ""), 2, "empty")
     assert_one_line_error(cli("generate", bad_files["a-directory"]), 2, "no config.json")

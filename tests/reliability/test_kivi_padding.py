@@ -31,8 +31,13 @@ def _teacher_forced_logits(model, ids, mask, cache, forced: torch.Tensor) -> tor
     return torch.stack(steps, 1)
 
 
+# The fast tier: a plain cache, one with fused sources and the iterative chain; every plan in the full suite.
+FAST_PLANS = ("vanilla", "fusedkv", "fusedkv-iterative")
+
+
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("plan", list(PLAN_CONFIGS))
+@pytest.mark.parametrize("plan", [pytest.param(p, marks=() if p in FAST_PLANS else pytest.mark.slow)
+                                  for p in PLAN_CONFIGS])
 def test_a_left_padded_row_decodes_as_the_prompt_alone(plan, bits):
     model = tiny_model(plan, dtype=torch.float64)  # float64: batched and single-row K/V agree to ~1e-15
     g = torch.Generator().manual_seed(1)

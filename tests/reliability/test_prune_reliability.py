@@ -4,6 +4,8 @@ with non-finite weights is refused. Each case drives the real CLI in a child pro
 import hashlib
 import shutil
 
+import pytest
+
 from tests.reliability.conftest import assert_one_line_error
 
 FAST = ("--calib-seqs", "2", "--calib-len", "16", "--batch-size", "2")
@@ -25,6 +27,7 @@ def test_out_holding_another_model_is_refused_before_any_work(cli, tiny_ckpt, tm
     assert sorted(p.name for p in other.parent.iterdir()) == ["final"]  # no temporary left
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_model_whole(cli, tiny_ckpt, tmp_path):
     out = tmp_path / "pruned"
     shutil.copytree(tiny_ckpt, out)
@@ -53,6 +56,7 @@ def test_out_that_is_the_input_or_holds_it(cli, tiny_ckpt, tmp_path):
     assert (src / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_new_directory_is_written_without_a_temporary(cli, tiny_ckpt, tmp_path):
     r = cli("prune", tiny_ckpt, "--out", tmp_path / "new" / "pruned", *FAST)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -66,6 +70,7 @@ def test_nan_weights_are_refused_before_pruning(cli, nan_ckpt, tmp_path):
     assert "Wanda" not in r.stdout and not (tmp_path / "pruned").exists()
 
 
+@pytest.mark.slow
 def test_overflowing_activations_stop_pruning(cli, tiny_ckpt, tmp_path):
     """Finite weights whose activations overflow inside a decoder layer: Wanda's scores would be NaN."""
     import torch

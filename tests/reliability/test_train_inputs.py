@@ -1,6 +1,8 @@
 """`fusedkv train`'s model inputs, checked before any work: a missing --init-from directory is named
 without a trip to the Hugging Face hub, and a model with non-finite weights is refused."""
 
+import pytest
+
 from tests.reliability.conftest import assert_one_line_error
 
 NANO = ("--preset", "nano", "--max-steps", "1", "--quiet")
@@ -8,6 +10,7 @@ NANO = ("--preset", "nano", "--max-steps", "1", "--quiet")
 HUB_ONLINE = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
 
+@pytest.mark.slow
 def test_missing_init_from_is_a_local_path_error(cli, tmp_path):
     """Was (#13): a bare directory name was taken for a hub id and the hub's network error printed."""
     for missing in ("no-such-run-final", "runs/no-such/final"):

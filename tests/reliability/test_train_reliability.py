@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -46,15 +45,10 @@ def data(tmp_path_factory) -> Path:
     return out
 
 
-def start(env, *args, step_sleep: float = 0.0) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "fusedkv.train.command", *map(str, args)],
-        cwd=REPO,
-        env={**env, "FUSEDKV_TRAIN_STEP_SLEEP": str(step_sleep)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def start(env, *args, step_sleep: float = 0.0):
+    """`python -m fusedkv.train.command ARGS` left running (Popen-like), forked like `run`'s (tests/_cli.py)."""
+    return cli_process.start_module("fusedkv.train.command", *args, cwd=REPO,
+                                    env={**env, "FUSEDKV_TRAIN_STEP_SLEEP": str(step_sleep)})
 
 
 def run(env, *args, timeout=300) -> cli_process.Result:

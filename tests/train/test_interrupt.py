@@ -14,8 +14,6 @@ from train_helpers import nano_config, subprocess_env, train_cli, wait_for
 from fusedkv.train import full_checkpoint as ck
 from fusedkv.train import train
 
-pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
-
 
 def _logged_steps(path) -> int:
     if not path.is_file():
@@ -24,6 +22,7 @@ def _logged_steps(path) -> int:
         return max((int(r["step"]) for r in csv.DictReader(f) if r.get("step")), default=0)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, nano_data):
     steps = 12
     out = tmp_path / "killed"
@@ -64,7 +63,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, nano_data):
         assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, steps + 1))
 
 
-@pytest.mark.parametrize("sig, rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+# The fast tier (-m 'not slow') stops a run with SIGINT (Ctrl-C); the full suite also with SIGTERM.
+@pytest.mark.parametrize("sig, rc", [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)])
 def test_signal_saves_checkpoint_and_exits_cleanly(tmp_path, nano_data, sig, rc):
     out = tmp_path / "run"
     proc = train_cli(

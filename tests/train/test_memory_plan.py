@@ -26,6 +26,7 @@ def _check(preset: str, checkpointing: bool):
     return plan, measured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_plan_matches_measured_peak_nano(checkpointing):
     _check("nano", checkpointing)
@@ -101,6 +102,7 @@ def nano_teacher(tmp_path_factory):
     return path, teacher, student
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing,hidden", [(False, 0.0), (True, 0.0), (False, 0.5)])
 def test_uptraining_plan_matches_measured_peak_nano(nano_teacher, checkpointing, hidden):
     """The teacher's weights, the KL's log-probabilities (and hidden states) against a measured step of

@@ -24,6 +24,7 @@ def _snapshot(root):
     }
 
 
+@pytest.mark.slow
 def test_nano_run_outputs_and_reentrancy(tmp_path, nano_data, capsys):
     before = signal.getsignal(signal.SIGINT)
     res = train(nano_config(tmp_path / "fkv", nano_data))

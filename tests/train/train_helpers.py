@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from fusedkv.train import TrainConfig
+from tests import _cli as cli_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,16 +27,11 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def train_cli(*args, **popen_kwargs) -> subprocess.Popen:
-    """Start `python -m fusedkv.train.command ARGS` (the `fusedkv train` handler) in a subprocess."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "fusedkv.train.command", *map(str, args)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **popen_kwargs,
-    )
+def train_cli(*args, env: dict | None = None):
+    """Start `python -m fusedkv.train.command ARGS` (the `fusedkv train` handler) in a child process, left
+    running: forked from a process that imported fusedkv once (tests/_cli.py), with Popen's poll, wait,
+    communicate, send_signal, pid and returncode."""
+    return cli_process.start_module("fusedkv.train.command", *args, env=env, cwd=REPO)
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0, what: str = "condition"):

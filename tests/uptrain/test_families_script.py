@@ -3,11 +3,11 @@ seed; it writes the table with the control, and a second run reuses every cached
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import _cli as cli_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_families_script_runs_and_reuses_its_cache(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, str(REPO / "scripts" / "uptrain_families.py"), str(tmp_path / "out"),
-           "--families", "deepseek_v3", "--seeds", "0", "--teacher-steps", "3", "--steps", "2"]
-    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    script = REPO / "scripts" / "uptrain_families.py"
+    args = [tmp_path / "out", "--families", "deepseek_v3", "--seeds", "0", "--teacher-steps", "3", "--steps", "2"]
+    # `python SCRIPT ARGS`, forked from a process that imported fusedkv once (tests/_cli.py)
+    first = cli_process.run_script(script, *args, cwd=REPO, env=env, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(r["family"], r["plan"], r["seed"]) for r in rows] == [("deepseek_v3", "fusedkv", 0)]
@@ -26,6 +27,6 @@ def test_families_script_runs_and_reuses_its_cache(tmp_path):
     assert abs(row["control_start"] - row["teacher"]) < 1e-4  # the control starts as the teacher
     assert "--plan fusedkv --seed 0" in row["command"]
     assert "mean ± sd (1)" in (tmp_path / "out" / "results.md").read_text()
-    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    again = cli_process.run_script(script, *args, cwd=REPO, env=env, timeout=900)
     assert again.returncode == 0 and "pre-training" not in again.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text()) == rows
