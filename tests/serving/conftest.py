@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 from pathlib import Path
 
@@ -45,21 +46,76 @@ def references(checkpoints) -> dict[str, dict]:
 
 
 def vllm_env() -> dict:
-    # One thread per engine: the machine is small and shared, and vLLM's OpenMP threads spin.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    # One thread per engine: the machine is small and shared, and vLLM's OpenMP threads spin. PYTHONPATH: the
+    # vLLM environment's fusedkv is an editable install of some checkout; its processes must import this one.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
-def run_offline(vllm_python: str, models: list[Path], prompts: list[list[int]], out_dir: Path, *extra: str,
+class VLLMWorker:
+    """One process of the vLLM environment for the session (`_vllm_worker.py`): it imports vLLM once and runs
+    the offline jobs and vLLM-side scripts of every serving test, one after another. A job that kills it
+    fails alone: the next job starts a new one."""
+
+    def __init__(self, python: str, log: Path):
+        self.python, self.log, self.proc = python, log, None
+
+    def _start(self):
+        self.log_file = open(self.log, "a")
+        self.proc = subprocess.Popen([self.python, str(Path(__file__).with_name("_vllm_worker.py"))], cwd=REPO,
+                                     env=vllm_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log_file, text=True)
+        self._answer(600)
+
+    def _answer(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise AssertionError(f"the vLLM worker {'timed out' if not ready else 'died'}:\n{self.log_tail(0)}")
+        return json.loads(line)
+
+    def log_tail(self, start: int) -> str:
+        return self.log.read_text(errors="replace")[start:][-6000:]
+
+    def run(self, timeout: float = 1200, **job) -> dict:
+        """`job`: module= and argv=, or script=; returns {"rc", "stdout", "error", "log"} (log: its stderr)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        start = self.log.stat().st_size
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer(timeout)
+        return {**answer, "log": self.log_tail(start)}
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def vllm_worker(vllm_python, tmp_path_factory):
+    worker = VLLMWorker(vllm_python, tmp_path_factory.mktemp("vllm-worker") / "worker.log")
+    yield worker
+    worker.close()
+
+
+def run_offline(worker: VLLMWorker, models: list[Path], prompts: list[list[int]], out_dir: Path, *extra: str,
                 timeout: int = 1200) -> list[dict]:
-    """`fusedkv.serving.offline` in the vLLM environment; returns its per-checkpoint results."""
+    """`fusedkv.serving.offline` in the vLLM environment (the session's worker); its per-checkpoint results."""
     prompts_file, out_file = out_dir / "prompts.json", out_dir / "vllm.json"
     prompts_file.write_text(json.dumps(prompts))
-    cmd = [vllm_python, "-m", "fusedkv.serving.offline", "--models", *map(str, models), "--prompts", str(prompts_file),
-           "--out", str(out_file), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=vllm_env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    argv = ["--models", *map(str, models), "--prompts", str(prompts_file), "--out", str(out_file), *extra]
+    r = worker.run(module="fusedkv.serving.offline", argv=argv, timeout=timeout)
+    if r["rc"] != 0:
+        raise AssertionError(f"vLLM run failed ({r['rc']}):\n{r['log']}\n{r['error']}")
     return json.loads(out_file.read_text())
 
 
-__all__ = ["PLANS", "REPO", "run_offline", "vllm_env"]
+__all__ = ["PLANS", "REPO", "VLLMWorker", "run_offline", "vllm_env"]

@@ -27,9 +27,9 @@ def family_checkpoints(vllm_python, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, family_checkpoints, tmp_path_factory):
+def served(vllm_worker, family_checkpoints, tmp_path_factory):
     paths, _ = family_checkpoints
-    results = run_offline(vllm_python, [paths[c] for c in CASES], prompts(), tmp_path_factory.mktemp("vllm"),
+    results = run_offline(vllm_worker, [paths[c] for c in CASES], prompts(), tmp_path_factory.mktemp("vllm"),
                           "--prompt-logprobs", "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-model-len", "256")
     return dict(zip(CASES, results))
 
@@ -52,10 +52,10 @@ def test_half_cache_plans_get_twice_the_blocks(served):
             assert served[f"{family}/{plan}"]["num_blocks"] == 2 * vanilla, f"{family}/{plan}"
 
 
-def test_window_layers_read_the_right_positions_in_chunked_prefill(vllm_python, family_checkpoints, tmp_path):
+def test_window_layers_read_the_right_positions_in_chunked_prefill(vllm_worker, family_checkpoints, tmp_path):
     paths, refs = family_checkpoints
     cases = ["mistral/fusedkv", "gemma2/fusedkv-lite", "gemma3/fusedkv"]
-    results = run_offline(vllm_python, [paths[c] for c in cases], prompts(), tmp_path, "--prompt-logprobs",
+    results = run_offline(vllm_worker, [paths[c] for c in cases], prompts(), tmp_path, "--prompt-logprobs",
                           "--max-num-batched-tokens", "32", "--max-num-seqs", "2", "--max-new-tokens", "8",
                           "--max-model-len", "256")
     for case, result in zip(cases, results):

@@ -17,14 +17,13 @@ FusedKV checkpoint through torch.compile with prefills split into 32-token chunk
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_checkpoints import MAX_NEW_TOKENS, PROMPTS, reference_outputs, tiny_config, write_tokenizer
 
+from tests import _cli as cli_process
 from tests.serving.conftest import REPO, run_offline, vllm_env
 
 pytestmark = pytest.mark.slow  # starts vLLM
@@ -37,8 +36,7 @@ DEEPSEEK_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=
 
 
 def convert(src: Path, dst: Path, *args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "fusedkv.cli", "convert", str(src), str(dst), *args], cwd=REPO,
-                       env=vllm_env(), capture_output=True, text=True, timeout=300)
+    r = cli_process.fusedkv("convert", str(src), str(dst), *args, cwd=REPO, env=vllm_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -158,9 +156,9 @@ def moe_references(moe_checkpoints) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def moe_served(vllm_python, moe_checkpoints, moe_references, tmp_path_factory) -> dict[str, dict]:
+def moe_served(vllm_worker, moe_checkpoints, moe_references, tmp_path_factory) -> dict[str, dict]:
     prompts = [row["prompt_ids"] for row in moe_references[SERVED[0]]["rows"]]
-    results = run_offline(vllm_python, [moe_checkpoints[n] for n in SERVED], prompts, tmp_path_factory.mktemp("vllm"),
+    results = run_offline(vllm_worker, [moe_checkpoints[n] for n in SERVED], prompts, tmp_path_factory.mktemp("vllm"),
                           "--prompt-logprobs")
     return dict(zip(SERVED, results))
 
@@ -187,12 +185,12 @@ def test_fusedkv_holds_twice_the_blocks(family, moe_served):
     assert vanilla["num_blocks"] > 0 and fused["num_blocks"] == 2 * vanilla["num_blocks"]
 
 
-def test_compiled_and_chunked_prefill(vllm_python, moe_checkpoints, moe_references, tmp_path):
+def test_compiled_and_chunked_prefill(vllm_worker, moe_checkpoints, moe_references, tmp_path):
     """torch.compile around the MoE and MLA custom ops, and prefill chunks whose queries start mid-sequence."""
     name = "deepseek-v3-qlora-fusedkv"
     prompts = [row["prompt_ids"] for row in moe_references[name]["rows"]]
     assert max(map(len, prompts)) > 32  # at least one prompt spans several chunks and cache blocks
-    [result] = run_offline(vllm_python, [moe_checkpoints[name]], prompts, tmp_path, "--compile", "--prompt-logprobs",
+    [result] = run_offline(vllm_worker, [moe_checkpoints[name]], prompts, tmp_path, "--compile", "--prompt-logprobs",
                            "--max-num-batched-tokens", "32", "--max-num-seqs", "4")
     same_outputs(name, moe_references[name]["rows"], result["rows"])
 

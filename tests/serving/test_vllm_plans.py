@@ -21,10 +21,10 @@ LOGPROB_TOL = 1e-4  # fp32, two implementations of the same math: observed diffe
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, checkpoints, references, tmp_path_factory):
+def served(vllm_worker, checkpoints, references, tmp_path_factory):
     plans = list(PLANS)
     prompts = [row["prompt_ids"] for row in references["vanilla"]["rows"]]
-    results = run_offline(vllm_python, [checkpoints[p] for p in plans], prompts, tmp_path_factory.mktemp("vllm"),
+    results = run_offline(vllm_worker, [checkpoints[p] for p in plans], prompts, tmp_path_factory.mktemp("vllm"),
                           "--prompt-logprobs", "--kv-cache-memory", str(KV_CACHE_BYTES))
     return dict(zip(plans, results))
 
@@ -56,11 +56,11 @@ def test_only_storage_layers_own_cache_blocks(served, references):
         assert served[plan]["max_concurrency"] == pytest.approx(2 * vanilla["max_concurrency"])
 
 
-def test_chunked_prefill_reads_the_right_positions(vllm_python, checkpoints, references, tmp_path):
+def test_chunked_prefill_reads_the_right_positions(vllm_worker, checkpoints, references, tmp_path):
     plans = ["fusedkv", "fusedkv-lite", "two-k-one-v"]
     prompts = [row["prompt_ids"] for row in references["vanilla"]["rows"]]
     assert max(map(len, prompts)) > 32  # at least one prompt spans several chunks and cache blocks
-    results = run_offline(vllm_python, [checkpoints[p] for p in plans], prompts, tmp_path, "--prompt-logprobs",
+    results = run_offline(vllm_worker, [checkpoints[p] for p in plans], prompts, tmp_path, "--prompt-logprobs",
                           "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--max-new-tokens", "8")
     for plan, result in zip(plans, results):
         for r, g in zip(references[plan]["rows"], result["rows"]):
@@ -68,11 +68,11 @@ def test_chunked_prefill_reads_the_right_positions(vllm_python, checkpoints, ref
             assert max(abs(a - b) for a, b in zip(g["prompt_logprobs"], r["prompt_logprobs"])) < LOGPROB_TOL, plan
 
 
-def test_prefill_skipping_keeps_greedy_tokens(vllm_python, checkpoints, references, tmp_path):
+def test_prefill_skipping_keeps_greedy_tokens(vllm_worker, checkpoints, references, tmp_path):
     """vLLM's --kv-sharing-fast-prefill: the layers after the last storage layer run only on the sampled
     positions (paper Sec. 3.3); what is generated must not change."""
     plans = ["cla", "yoco", "fusedkv-lite", "fusedkv", "two-k-one-v"]
     prompts = [row["prompt_ids"] for row in references["vanilla"]["rows"]]
-    results = run_offline(vllm_python, [checkpoints[p] for p in plans], prompts, tmp_path, "--fast-prefill")
+    results = run_offline(vllm_worker, [checkpoints[p] for p in plans], prompts, tmp_path, "--fast-prefill")
     for plan, result in zip(plans, results):
         assert [g["tokens"] for g in result["rows"]] == [r["tokens"] for r in references[plan]["rows"]], plan

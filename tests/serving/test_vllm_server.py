@@ -4,9 +4,10 @@ One server for the module (a FusedKV checkpoint, eager mode, the default dtype, 
 `--` behind fusedkv's own options). Its outputs must be the transformers model's (the default dtype is
 the checkpoint's float32), concurrent requests must return what sequential ones do, chat completions
 must work on a checkpoint saved without a chat template, and SIGTERM must stop every process it
-started. Further servers: one whose logits overflow (HTTP 500, then `fusedkv serve` exits 1 naming the
-cause), one whose supervisor is killed with SIGKILL (nothing of vLLM survives), one interrupted during
-start-up (exit 130, no traceback). Bad checkpoints must fail before vLLM starts, with `fusedkv
+started. Further servers: one of a checkpoint `fusedkv train` saved (chat completions with the template it
+carries; then its supervisor is killed with SIGKILL: nothing of vLLM survives), one whose logits overflow
+(HTTP 500, then `fusedkv serve` exits 1 naming the cause), one interrupted during start-up (exit 130, no
+traceback). Bad checkpoints must fail before vLLM starts, with `fusedkv
 generate`'s messages. Request loops are bounded by time.
 """
 
@@ -215,36 +216,54 @@ def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints
     assert content and tok.decode(expected, skip_special_tokens=True).startswith(content)
 
 
+@pytest.fixture(scope="module")
+def trained(vllm_python, tmp_path_factory):
+    """A checkpoint `fusedkv train` saved (two steps of the nano preset), served with fusedkv serve's defaults:
+    the chat test asks it, then the kill -9 test kills its supervisor."""
+    root = tmp_path_factory.mktemp("trained")
+    out = root / "run"
+    env = {**vllm_env(), "FUSEDKV_DATA_DIR": str(root / "data")}
+    trained = cli_process.fusedkv("train", "--preset", "nano", "--max-steps", "2", "--set", "model.head_dim=32",
+                                  "--set", "threads=1", "--out", str(out), "--quiet", cwd=REPO, env=env, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    s = start_server(vllm_python, out / "final", root / "server.log")
+    yield s
+    stop(s)
+
+
 @pytest.mark.slow
-def test_chat_completions_on_a_trained_checkpoint_use_the_template_it_carries(vllm_python, tmp_path):
+def test_chat_completions_on_a_trained_checkpoint_use_the_template_it_carries(trained):
     """`fusedkv train` saves a chat template with its tokenizer: a trained checkpoint serves chat completions
     without `--chat-template` and without fusedkv serve's fallback."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
     from fusedkv.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
-    out = tmp_path / "run"
-    env = {**vllm_env(), "FUSEDKV_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
-    trained = subprocess.run([sys.executable, "-m", "fusedkv.cli", "train", "--preset", "nano", "--max-steps", "2",
-                              "--set", "model.head_dim=32", "--set", "threads=1", "--out", str(out), "--quiet"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    path = out / "final"
+    path = Path(trained["model"])
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
-    s = start_server(vllm_python, path, tmp_path / "server.log")
-    try:
-        messages = [{"role": "user", "content": "Who is there?"}]
-        body = {"model": s["model"], "messages": messages, "max_tokens": 8, "temperature": 0,
-                "return_token_ids": True, "ignore_eos": True}
-        reply = post(s["port"], "/v1/chat/completions", body, key=None)
-        assert "no chat template" not in s["log"].read_text()
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # the saved template
-        assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
-        assert reply["choices"][0]["token_ids"] == greedy_continuation(path, reply["prompt_token_ids"], 8,
-                                                                       tok.pad_token_id)
-    finally:
-        stop(s)
+    messages = [{"role": "user", "content": "Who is there?"}]
+    body = {"model": trained["model"], "messages": messages, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    reply = post(trained["port"], "/v1/chat/completions", body, key=None)
+    assert "no chat template" not in trained["log"].read_text()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # the saved template
+    assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
+    assert reply["choices"][0]["token_ids"] == greedy_continuation(path, reply["prompt_token_ids"], 8,
+                                                                   tok.pad_token_id)
+
+
+@pytest.mark.slow
+def test_kill_9_of_fusedkv_serve_leaves_no_vllm_process(trained):
+    """Runs after the chat test, on its server (pytest keeps file order)."""
+    group = vllm_group(trained["proc"])
+    assert group is not None and group_pids(group)
+    trained["proc"].kill()  # SIGKILL: no handler of fusedkv's runs
+    trained["proc"].wait(timeout=30)
+    assert wait_until(lambda: not group_pids(group), 60), "vLLM outlived fusedkv serve"
+    assert not healthy(trained["port"])
 
 
 @pytest.mark.slow
@@ -285,20 +304,6 @@ def test_non_finite_logits_answer_500_and_the_server_exits_1_naming_them(vllm_py
         last = s["log"].read_text().strip().splitlines()[-1]
         assert last.startswith("fusedkv serve: error: the vLLM server stopped by itself"), last
         assert "non-finite logits" in last
-    finally:
-        stop(s)
-
-
-@pytest.mark.slow
-def test_kill_9_of_fusedkv_serve_leaves_no_vllm_process(vllm_python, checkpoints, tmp_path):
-    s = start_server(vllm_python, checkpoints["fusedkv-lite"], tmp_path / "server.log")
-    try:
-        group = vllm_group(s["proc"])
-        assert group is not None and group_pids(group)
-        s["proc"].kill()  # SIGKILL: no handler of fusedkv's runs
-        s["proc"].wait(timeout=30)
-        assert wait_until(lambda: not group_pids(group), 60), "vLLM outlived fusedkv serve"
-        assert not healthy(s["port"])
     finally:
         stop(s)
 
