@@ -12,6 +12,8 @@ import json
 import os
 import select
 import subprocess
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,9 +55,9 @@ def vllm_env() -> dict:
 
 
 class VLLMWorker:
-    """One process of the vLLM environment for the session (`_vllm_worker.py`): it imports vLLM once and runs
-    the offline jobs and vLLM-side scripts of every serving test, one after another. A job that kills it
-    fails alone: the next job starts a new one."""
+    """One process of the vLLM environment (`_vllm_worker.py`) that lives for the session: it imports vLLM
+    once and runs offline jobs and vLLM-side scripts of the serving tests, one after another. A job that kills
+    it fails alone: the next job starts a new one."""
 
     def __init__(self, python: str, log: Path):
         self.python, self.log, self.proc = python, log, None
@@ -99,23 +101,68 @@ class VLLMWorker:
         self.proc = None
 
 
+class VLLMWorkers:
+    """The session's vLLM workers: at most `size` processes, each started when a job first needs it. Jobs
+    submitted together run on as many workers at once (on two cores, two), so a module's vLLM runs overlap;
+    a job submitted alone runs on a worker already started."""
+
+    def __init__(self, python: str, log_dir: Path, size: int = 2):
+        self.python, self.log_dir = python, log_dir
+        self.started: list[VLLMWorker] = []
+        self.local = threading.local()  # one worker per thread of the pool
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(size, thread_name_prefix="vllm-worker")
+
+    def _worker(self) -> VLLMWorker:
+        if getattr(self.local, "worker", None) is None:
+            with self.lock:
+                self.local.worker = VLLMWorker(self.python, self.log_dir / f"worker{len(self.started)}.log")
+                self.started.append(self.local.worker)
+        return self.local.worker
+
+    def submit(self, fn, *args) -> Future:
+        """`fn(worker, *args)` on a worker, when one is free."""
+        return self.pool.submit(lambda: fn(self._worker(), *args))
+
+    def run(self, timeout: float = 1200, **job) -> dict:
+        """VLLMWorker.run on a free worker, waited for."""
+        return self.submit(lambda w: w.run(timeout, **job)).result()
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for worker in self.started:
+            worker.close()
+
+
 @pytest.fixture(scope="session")
-def vllm_worker(vllm_python, tmp_path_factory):
-    worker = VLLMWorker(vllm_python, tmp_path_factory.mktemp("vllm-worker") / "worker.log")
-    yield worker
-    worker.close()
+def vllm_workers(vllm_python, tmp_path_factory):
+    workers = VLLMWorkers(vllm_python, tmp_path_factory.mktemp("vllm-workers"), size=min(2, os.cpu_count() or 1))
+    yield workers
+    workers.close()
 
 
-def run_offline(worker: VLLMWorker, models: list[Path], prompts: list[list[int]], out_dir: Path, *extra: str,
-                timeout: int = 1200) -> list[dict]:
-    """`fusedkv.serving.offline` in the vLLM environment (the session's worker); its per-checkpoint results."""
+def _offline(worker: VLLMWorker, models: list[Path], prompts: list[list[int]], out_dir: Path, extra: tuple,
+             timeout: int) -> list[dict]:
     prompts_file, out_file = out_dir / "prompts.json", out_dir / "vllm.json"
     prompts_file.write_text(json.dumps(prompts))
     argv = ["--models", *map(str, models), "--prompts", str(prompts_file), "--out", str(out_file), *extra]
-    r = worker.run(module="fusedkv.serving.offline", argv=argv, timeout=timeout)
+    r = worker.run(timeout, module="fusedkv.serving.offline", argv=argv)
     if r["rc"] != 0:
         raise AssertionError(f"vLLM run failed ({r['rc']}):\n{r['log']}\n{r['error']}")
     return json.loads(out_file.read_text())
 
 
-__all__ = ["PLANS", "REPO", "VLLMWorker", "run_offline", "vllm_env"]
+def submit_offline(workers: VLLMWorkers, models: list[Path], prompts: list[list[int]], out_dir: Path, *extra: str,
+                   timeout: int = 1200) -> Future:
+    """`fusedkv.serving.offline` in the vLLM environment (a session's worker), started now; the future's result
+    is its per-checkpoint results. `out_dir`: one per run."""
+    return workers.submit(_offline, models, prompts, out_dir, extra, timeout)
+
+
+def run_offline(workers: VLLMWorkers, models: list[Path], prompts: list[list[int]], out_dir: Path, *extra: str,
+                timeout: int = 1200) -> list[dict]:
+    """submit_offline, waited for."""
+    return submit_offline(workers, models, prompts, out_dir, *extra, timeout=timeout).result()
+
+
+__all__ = ["PLANS", "REPO", "VLLMWorkers", "run_offline", "submit_offline", "vllm_env"]
