@@ -13,6 +13,7 @@ import os
 import select
 import subprocess
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,14 +38,36 @@ def vllm_python() -> str:
     return python
 
 
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    return write_checkpoints(tmp_path_factory.mktemp("serving-ckpts"))
+class OnDemand(Mapping):
+    """A mapping whose values are made when first read: a run of a few tests builds only what they read."""
+
+    def __init__(self, keys, make):
+        self.keys_, self.make, self.made = list(keys), make, {}
+
+    def __getitem__(self, key):
+        if key not in self.keys_:
+            raise KeyError(key)
+        if key not in self.made:
+            self.made[key] = self.make(key)
+        return self.made[key]
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self):
+        return len(self.keys_)
 
 
 @pytest.fixture(scope="session")
-def references(checkpoints) -> dict[str, dict]:
-    return {plan: reference_outputs(path) for plan, path in checkpoints.items()}
+def checkpoints(tmp_path_factory) -> Mapping[str, Path]:
+    """{plan: tiny checkpoint directory} for every plan of PLANS, one tokenizer for all."""
+    root = tmp_path_factory.mktemp("serving-ckpts")
+    return OnDemand(PLANS, lambda plan: write_checkpoints(root, plans=(plan,))[plan])
+
+
+@pytest.fixture(scope="session")
+def references(checkpoints) -> Mapping[str, dict]:
+    return OnDemand(PLANS, lambda plan: reference_outputs(checkpoints[plan]))
 
 
 def vllm_env() -> dict:
@@ -159,10 +182,17 @@ def submit_offline(workers: VLLMWorkers, models: list[Path], prompts: list[list[
     return workers.submit(_offline, models, prompts, out_dir, extra, timeout)
 
 
+def results_of(runs: list[tuple[list[str], Future]]) -> OnDemand:
+    """{name: result} over offline runs submitted together ((names, future) pairs), each run waited for when a
+    result of it is first read (what a test computes before reading overlaps with the runs)."""
+    where = {name: (i, future) for names, future in runs for i, name in enumerate(names)}
+    return OnDemand(where, lambda name: where[name][1].result()[where[name][0]])
+
+
 def run_offline(workers: VLLMWorkers, models: list[Path], prompts: list[list[int]], out_dir: Path, *extra: str,
                 timeout: int = 1200) -> list[dict]:
     """submit_offline, waited for."""
     return submit_offline(workers, models, prompts, out_dir, *extra, timeout=timeout).result()
 
 
-__all__ = ["PLANS", "REPO", "VLLMWorkers", "run_offline", "submit_offline", "vllm_env"]
+__all__ = ["PLANS", "REPO", "VLLMWorkers", "results_of", "run_offline", "submit_offline", "vllm_env"]

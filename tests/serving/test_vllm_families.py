@@ -10,10 +10,12 @@ fusedkv's full forward, and the half plans get twice vanilla's cache blocks. A s
 
 from __future__ import annotations
 
-import pytest
-from family_checkpoints import FAMILIES, MAX_NEW_TOKENS, prompts, write_family_checkpoints
+from collections.abc import Mapping
 
-from tests.serving.conftest import submit_offline
+import pytest
+from family_checkpoints import FAMILIES, MAX_NEW_TOKENS, prompts, references, write_family_checkpoints
+
+from tests.serving.conftest import results_of, submit_offline
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
@@ -22,18 +24,26 @@ CASES = [f"{family}/{plan}" for family, (*_, plans) in FAMILIES.items() for plan
 
 
 @pytest.fixture(scope="module")
-def family_checkpoints(vllm_python, tmp_path_factory):
+def family_sources(vllm_python, tmp_path_factory):
+    """({"family/plan": checkpoint directory}, {family: transformers model})."""
     return write_family_checkpoints(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(family_sources, runs):
+    """({"family/plan": directory}, {"family/plan": reference}); the references are computed while vLLM runs."""
+    paths, sources = family_sources
+    return paths, references(paths, sources)
 
 
 WINDOW_CASES = ["mistral/fusedkv", "gemma2/fusedkv-lite", "gemma3/fusedkv"]
 
 
 @pytest.fixture(scope="module")
-def runs(vllm_workers, family_checkpoints, tmp_path_factory) -> dict:
+def runs(vllm_workers, family_sources, tmp_path_factory) -> dict:
     """The module's vLLM runs, started together so that they share the session's workers: every case (in two
     halves), and chunked prefill over the window plans. Futures: each test waits for the run it reads."""
-    paths, _ = family_checkpoints
+    paths, _ = family_sources
 
     def run(cases, *extra):
         return submit_offline(vllm_workers, [paths[c] for c in cases], prompts(), tmp_path_factory.mktemp("vllm"),
@@ -46,8 +56,8 @@ def runs(vllm_workers, family_checkpoints, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(runs) -> dict[str, dict]:
-    return {case: result for cases, future in runs["served"] for case, result in zip(cases, future.result())}
+def served(runs) -> Mapping[str, dict]:
+    return results_of(runs["served"])
 
 
 @pytest.mark.parametrize("case", CASES)

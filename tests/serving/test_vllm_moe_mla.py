@@ -17,6 +17,7 @@ the MLA + MoE FusedKV checkpoint through torch.compile with prefills split into 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import torch
 from tiny_checkpoints import MAX_NEW_TOKENS, PROMPTS, reference_outputs, tiny_config, write_tokenizer
 
 from tests import _cli as cli_process
-from tests.serving.conftest import REPO, submit_offline, vllm_env
+from tests.serving.conftest import REPO, results_of, submit_offline, vllm_env
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
@@ -159,11 +160,15 @@ COMPILED = "deepseek-v3-qlora-fusedkv"
 
 
 @pytest.fixture(scope="module")
-def moe_runs(vllm_workers, moe_checkpoints, moe_references, tmp_path_factory) -> dict:
+def moe_runs(vllm_workers, moe_checkpoints, tmp_path_factory) -> dict:
     """The module's vLLM runs, started together so that they share the session's workers: torch.compile with
-    chunked prefill (the longest, first), and every checkpoint eager (in two halves). Futures."""
+    chunked prefill (the longest, first), and every checkpoint eager (in two halves). Futures: the references
+    are computed while they run."""
+    from transformers import AutoTokenizer
+
     def run(names, *extra):
-        prompts = [row["prompt_ids"] for row in moe_references[names[0]]["rows"]]
+        tok = AutoTokenizer.from_pretrained(moe_checkpoints[names[0]])
+        prompts = [tok(prompt).input_ids for prompt in PROMPTS]  # as reference_outputs tokenises them
         return submit_offline(vllm_workers, [moe_checkpoints[n] for n in names], prompts,
                               tmp_path_factory.mktemp("vllm"), *extra)
 
@@ -174,8 +179,8 @@ def moe_runs(vllm_workers, moe_checkpoints, moe_references, tmp_path_factory) ->
 
 
 @pytest.fixture(scope="module")
-def moe_served(moe_runs) -> dict[str, dict]:
-    return {name: result for names, future in moe_runs["served"] for name, result in zip(names, future.result())}
+def moe_served(moe_runs) -> Mapping[str, dict]:
+    return results_of(moe_runs["served"])
 
 
 def same_outputs(name: str, ref: list[dict], got: list[dict], logprobs: bool = True) -> None:

@@ -10,9 +10,11 @@ skipping (vLLM's kv_sharing_fast_prefill).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
-from tests.serving.conftest import PLANS, submit_offline
+from tests.serving.conftest import PLANS, results_of, submit_offline
 
 pytestmark = pytest.mark.slow  # the fast tier (-m 'not slow') leaves this module to the full suite
 
@@ -43,8 +45,8 @@ def runs(vllm_workers, checkpoints, references, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(runs) -> dict[str, dict]:
-    return {plan: result for plans, future in runs["served"] for plan, result in zip(plans, future.result())}
+def served(runs) -> Mapping[str, dict]:
+    return results_of(runs["served"])
 
 
 @pytest.mark.parametrize("plan", list(PLANS))

@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 def fusedkv_cli(*args: str) -> cli_process.Result:
-    return cli_process.fusedkv(*args, cwd=REPO, timeout=120)
+    return cli_process.fusedkv(*args, cwd=REPO, env=vllm_env(), timeout=120)  # test_serve_preflight's zygote
 
 
 def post(port: int, path: str, body: dict, key: str | None = API_KEY) -> dict:
