@@ -4,6 +4,12 @@ transformers model says about them.
 vLLM lives in its own environment (`scripts/install-vllm.sh`), so these tests run vLLM in a
 subprocess with that environment's Python and compare through JSON files. Without it they are
 skipped, saying how to install it; with FUSEDKV_REQUIRE_VLLM=1 (CI) a missing install fails instead.
+
+Where the time goes: every vLLM process pays its imports and, on its first prompt log-probabilities, a
+compilation of vLLM's sampler; every engine pays its start-up. So the offline runs go to at most two worker
+processes for the whole session (`vllm_workers`, `_vllm_worker.py`) that pay the imports once, a module
+submits its runs together so that both workers (both cores) are busy, and fixtures compute what the tests
+compare against while vLLM runs. Checkpoints are made when first read.
 """
 
 from __future__ import annotations
