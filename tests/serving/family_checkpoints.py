@@ -108,14 +108,15 @@ def reference(path: Path, source_model=None) -> dict:
     return {"rows": rows, "storage_layers": list(model.plan.storage_layers)}
 
 
-def write_family_checkpoints(root: Path) -> tuple[dict[str, Path], dict[str, dict]]:
-    """Every family as vanilla and under its plans: ({"family/plan": directory}, {"family/plan": reference})."""
+def write_family_checkpoints(root: Path) -> tuple[dict[str, Path], dict]:
+    """Every family as vanilla and under its plans: ({"family/plan": directory}, {family: the transformers
+    model}); `references` gives what the reference says about them."""
     from fusedkv.convert import convert_checkpoint
 
     root = Path(root)
-    paths, refs = {}, {}
+    paths, sources = {}, {}
     for family, (_, _, _, plans) in FAMILIES.items():
-        src, source_model = build_source(family, root)
+        src, sources[family] = build_source(family, root)
         for plan in ["vanilla", *plans]:
             key = f"{family}/{plan}"
             dst = root / family / plan
@@ -123,5 +124,13 @@ def write_family_checkpoints(root: Path) -> tuple[dict[str, Path], dict[str, dic
             if plan != "vanilla":
                 randomize_fusion(dst)
             paths[key] = dst
-            refs[key] = reference(dst, source_model if plan == "vanilla" else None)
-    return paths, refs
+    return paths, sources
+
+
+def references(paths: dict[str, Path], sources: dict) -> dict[str, dict]:
+    """{"family/plan": reference} for write_family_checkpoints' checkpoints."""
+    refs = {}
+    for key, path in paths.items():
+        family, plan = key.split("/")
+        refs[key] = reference(path, sources[family] if plan == "vanilla" else None)
+    return refs

@@ -167,14 +167,14 @@ def test_auto_dtype_is_the_checkpoints_and_lower_precision_is_warned(checkpoints
 
 
 @pytest.mark.slow  # imports vLLM in its own environment
-def test_cpu_limits_are_the_installed_vllms(vllm_python):
+def test_cpu_limits_are_the_installed_vllms(vllm_workers):
     """The constants `fusedkv serve` checks against, read from vLLM's CPU backend itself."""
     probe = ("import json; from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B; "
              "print(json.dumps([B.get_supported_head_sizes(), [getattr(b, 'base', b) for b in "
              "B.get_supported_kernel_block_sizes()]]))")
-    out = subprocess.run([vllm_python, "-c", probe], capture_output=True, text=True, timeout=300, env=vllm_env(),
-                         check=True).stdout
-    head_sizes, block_sizes = json.loads(out.strip().splitlines()[-1])
+    r = vllm_workers.run(code=probe, timeout=300)
+    assert r["rc"] == 0, r["error"]
+    head_sizes, block_sizes = json.loads(r["stdout"].strip().splitlines()[-1])
     assert tuple(head_sizes) == preflight.CPU_HEAD_SIZES
     assert block_sizes == [preflight.CPU_BLOCK_MULTIPLE]
 

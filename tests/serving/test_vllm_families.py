@@ -2,18 +2,20 @@
 vLLM plugin with the reference's tokens, as vanilla and under half-cache plans (tests/serving/family_checkpoints.py
 lists the features each one switches on).
 
-One vLLM process runs every checkpoint (in-process engine, eager, float32, block size 32): greedy tokens must
-equal transformers' `generate` (vanilla) or fusedkv's (plans), prompt log-probabilities fusedkv's full forward,
-and the half plans get twice vanilla's cache blocks. A second run splits prefills into 32-token chunks over the
-window plans, so the window layers' paged reads start mid-sequence.
+vLLM runs every checkpoint (the session's worker processes, in-process engines, eager, float32, block size
+32): greedy tokens must equal transformers' `generate` (vanilla) or fusedkv's (plans), prompt log-probabilities
+fusedkv's full forward, and the half plans get twice vanilla's cache blocks. A second run splits prefills into
+32-token chunks over the window plans, so the window layers' paged reads start mid-sequence.
 """
 
 from __future__ import annotations
 
-import pytest
-from family_checkpoints import FAMILIES, MAX_NEW_TOKENS, prompts, write_family_checkpoints
+from collections.abc import Mapping
 
-from tests.serving.conftest import run_offline
+import pytest
+from family_checkpoints import FAMILIES, MAX_NEW_TOKENS, prompts, references, write_family_checkpoints
+
+from tests.serving.conftest import results_of, submit_offline
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
@@ -22,16 +24,40 @@ CASES = [f"{family}/{plan}" for family, (*_, plans) in FAMILIES.items() for plan
 
 
 @pytest.fixture(scope="module")
-def family_checkpoints(vllm_python, tmp_path_factory):
+def family_sources(vllm_python, tmp_path_factory):
+    """({"family/plan": checkpoint directory}, {family: transformers model})."""
     return write_family_checkpoints(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, family_checkpoints, tmp_path_factory):
-    paths, _ = family_checkpoints
-    results = run_offline(vllm_python, [paths[c] for c in CASES], prompts(), tmp_path_factory.mktemp("vllm"),
-                          "--prompt-logprobs", "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-model-len", "256")
-    return dict(zip(CASES, results))
+def family_checkpoints(family_sources, runs):
+    """({"family/plan": directory}, {"family/plan": reference}); the references are computed while vLLM runs."""
+    paths, sources = family_sources
+    return paths, references(paths, sources)
+
+
+WINDOW_CASES = ["mistral/fusedkv", "gemma2/fusedkv-lite", "gemma3/fusedkv"]
+
+
+@pytest.fixture(scope="module")
+def runs(vllm_workers, family_sources, tmp_path_factory) -> dict:
+    """The module's vLLM runs, started together so that they share the session's workers: every case (in two
+    halves), and chunked prefill over the window plans. Futures: each test waits for the run it reads."""
+    paths, _ = family_sources
+
+    def run(cases, *extra):
+        return submit_offline(vllm_workers, [paths[c] for c in cases], prompts(), tmp_path_factory.mktemp("vllm"),
+                              *extra, "--max-model-len", "256")
+
+    halves = [CASES[:len(CASES) // 2], CASES[len(CASES) // 2:]]
+    return {"served": [(h, run(h, "--prompt-logprobs", "--max-new-tokens", str(MAX_NEW_TOKENS))) for h in halves],
+            "chunked": run(WINDOW_CASES, "--prompt-logprobs", "--max-num-batched-tokens", "32", "--max-num-seqs", "2",
+                           "--max-new-tokens", "8")}
+
+
+@pytest.fixture(scope="module")
+def served(runs) -> Mapping[str, dict]:
+    return results_of(runs["served"])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -52,13 +78,11 @@ def test_half_cache_plans_get_twice_the_blocks(served):
             assert served[f"{family}/{plan}"]["num_blocks"] == 2 * vanilla, f"{family}/{plan}"
 
 
-def test_window_layers_read_the_right_positions_in_chunked_prefill(vllm_python, family_checkpoints, tmp_path):
-    paths, refs = family_checkpoints
-    cases = ["mistral/fusedkv", "gemma2/fusedkv-lite", "gemma3/fusedkv"]
-    results = run_offline(vllm_python, [paths[c] for c in cases], prompts(), tmp_path, "--prompt-logprobs",
-                          "--max-num-batched-tokens", "32", "--max-num-seqs", "2", "--max-new-tokens", "8",
-                          "--max-model-len", "256")
-    for case, result in zip(cases, results):
+def test_window_layers_read_the_right_positions_in_chunked_prefill(runs, family_checkpoints):
+    _, refs = family_checkpoints
+    cases = WINDOW_CASES
+    results = runs["chunked"].result()  # --max-num-batched-tokens 32 --max-num-seqs 2 --max-new-tokens 8
+    for case, result in zip(cases, results, strict=True):
         for r, g in zip(refs[case]["rows"], result["rows"]):
             assert g["tokens"] == r["tokens"][:8], case
             assert max(abs(a - b) for a, b in zip(g["prompt_logprobs"], r["prompt_logprobs"])) < LOGPROB_TOL, case

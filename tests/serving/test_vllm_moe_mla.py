@@ -10,22 +10,22 @@ Checkpoints (tiny, random; head_dim 32 where vLLM's CPU attention runs the layer
   each imported with `fusedkv convert`, vanilla and FusedKV (random fusion weights: fused latents);
   * DeepSeekMoE routing on Qwen3 attention, built as a fusedkv config, vanilla and FusedKV.
 
-One vLLM process runs every checkpoint (one engine each, eager, float32); a second run takes the MLA + MoE
-FusedKV checkpoint through torch.compile with prefills split into 32-token chunks.
+vLLM runs every checkpoint (the session's worker processes, one engine each, eager, float32); another run takes
+the MLA + MoE FusedKV checkpoint through torch.compile with prefills split into 32-token chunks.
 """
 
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_checkpoints import MAX_NEW_TOKENS, PROMPTS, reference_outputs, tiny_config, write_tokenizer
 
-from tests.serving.conftest import REPO, run_offline, vllm_env
+from tests import _cli as cli_process
+from tests.serving.conftest import REPO, results_of, submit_offline, vllm_env
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
@@ -37,8 +37,7 @@ DEEPSEEK_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=
 
 
 def convert(src: Path, dst: Path, *args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "fusedkv.cli", "convert", str(src), str(dst), *args], cwd=REPO,
-                       env=vllm_env(), capture_output=True, text=True, timeout=300)
+    r = cli_process.fusedkv("convert", str(src), str(dst), *args, cwd=REPO, env=vllm_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -157,12 +156,31 @@ def moe_references(moe_checkpoints) -> dict[str, dict]:
     return {name: reference_outputs(moe_checkpoints[name]) for name in SERVED}
 
 
+COMPILED = "deepseek-v3-qlora-fusedkv"
+
+
 @pytest.fixture(scope="module")
-def moe_served(vllm_python, moe_checkpoints, moe_references, tmp_path_factory) -> dict[str, dict]:
-    prompts = [row["prompt_ids"] for row in moe_references[SERVED[0]]["rows"]]
-    results = run_offline(vllm_python, [moe_checkpoints[n] for n in SERVED], prompts, tmp_path_factory.mktemp("vllm"),
-                          "--prompt-logprobs")
-    return dict(zip(SERVED, results))
+def moe_runs(vllm_workers, moe_checkpoints, tmp_path_factory) -> dict:
+    """The module's vLLM runs, started together so that they share the session's workers: torch.compile with
+    chunked prefill (the longest, first), and every checkpoint eager (in two halves). Futures: the references
+    are computed while they run."""
+    from transformers import AutoTokenizer
+
+    def run(names, *extra):
+        tok = AutoTokenizer.from_pretrained(moe_checkpoints[names[0]])
+        prompts = [tok(prompt).input_ids for prompt in PROMPTS]  # as reference_outputs tokenises them
+        return submit_offline(vllm_workers, [moe_checkpoints[n] for n in names], prompts,
+                              tmp_path_factory.mktemp("vllm"), *extra)
+
+    compiled = run([COMPILED], "--compile", "--prompt-logprobs", "--max-num-batched-tokens", "32", "--max-num-seqs",
+                   "4")
+    halves = [SERVED[:len(SERVED) // 2], SERVED[len(SERVED) // 2:]]
+    return {"served": [(h, run(h, "--prompt-logprobs")) for h in halves], "compiled": compiled}
+
+
+@pytest.fixture(scope="module")
+def moe_served(moe_runs) -> Mapping[str, dict]:
+    return results_of(moe_runs["served"])
 
 
 def same_outputs(name: str, ref: list[dict], got: list[dict], logprobs: bool = True) -> None:
@@ -187,13 +205,12 @@ def test_fusedkv_holds_twice_the_blocks(family, moe_served):
     assert vanilla["num_blocks"] > 0 and fused["num_blocks"] == 2 * vanilla["num_blocks"]
 
 
-def test_compiled_and_chunked_prefill(vllm_python, moe_checkpoints, moe_references, tmp_path):
+def test_compiled_and_chunked_prefill(moe_runs, moe_references):
     """torch.compile around the MoE and MLA custom ops, and prefill chunks whose queries start mid-sequence."""
-    name = "deepseek-v3-qlora-fusedkv"
+    name = COMPILED
     prompts = [row["prompt_ids"] for row in moe_references[name]["rows"]]
     assert max(map(len, prompts)) > 32  # at least one prompt spans several chunks and cache blocks
-    [result] = run_offline(vllm_python, [moe_checkpoints[name]], prompts, tmp_path, "--compile", "--prompt-logprobs",
-                           "--max-num-batched-tokens", "32", "--max-num-seqs", "4")
+    [result] = moe_runs["compiled"].result()  # --compile --max-num-batched-tokens 32 --max-num-seqs 4
     same_outputs(name, moe_references[name]["rows"], result["rows"])
 
 

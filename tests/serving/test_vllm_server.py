@@ -4,9 +4,10 @@ One server for the module (a FusedKV checkpoint, eager mode, the default dtype, 
 `--` behind fusedkv's own options). Its outputs must be the transformers model's (the default dtype is
 the checkpoint's float32), concurrent requests must return what sequential ones do, chat completions
 must work on a checkpoint saved without a chat template, and SIGTERM must stop every process it
-started. Further servers: one whose logits overflow (HTTP 500, then `fusedkv serve` exits 1 naming the
-cause), one whose supervisor is killed with SIGKILL (nothing of vLLM survives), one interrupted during
-start-up (exit 130, no traceback). Bad checkpoints must fail before vLLM starts, with `fusedkv
+started. Further servers: one of a checkpoint `fusedkv train` saved (chat completions with the template it
+carries; then its supervisor is killed with SIGKILL: nothing of vLLM survives), one whose logits overflow
+(HTTP 500, then `fusedkv serve` exits 1 naming the cause), one interrupted during start-up (exit 130, no
+traceback). Bad checkpoints must fail before vLLM starts, with `fusedkv
 generate`'s messages. Request loops are bounded by time.
 """
 
@@ -22,13 +23,14 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from tests import _cli as cli_process
 from tests.serving.conftest import REPO, vllm_env
 
-STARTUP_TIMEOUT_S = 600  # first start on a busy 2-core machine includes vLLM's model inspection
+STARTUP_TIMEOUT_S = 900  # first start on a busy 2-core machine includes vLLM's model inspection; servers start together
 API_KEY = "fusedkv-test-key"
 
 
@@ -39,7 +41,7 @@ def free_port() -> int:
 
 
 def fusedkv_cli(*args: str) -> cli_process.Result:
-    return cli_process.fusedkv(*args, cwd=REPO, timeout=120)
+    return cli_process.fusedkv(*args, cwd=REPO, env=vllm_env(), timeout=120)  # test_serve_preflight's zygote
 
 
 def post(port: int, path: str, body: dict, key: str | None = API_KEY) -> dict:
@@ -91,9 +93,13 @@ def start_server(vllm_python: str, model, log, *extra: str, wait: bool = True) -
         proc = subprocess.Popen(cmd, cwd=REPO, env=vllm_env(), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     server = {"proc": proc, "port": port, "model": str(model), "log": log}
-    if wait:
-        wait_until(lambda: healthy(port) or proc.poll() is not None, STARTUP_TIMEOUT_S, 2)
-    if wait and not healthy(port):
+    return wait_ready(server) if wait else server
+
+
+def wait_ready(server) -> dict:
+    port, proc, log = server["port"], server["proc"], server["log"]
+    wait_until(lambda: healthy(port) or proc.poll() is not None, STARTUP_TIMEOUT_S, 2)
+    if not healthy(port):
         stop(server)
         pytest.fail(f"the server did not come up (exit {proc.poll()}):\n{log.read_text()[-6000:]}")
     return server
@@ -109,13 +115,55 @@ def stop(server) -> None:
         os.killpg(group, signal.SIGKILL)
 
 
+def train_nano(root) -> Path:
+    """A checkpoint `fusedkv train` saves: two steps of the nano preset (head_dim 32, which vLLM's CPU attention
+    runs)."""
+    out = root / "run"
+    env = {**vllm_env(), "FUSEDKV_DATA_DIR": str(root / "data")}
+    trained = cli_process.fusedkv("train", "--preset", "nano", "--max-steps", "2", "--set", "model.head_dim=32",
+                                  "--set", "threads=1", "--out", str(out), "--quiet", cwd=REPO, env=env, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return out / "final"
+
+
 @pytest.fixture(scope="module")
-def server(vllm_python, checkpoints, tmp_path_factory):
-    # vLLM's --api-key after `--`, behind fusedkv's own options: pass-through in any argument order.
-    s = start_server(vllm_python, checkpoints["fusedkv"], tmp_path_factory.mktemp("server") / "server.log",
-                     "--", "--api-key", API_KEY)
-    yield s
-    stop(s)
+def launched(request, vllm_python, checkpoints, tmp_path_factory):
+    """The module's long-lived servers, started without waiting and together, so that their start-ups (and the
+    training of the trained checkpoint) overlap on a multi-core machine; each only if a selected test uses it:
+    `server` (the FusedKV checkpoint), `overflowing` (logits that overflow), `trained` (`fusedkv train`'s)."""
+    wanted = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
+    root = tmp_path_factory.mktemp("servers")
+    servers = {}
+    try:
+        if "server" in wanted:
+            # vLLM's --api-key after `--`, behind fusedkv's own options: pass-through in any argument order.
+            servers["server"] = start_server(vllm_python, checkpoints["fusedkv"], root / "server.log", "--",
+                                             "--api-key", API_KEY, wait=False)
+        if "overflowing" in wanted:
+            servers["overflowing"] = start_server(vllm_python, overflowing_checkpoint(checkpoints, root),
+                                                  root / "overflowing.log", wait=False)
+        if "trained" in wanted:
+            servers["trained"] = start_server(vllm_python, train_nano(root), root / "trained.log", wait=False)
+        yield servers
+    finally:
+        for s in servers.values():
+            stop(s)
+
+
+@pytest.fixture(scope="module")
+def server(launched):
+    return wait_ready(launched["server"])
+
+
+@pytest.fixture(scope="module")
+def trained(launched):
+    """Served with fusedkv serve's defaults: the chat test asks it, then the kill -9 test kills its supervisor."""
+    return wait_ready(launched["trained"])
+
+
+@pytest.fixture(scope="module")
+def overflowing(launched):
+    return wait_ready(launched["overflowing"])
 
 
 def complete(server, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:
@@ -216,35 +264,36 @@ def test_chat_completions_on_a_checkpoint_without_a_template(server, checkpoints
 
 
 @pytest.mark.slow
-def test_chat_completions_on_a_trained_checkpoint_use_the_template_it_carries(vllm_python, tmp_path):
+def test_chat_completions_on_a_trained_checkpoint_use_the_template_it_carries(trained):
     """`fusedkv train` saves a chat template with its tokenizer: a trained checkpoint serves chat completions
     without `--chat-template` and without fusedkv serve's fallback."""
     from transformers import AutoTokenizer
 
     from fusedkv.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
-    out = tmp_path / "run"
-    env = {**vllm_env(), "FUSEDKV_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
-    trained = subprocess.run([sys.executable, "-m", "fusedkv.cli", "train", "--preset", "nano", "--max-steps", "2",
-                              "--set", "model.head_dim=32", "--set", "threads=1", "--out", str(out), "--quiet"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    path = out / "final"
+    path = Path(trained["model"])
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
-    s = start_server(vllm_python, path, tmp_path / "server.log")
-    try:
-        messages = [{"role": "user", "content": "Who is there?"}]
-        body = {"model": s["model"], "messages": messages, "max_tokens": 8, "temperature": 0,
-                "return_token_ids": True, "ignore_eos": True}
-        reply = post(s["port"], "/v1/chat/completions", body, key=None)
-        assert "no chat template" not in s["log"].read_text()
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # the saved template
-        assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
-        assert reply["choices"][0]["token_ids"] == greedy_continuation(path, reply["prompt_token_ids"], 8,
-                                                                       tok.pad_token_id)
-    finally:
-        stop(s)
+    messages = [{"role": "user", "content": "Who is there?"}]
+    body = {"model": trained["model"], "messages": messages, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    reply = post(trained["port"], "/v1/chat/completions", body, key=None)
+    assert "no chat template" not in trained["log"].read_text()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # the saved template
+    assert reply["prompt_token_ids"] == tok(text, add_special_tokens=False).input_ids
+    assert reply["choices"][0]["token_ids"] == greedy_continuation(path, reply["prompt_token_ids"], 8,
+                                                                   tok.pad_token_id)
+
+
+@pytest.mark.slow
+def test_kill_9_of_fusedkv_serve_leaves_no_vllm_process(trained):
+    """Runs after the chat test, on its server (pytest keeps file order)."""
+    group = vllm_group(trained["proc"])
+    assert group is not None and group_pids(group)
+    trained["proc"].kill()  # SIGKILL: no handler of fusedkv's runs
+    trained["proc"].wait(timeout=30)
+    assert wait_until(lambda: not group_pids(group), 60), "vLLM outlived fusedkv serve"
+    assert not healthy(trained["port"])
 
 
 @pytest.mark.slow
@@ -274,33 +323,16 @@ def overflowing_checkpoint(checkpoints, root):
 
 
 @pytest.mark.slow
-def test_non_finite_logits_answer_500_and_the_server_exits_1_naming_them(vllm_python, checkpoints, tmp_path):
-    s = start_server(vllm_python, overflowing_checkpoint(checkpoints, tmp_path), tmp_path / "server.log")
-    try:
-        with pytest.raises(urllib.error.HTTPError) as e:
-            post(s["port"], "/v1/completions", {"model": s["model"], "prompt": "In the", "max_tokens": 4}, key=None)
-        assert e.value.code == 500
-        assert json.loads(e.value.read())["error"]["message"]
-        assert s["proc"].wait(timeout=120) == 1
-        last = s["log"].read_text().strip().splitlines()[-1]
-        assert last.startswith("fusedkv serve: error: the vLLM server stopped by itself"), last
-        assert "non-finite logits" in last
-    finally:
-        stop(s)
-
-
-@pytest.mark.slow
-def test_kill_9_of_fusedkv_serve_leaves_no_vllm_process(vllm_python, checkpoints, tmp_path):
-    s = start_server(vllm_python, checkpoints["fusedkv-lite"], tmp_path / "server.log")
-    try:
-        group = vllm_group(s["proc"])
-        assert group is not None and group_pids(group)
-        s["proc"].kill()  # SIGKILL: no handler of fusedkv's runs
-        s["proc"].wait(timeout=30)
-        assert wait_until(lambda: not group_pids(group), 60), "vLLM outlived fusedkv serve"
-        assert not healthy(s["port"])
-    finally:
-        stop(s)
+def test_non_finite_logits_answer_500_and_the_server_exits_1_naming_them(overflowing):
+    s = overflowing
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(s["port"], "/v1/completions", {"model": s["model"], "prompt": "In the", "max_tokens": 4}, key=None)
+    assert e.value.code == 500
+    assert json.loads(e.value.read())["error"]["message"]
+    assert s["proc"].wait(timeout=120) == 1
+    last = s["log"].read_text().strip().splitlines()[-1]
+    assert last.startswith("fusedkv serve: error: the vLLM server stopped by itself"), last
+    assert "non-finite logits" in last
 
 
 @pytest.mark.slow

@@ -80,7 +80,12 @@ def write_checkpoints(root: Path, plans=tuple(PLANS), seed: int = 0, **overrides
 
     root = Path(root)
     tok_dir = root / "_tokenizer"
-    tok = write_tokenizer(tok_dir)
+    if tok_dir.is_dir():  # an earlier call's: the checkpoints under one root share their tokenizer
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+    else:
+        tok = write_tokenizer(tok_dir)
     out = {}
     for plan in plans:
         torch.manual_seed(seed)
