@@ -27,7 +27,7 @@ import torch
 from family_checkpoints import randomize_fusion
 from tiny_checkpoints import MAX_NEW_TOKENS, PROMPTS, reference_outputs, tiny_config, write_tokenizer
 
-from tests.serving.conftest import run_offline
+from tests.serving.conftest import results_of, submit_offline
 
 # fp32, two summation orders of the same math (vLLM's fused CPU kernel against grouped GEMMs); observed ~1e-6.
 LOGPROB_TOL = 1e-4
@@ -111,11 +111,13 @@ def references(moe_checkpoints) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, moe_checkpoints, references, tmp_path_factory) -> dict[str, dict]:
-    prompts = [row["prompt_ids"] for row in references[SERVED[0]]["rows"]]
-    results = run_offline(vllm_python, [moe_checkpoints[n] for n in SERVED], prompts,
-                          tmp_path_factory.mktemp("vllm"), "--prompt-logprobs")
-    return dict(zip(SERVED, results))
+def served(vllm_workers, moe_checkpoints, tmp_path_factory):
+    """The six engines in two halves, one per worker; the references are computed while they run."""
+    prompts = [row["prompt_ids"] for row in reference_outputs(moe_checkpoints[SERVED[0]])["rows"]]
+    halves = [SERVED[:3], SERVED[3:]]
+    return results_of([(names, submit_offline(vllm_workers, [moe_checkpoints[n] for n in names], prompts,
+                                              tmp_path_factory.mktemp("vllm"), "--prompt-logprobs"))
+                       for names in halves])
 
 
 @pytest.mark.slow  # starts vLLM
