@@ -221,10 +221,13 @@ def factored_attention(
     v_weights: Tensor | Sequence[Tensor | None] | None,
     mask: Tensor | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention over fused sources without writing the fused K or V.
 
     scores = sum_s (q (.) a_s) @ K_s^T ;  out = sum_s b_s (.) (softmax(scores) @ V_s).
+    `softcap`: Gemma 2's attention logit soft-capping, scores -> c tanh(scores / c) after the scale (the fused
+    scores are formed first, so capping them is the same as capping the materialised fused K's).
 
     GQA: ``q`` is viewed as ``[B, H_kv, G*T_q, D]`` (query heads of one kv head are adjacent), so each
     ``K_s`` / ``V_s`` is used by a batched matmul as it is, without ``repeat_interleave``: the grouped
@@ -237,11 +240,12 @@ def factored_attention(
         raise ValueError("K and V sources must have the same shape")
     ks, kw = merge_duplicate_sources(ks, kw)
     vs, vw = merge_duplicate_sources(vs, vw)
-    return factored(q, ks, kw, vs, vw, mask, scale)
+    return factored(q, ks, kw, vs, vw, mask, scale, softcap)
 
 
 def factored(q: Tensor, ks: Sequence[Tensor], kw: Sequence[Tensor | None], vs: Sequence[Tensor],
-             vw: Sequence[Tensor | None], mask: Tensor | None, scale: float | None) -> Tensor:
+             vw: Sequence[Tensor | None], mask: Tensor | None, scale: float | None,
+             softcap: float | None = None) -> Tensor:
     """:func:`factored_attention` on arguments already in its form (distinct [B, H_kv, S, D] sources of one
     shape, [H_kv, D] weights or None), with no checks: for callers whose sources are built in that form
     (the attention layers' `KVSources`)."""
@@ -265,6 +269,8 @@ def factored(q: Tensor, ks: Sequence[Tensor], kw: Sequence[Tensor | None], vs: S
             scores = torch.matmul(qs, kt)
         else:
             scores.add_(torch.matmul(qs, kt))  # in place: one score buffer for every source
+    if softcap:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
 
     # Mask (bool -> -inf, float -> additive) in the grouped layout [B, H_kv, G, T_q, S].
     row_ok = None

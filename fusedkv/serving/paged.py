@@ -436,7 +436,8 @@ class CrossLayerAttention:
                 mask &= key_pos >= lens[:, None] - window
             token_rows = torch.tensor([starts[r] for r in decodes])
             o = factored_attention(q[token_rows].unsqueeze(2), k_src, k_weights, v_src, v_weights,  # [R, H, 1, D]
-                                   mask=mask[:, None, None, :], scale=self.base.scale)
+                                   mask=mask[:, None, None, :], scale=self.base.scale,
+                                   softcap=self.base.logits_soft_cap)
             out[token_rows] = o[:, :, 0].to(out.dtype)
         chunks = [r for r in range(num_reqs) if starts[r + 1] - starts[r] > 1]
         self._gathered_chunks(q, meta, out, keys, k_weights, values, v_weights, chunks, starts, seq_lens)
@@ -458,7 +459,8 @@ class CrossLayerAttention:
             if window > 0:
                 mask &= q_pos - key_pos < window
             qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
-            o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask, scale=self.base.scale)
+            o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask, scale=self.base.scale,
+                                   softcap=self.base.logits_soft_cap)
             out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
 
 
@@ -486,5 +488,6 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
         path = select_paged_attention(impl.k_layers, impl.v_layers, gpu=impl.on_gpu, head_dim=impl.head_size,
                                       device=device, dtype=dtype, query_dtype=model_dtype,
                                       native_layout=layout[1] is None and layout[0] in (None, TRANSPOSED),
-                                      window=impl.base.sliding_window not in (None, -1))
+                                      window=impl.base.sliding_window not in (None, -1),
+                                      softcap=bool(impl.base.logits_soft_cap))
         impl.use(path, layout)

@@ -66,12 +66,6 @@ def check_servable(config) -> None:
     if getattr(config, "kv_lora_rank", None) is not None and config.rope_parameters.get("rope_type") == "dynamic":
         raise ValueError("rope_type='dynamic': MLA layers served by the vLLM plugin take fixed RoPE tables (vllm_mla "
                          "builds the model's own); use `fusedkv generate`")
-    if getattr(config, "attn_logit_softcapping", None) and any(
-            not layer.stores and len(set(layer.k_sources)) > 1 for layer in config.plan.layers):
-        raise ValueError("attn_logit_softcapping with reconstruction layers that fuse two or more K sources "
-                         f"(kv_sharing={config.kv_sharing!r}) is not served by the vLLM plugin: its paged cross-layer "
-                         "attention has no soft-capping (vanilla, CLA, YOCO and fusedkv-lite are served); use "
-                         "`fusedkv generate`")
 
 
 _registered = False

@@ -68,6 +68,23 @@ def test_factored_matches_materialized(dtype, tol, g, t_q, n_src, weighted):
     assert (out - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("g", [1, 2])
+def test_soft_capping_matches_capped_materialised_scores(g):
+    """Gemma 2's soft cap on the factored scores equals it on the scores of the materialised fused K
+    (float64: c tanh(s / c) over (q k_fused^T) * scale, the causal left-padded mask, fused V)."""
+    b, h_kv, t_q, s, d, cap, scale = 3, 2, 4, 9, 8, 0.7, 0.4
+    q, ks, kw, vs, vw = _inputs(b, h_kv, g, t_q, s, d, 2, 2, True, torch.float64, seed=3)
+    mask = _causal_left_pad_mask(b, t_q, s, [0, 2, 4])
+    k = sum(w[None, :, None, :] * src for src, w in zip(ks, kw)).repeat_interleave(g, dim=1)
+    v = sum(w[None, :, None, :] * src for src, w in zip(vs, vw)).repeat_interleave(g, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / cap) * cap
+    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    out = factored_attention(q, ks, kw, vs, vw, mask=mask, scale=scale, softcap=cap)
+    assert (out - ref).abs().max().item() < 1e-10
+    uncapped = factored_attention(q, ks, kw, vs, vw, mask=mask, scale=scale)
+    assert (uncapped - ref).abs().max().item() > 1e-3  # the cap is doing something at these scales
+
+
 def test_fully_masked_rows_are_zero():
     q, ks, kw, vs, vw = _inputs(2, 2, 2, 5, 9, 8, 2, 2, True, torch.float64)
     mask = _causal_left_pad_mask(2, 5, 9, [0, 7])  # batch 1: query rows 0, 1 see nothing

@@ -47,7 +47,7 @@ FAMILIES = {
                          SLIDE: {"rope_type": "default", "rope_theta": 1e4}}), ["fusedkv", "yoco"]),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
         sliding_window=WINDOW, query_pre_attn_scalar=32, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
-        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False), ["fusedkv-lite"]),
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False), ["fusedkv-lite", "fusedkv"]),
 }
 
 # Token-id prompts: longer than the window, spanning several 32-token cache blocks.

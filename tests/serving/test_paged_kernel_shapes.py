@@ -84,3 +84,18 @@ def test_query_rows_decode_only_equals_general_path():
         if n > 1:
             seq, length = query_rows(qsl, seq_lens, n)
             assert seq[:2].tolist() == [0, 0] and length[:2].tolist() == [seq_lens[0] - 1, seq_lens[0]]
+
+
+def test_the_selection_sends_soft_capped_and_windowed_fusion_to_the_gathered_path():
+    """The paged kernel has neither a soft cap nor a window: a layer fusing two K sources with either is
+    gathered (factored attention applies both); one K source stays on vLLM's op, which applies both."""
+    from fusedkv.engine.selection import select_paged_attention
+
+    def path(k_sources, **extra):
+        return select_paged_attention(k_sources, ["l0", "l1"], gpu=False, head_dim=64, device=torch.device("cpu"),
+                                      dtype=torch.float32, query_dtype=torch.float32, native_layout=True, **extra)
+
+    assert path(["l0", "l1"]) == "native"
+    assert path(["l0", "l1"], softcap=True) == "gathered"
+    assert path(["l0", "l1"], window=True) == "gathered"
+    assert path(["l1"], softcap=True, window=True) == "vllm_op"
