@@ -289,15 +289,11 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
                 key_scores_f(qw, r->k_res + g * hs.kr, T - kq, D, s + kq, k > 0);
             }
         }
+        float inv[KIVI_MAX_GROUP];  /* 1 / each head's sum of exps: applied to its output, not to every p */
         for (int j = 0; j < group; j++) {  /* softmax over the row's T tokens */
-            float* s = scores + (long)j * T;
-            float m = -INFINITY, sum = 0.f;
-            for (long t = 0; t < T; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+:sum)
-            for (long t = 0; t < T; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma omp simd
-            for (long t = 0; t < T; t++) s[t] *= inv;
+            float m;
+            const float sum = softmax_exp(scores + (long)j * T, 0, (int)T, &m);
+            inv[j] = sum > 0.f ? 1.f / sum : 0.f;
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D * 2);  /* acc and accr */
         for (int j = 0; j < group; j++) {
@@ -320,6 +316,7 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
                     o[d] += w ? w[d] * y : y;
                 }
             }
+            for (int d = 0; d < D; d++) o[d] *= inv[j];
         }
         free(scores);
     }
