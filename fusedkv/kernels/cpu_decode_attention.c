@@ -209,29 +209,6 @@ static inline vf v_exp(vf x) {
     return V_MUL(p, V_POW2(n));
 }
 
-/* The softmax's max and sum of exp(s - max) over s[start, T), the exps written back; sum 0 with no key. */
-static float vec_softmax(float* s, int start, int T, float* m_out) {
-    float lanes[VL], m = -INFINITY, sum = 0.f;
-    int t = start;
-    vf mv = V_SET1(-INFINITY);
-    for (; t + VL <= T; t += VL) mv = V_MAX(mv, V_LOAD(s + t));
-    V_STORE(lanes, mv);
-    for (int i = 0; i < VL; i++) m = lanes[i] > m ? lanes[i] : m;
-    for (; t < T; t++) m = s[t] > m ? s[t] : m;
-    const vf mm = V_SET1(m);
-    vf sv = V_ZERO();
-    for (t = start; t + VL <= T; t += VL) {
-        const vf e = v_exp(V_SUB(V_LOAD(s + t), mm));
-        V_STORE(s + t, e);
-        sv = V_ADD(sv, e);
-    }
-    V_STORE(lanes, sv);
-    for (int i = 0; i < VL; i++) sum += lanes[i];
-    for (; t < T; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
-    *m_out = m;
-    return sum;
-}
-
 /* Where element e of a row lands in a chunk's lanes: bf16 chunks deinterleave (even elements, then odd). */
 static inline int lane_of(int kind, int e) {
     const int c = e / CH * CH, i = e % CH;
@@ -358,6 +335,36 @@ static inline __attribute__((always_inline)) void vec_values(
                    v_st[v] * esz, esz, start, T_len, scores, acc + (long)v * D, (long)n_v * D);
 #endif
 
+/* The softmax's max and sum of exp(s - max) over s[start, T), the exps written back; sum 0 with no key
+ * (also the KIVI kernel's, cpu_kivi_attention.c). */
+float softmax_exp(float* s, int start, int T, float* m_out) {
+#ifdef VL
+    float lanes[VL], m = -INFINITY, sum = 0.f;
+    int t = start;
+    vf mv = V_SET1(-INFINITY);
+    for (; t + VL <= T; t += VL) mv = V_MAX(mv, V_LOAD(s + t));
+    V_STORE(lanes, mv);
+    for (int i = 0; i < VL; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (; t < T; t++) m = s[t] > m ? s[t] : m;
+    const vf mm = V_SET1(m);
+    vf sv = V_ZERO();
+    for (t = start; t + VL <= T; t += VL) {
+        const vf e = v_exp(V_SUB(V_LOAD(s + t), mm));
+        V_STORE(s + t, e);
+        sv = V_ADD(sv, e);
+    }
+    V_STORE(lanes, sv);
+    for (int i = 0; i < VL; i++) sum += lanes[i];
+    for (; t < T; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
+#else
+    float m = -INFINITY, sum = 0.f;
+    for (int t = start; t < T; t++) m = s[t] > m ? s[t] : m;
+    for (int t = start; t < T; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
+#endif
+    *m_out = m;
+    return sum;
+}
+
 /* q [B, H_q, D] contiguous; out [B, H_q, D] contiguous; the sources of K (and those of V) share their
  * strides (elements); fusion weights are f32 with `*_hs` elements between kv heads (0: one [D] weight
  * shared by the heads) or NULL; kv_start [B] or NULL. Returns 0, or non-zero on a bad argument. */
@@ -423,12 +430,7 @@ int decode_attention_capped(const float* q, int B, int H_q, int H_kv, int D, int
             float m = -INFINITY, sum = 0.f;
             if (softcap > 0.f)
                 for (int t = start; t < T_len; t++) s[t] = softcap * tanhf(s[t] / softcap);
-#ifdef VL
-            sum = vec_softmax(s, start, T_len, &m);
-#else
-            for (int t = start; t < T_len; t++) m = s[t] > m ? s[t] : m;
-            for (int t = start; t < T_len; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
-#endif
+            sum = softmax_exp(s, start, T_len, &m);
             inv[j] = sum > 0.f ? 1.f / sum : 0.f;  /* no key at all: zeros, as the reference */
             if (lse) lse[(long)b * H_q + g * group + j] = sum > 0.f ? m + logf(sum) : -INFINITY;
         }

@@ -33,6 +33,9 @@ int decode_attention_capped(const float* q, int B, int H_q, int H_kv, int D, int
                             const float* vb0, const float* vb1, long vb_hs,
                             const int64_t* kv_start, float* out, float* lse, int threads);
 
+/* The softmax's max (*m_out) and sum of exp(s - max) over s[start, T), the exps written back (vectorised). */
+float softmax_exp(float* s, int start, int T, float* m_out);
+
 /* cpu_kivi_attention.c: a KIVI cache (fusedkv/quant/kivi.py) read in place; layouts in that file. */
 typedef struct {
     int bits, group, residual, head_dim, n_kv_heads;

@@ -67,6 +67,7 @@ typedef __m512 vtable;
 #define V_SET1 _mm512_set1_ps
 #define V_ZERO _mm512_setzero_ps
 #define V_MUL _mm512_mul_ps
+#define V_ADD _mm512_add_ps
 #define V_FMA _mm512_fmadd_ps
 #define V_SUM _mm512_reduce_add_ps
 static inline __m256 v_half_sum(__m512 x) {
@@ -87,6 +88,7 @@ typedef __m256i vtable;
 #define V_SET1 _mm256_set1_ps
 #define V_ZERO _mm256_setzero_ps
 #define V_MUL _mm256_mul_ps
+#define V_ADD _mm256_add_ps
 #define V_FMA _mm256_fmadd_ps
 static inline __m256 v_half_sum(__m256 x) { return x; }
 static inline float V_SUM(__m256 x) {
@@ -116,92 +118,158 @@ static inline int vector_fits(int D, int G, int bits) {
 #endif
 }
 
-/* Scores of the quantised keys t < nq (whole groups of G) against one query row qw [D] (weights and scale on
- * it): s[t] = or += q . K_t. `qsc` [D]: scratch for the query times one group's scales. Channel p * nb + i
- * is bit field p of byte i (`pack_codes`), so field p of a row's bytes meets the query's part p. */
-static inline __attribute__((always_inline)) void key_scores_q(const float* qw, const uint8_t* codes,
-                                                               const uint16_t* sc, const uint16_t* zr, long nq,
-                                                               int D, int G, float* s, int add, float* qsc,
+#ifdef KV_W
+#define PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
+#define KIVI_AHEAD 8192  /* bytes of each code stream prefetched ahead, as cpu_decode_attention.c's AHEAD (the
+                          * hardware's streamer stops at each 4 KiB page) */
+
+/* Scores of 4 quantised keys r0[0..3] (rows of nb bytes) for query heads j0, j0 + JB - 1 (JB 1 or 2): each bit
+ * field of the 4 rows is unpacked once for both heads. w [group, D]: each head's query times the key group's
+ * scales; c0 [group]: its product with the zeros. */
+static inline __attribute__((always_inline)) void key_block(const int JB, const int bits, int j0, const uint8_t* r0,
+                                                            int nb, int D, const float* w, const float* c0,
+                                                            float* scores, long T, long t, int add) {
+    const int pb = 8 / bits;
+    const vtable m = V_TABLE(bits);
+    const float *w0 = w + (long)j0 * D, *w1 = w + (long)(j0 + JB - 1) * D;
+    vf a[2][4];
+    for (int j = 0; j < 2; j++)
+        for (int k = 0; k < 4; k++) a[j][k] = V_ZERO();
+    for (int i = 0; i < nb; i += KV_W) {
+        const vi x0 = V_BYTES(r0 + i), x1 = V_BYTES(r0 + nb + i);
+        const vi x2 = V_BYTES(r0 + 2 * nb + i), x3 = V_BYTES(r0 + 3 * nb + i);
+        for (int p = 0; p < pb; p++) {
+            const vf f0 = V_FIELD(x0, bits * p, m), f1 = V_FIELD(x1, bits * p, m);
+            const vf f2 = V_FIELD(x2, bits * p, m), f3 = V_FIELD(x3, bits * p, m);
+            const vf wa = V_LOAD(w0 + p * nb + i);
+            a[0][0] = V_FMA(wa, f0, a[0][0]); a[0][1] = V_FMA(wa, f1, a[0][1]);
+            a[0][2] = V_FMA(wa, f2, a[0][2]); a[0][3] = V_FMA(wa, f3, a[0][3]);
+            if (JB == 2) {
+                const vf wb = V_LOAD(w1 + p * nb + i);
+                a[1][0] = V_FMA(wb, f0, a[1][0]); a[1][1] = V_FMA(wb, f1, a[1][1]);
+                a[1][2] = V_FMA(wb, f2, a[1][2]); a[1][3] = V_FMA(wb, f3, a[1][3]);
+            }
+        }
+    }
+    for (int j = 0; j < JB; j++) {
+        float dots[4], *s = scores + (long)(j0 + j) * T + t;
+        v_sum4(a[j][0], a[j][1], a[j][2], a[j][3], dots);
+        for (int k = 0; k < 4; k++) s[k] = (add ? s[k] : 0.f) + dots[k] + c0[j0 + j];
+    }
+}
+#endif
+
+/* Scores of the quantised keys t < nq (whole groups of G) against the query rows of every head of the group
+ * (qs + j * q_js, weights and scale on them): scores[j * T + t] = or += q_j . K_t, the codes read once for all
+ * the heads. `w` [group, D]: scratch for each head's query times one group's scales. Channel p * nb + i is bit
+ * field p of byte i (`pack_codes`), so field p of a row's bytes meets the query's part p. */
+static inline __attribute__((always_inline)) void key_scores_q(const float* qs, long q_js, int group,
+                                                               const uint8_t* codes, const uint16_t* sc,
+                                                               const uint16_t* zr, long nq, int D, int G,
+                                                               float* scores, long T, int add, float* w,
                                                                const int bits) {
     const int pb = 8 / bits, nb = D / pb, mask = (1 << bits) - 1;
     const int vec = vector_fits(D, G, bits);
+    float c0[KIVI_MAX_GROUP];
     for (long grp = 0; grp < nq / G; grp++) {
         const uint16_t *gs = sc + grp * D, *gz = zr + grp * D;
-        float c0 = 0.f;
         const long t0 = grp * G;
         long t = t0;
+        for (int j = 0; j < group; j++) {
+            const float* qw = qs + j * q_js;
+            float* wj = w + (long)j * D;
+            int d = 0;
+            c0[j] = 0.f;
+#ifdef KV_W
+            if (vec) {
+                vf c = V_ZERO();
+                for (; d < D; d += KV_W) {
+                    const vf qv = V_LOAD(qw + d);
+                    V_STORE(wj + d, V_MUL(qv, V_HALF(gs + d)));
+                    c = V_FMA(qv, V_HALF(gz + d), c);
+                }
+                c0[j] = V_SUM(c);
+            }
+#endif
+            for (; d < D; d++) {
+                wj[d] = qw[d] * h2f(gs[d]);
+                c0[j] += qw[d] * h2f(gz[d]);
+            }
+        }
 #ifdef KV_W
         if (vec) {
-            vf c = V_ZERO();
-            for (int d = 0; d < D; d += KV_W) {
-                const vf qv = V_LOAD(qw + d);
-                V_STORE(qsc + d, V_MUL(qv, V_HALF(gs + d)));
-                c = V_FMA(qv, V_HALF(gz + d), c);
+            const long ahead = KIVI_AHEAD / ((long)G * nb) > 1 ? KIVI_AHEAD / ((long)G * nb) : 1;  /* groups */
+            for (int o = 0; o < 2 * D; o += 64) {  /* the scale and zero streams, a group's rows at a time */
+                PREFETCH((const char*)(gs + ahead * D) + o);
+                PREFETCH((const char*)(gz + ahead * D) + o);
             }
-            c0 = V_SUM(c);
-            const vtable m = V_TABLE(bits);
             for (; t + 4 <= t0 + G; t += 4) {  /* four keys at a time: independent sums (cpu_decode_attention.c) */
                 const uint8_t* r0 = codes + t * nb;
-                vf a0 = V_ZERO(), a1 = V_ZERO(), a2 = V_ZERO(), a3 = V_ZERO();
-                for (int i = 0; i < nb; i += KV_W) {
-                    const vi x0 = V_BYTES(r0 + i), x1 = V_BYTES(r0 + nb + i);
-                    const vi x2 = V_BYTES(r0 + 2 * nb + i), x3 = V_BYTES(r0 + 3 * nb + i);
-                    for (int p = 0; p < pb; p++) {
-                        const vf w = V_LOAD(qsc + p * nb + i);
-                        a0 = V_FMA(w, V_FIELD(x0, bits * p, m), a0); a1 = V_FMA(w, V_FIELD(x1, bits * p, m), a1);
-                        a2 = V_FMA(w, V_FIELD(x2, bits * p, m), a2); a3 = V_FMA(w, V_FIELD(x3, bits * p, m), a3);
-                    }
-                }
-                float dots[4];
-                v_sum4(a0, a1, a2, a3, dots);
-                for (int k = 0; k < 4; k++) s[t + k] = (add ? s[t + k] : 0.f) + dots[k] + c0;
+                for (int o = 0; o < 4 * nb; o += 64) PREFETCH(r0 + KIVI_AHEAD + o);
+                int j0 = 0;
+                for (; j0 + 2 <= group; j0 += 2) key_block(2, bits, j0, r0, nb, D, w, c0, scores, T, t, add);
+                if (j0 < group) key_block(1, bits, j0, r0, nb, D, w, c0, scores, T, t, add);
             }
-        } else
+        }
 #endif
-            for (int d = 0; d < D; d++) {
-                qsc[d] = qw[d] * h2f(gs[d]);
-                c0 += qw[d] * h2f(gz[d]);
-            }
-        (void)vec;
         for (; t < t0 + G; t++) {
             const uint8_t* r0 = codes + t * nb;
-            float a0 = 0.f;
-            for (int p = 0; p < pb; p++)
-                for (int i = 0; i < nb; i++) a0 += qsc[p * nb + i] * (float)((r0[i] >> (bits * p)) & mask);
-            s[t] = add ? s[t] + a0 + c0 : a0 + c0;
+            for (int j = 0; j < group; j++) {
+                const float* wj = w + (long)j * D;
+                float a0 = 0.f, *s = scores + (long)j * T + t;
+                for (int p = 0; p < pb; p++)
+                    for (int i = 0; i < nb; i++) a0 += wj[p * nb + i] * (float)((r0[i] >> (bits * p)) & mask);
+                *s = add ? *s + a0 + c0[j] : a0 + c0[j];
+            }
         }
     }
 }
 
-/* acc [D] += sum_t p_t (c_t * s_t) and zacc [D/G] += sum_t p_t z_t over the quantised values t < nq. Four rows
- * at a time in the vector loop: one load and store of the accumulator per four. */
-static inline __attribute__((always_inline)) void value_acc_q(const float* p, const uint8_t* codes,
-                                                              const uint16_t* sc, const uint16_t* zr, long nq,
-                                                              int D, int G, float* acc, float* zacc, const int bits) {
+/* For every head j of the group: acc_j [D] += sum_t p_j[t] (c_t * s_t) and zacc_j [D/G] += sum_t p_j[t] z_t over
+ * the quantised values t < nq (p_j = scores + j * T, acc_j = acc + j * acc_js, zacc_j = zacc + j * D/G). Four rows
+ * at a time in the vector loop, each bit field unpacked once for all the heads: one load and store of each
+ * head's accumulator per four rows. `w` [group, 4, D/G]: scratch for the probabilities times the rows' scales. */
+static inline __attribute__((always_inline)) void value_acc_q(const float* restrict scores, long T, int group,
+                                                              const uint8_t* codes, const uint16_t* sc,
+                                                              const uint16_t* zr, long nq, int D, int G,
+                                                              float* restrict acc, long acc_js,
+                                                              float* restrict zacc, float* restrict w,
+                                                              const int bits) {
     const int pb = 8 / bits, nb = D / pb, mask = (1 << bits) - 1, ng = D / G;
     long t = 0;
 #ifdef KV_W
-    if (vector_fits(D, G, bits) && ng <= KIVI_MAX_D / KV_W) {
+    if (vector_fits(D, G, bits)) {
         const vtable m = V_TABLE(bits);
-        float w[4][KIVI_MAX_D / KV_W];
+        const long ahead = KIVI_AHEAD / nb;  /* rows */
         for (; t + 4 <= nq; t += 4) {
             const uint8_t* r0 = codes + t * nb;
+            for (int o = 0; o < 4 * nb; o += 64) PREFETCH(r0 + KIVI_AHEAD + o);
+            PREFETCH(sc + (t + ahead) * ng);
+            PREFETCH(zr + (t + ahead) * ng);
             for (int k = 0; k < 4; k++)
                 for (int g = 0; g < ng; g++) {
-                    w[k][g] = p[t + k] * h2f(sc[(t + k) * ng + g]);
-                    zacc[g] += p[t + k] * h2f(zr[(t + k) * ng + g]);
+                    const float s = h2f(sc[(t + k) * ng + g]), z = h2f(zr[(t + k) * ng + g]);
+                    for (int j = 0; j < group; j++) {
+                        const float pj = scores[(long)j * T + t + k];
+                        w[((long)j * 4 + k) * ng + g] = pj * s;
+                        zacc[(long)j * ng + g] += pj * z;
+                    }
                 }
             for (int i = 0; i < nb; i += KV_W) {
                 const vi x0 = V_BYTES(r0 + i), x1 = V_BYTES(r0 + nb + i);
                 const vi x2 = V_BYTES(r0 + 2 * nb + i), x3 = V_BYTES(r0 + 3 * nb + i);
                 for (int ph = 0; ph < pb; ph++) {
                     const int d0 = ph * nb + i, g = d0 / G;
-                    vf a = V_LOAD(acc + d0);
-                    a = V_FMA(V_SET1(w[0][g]), V_FIELD(x0, bits * ph, m), a);
-                    a = V_FMA(V_SET1(w[1][g]), V_FIELD(x1, bits * ph, m), a);
-                    a = V_FMA(V_SET1(w[2][g]), V_FIELD(x2, bits * ph, m), a);
-                    a = V_FMA(V_SET1(w[3][g]), V_FIELD(x3, bits * ph, m), a);
-                    V_STORE(acc + d0, a);
+                    const vf f0 = V_FIELD(x0, bits * ph, m), f1 = V_FIELD(x1, bits * ph, m);
+                    const vf f2 = V_FIELD(x2, bits * ph, m), f3 = V_FIELD(x3, bits * ph, m);
+                    for (int j = 0; j < group; j++) {
+                        const float* wj = w + (long)j * 4 * ng + g;
+                        float* o = acc + j * acc_js + d0;
+                        /* a tree, so that the accumulator's chain from block to block is one add long */
+                        const vf a01 = V_FMA(V_SET1(wj[ng]), f1, V_MUL(V_SET1(wj[0]), f0));
+                        const vf a23 = V_FMA(V_SET1(wj[3 * ng]), f3, V_MUL(V_SET1(wj[2 * ng]), f2));
+                        V_STORE(o, V_ADD(V_LOAD(o), V_ADD(a01, a23)));
+                    }
                 }
             }
         }
@@ -209,12 +277,16 @@ static inline __attribute__((always_inline)) void value_acc_q(const float* p, co
 #endif
     for (; t < nq; t++) {
         const uint8_t* r0 = codes + t * nb;
-        for (int ph = 0; ph < pb; ph++)
-            for (int i = 0; i < nb; i++) {
-                const int d = ph * nb + i;
-                acc[d] += p[t] * h2f(sc[t * ng + d / G]) * (float)((r0[i] >> (bits * ph)) & mask);
-            }
-        for (int g = 0; g < ng; g++) zacc[g] += p[t] * h2f(zr[t * ng + g]);
+        for (int j = 0; j < group; j++) {
+            const float pj = scores[(long)j * T + t];
+            float* o = acc + j * acc_js;
+            for (int ph = 0; ph < pb; ph++)
+                for (int i = 0; i < nb; i++) {
+                    const int d = ph * nb + i;
+                    o[d] += pj * h2f(sc[t * ng + d / G]) * (float)((r0[i] >> (bits * ph)) & mask);
+                }
+            for (int g = 0; g < ng; g++) zacc[(long)j * ng + g] += pj * h2f(zr[t * ng + g]);
+        }
     }
 }
 
@@ -243,6 +315,13 @@ static inline void counts(long n, int R, long* kq, long* vq) {
     *vq = n > R ? n - R : 0;
 }
 
+/* F(group, bits) with the bit width and (MHA) group 1 as constants: the compiler unrolls on them (measured: the
+ * runtime one-head loops made MHA 1.1-1.2x slower). */
+#define BY_GROUP_AND_BITS(F)                                  \
+    if (group == 1) { if (bits == 4) F(1, 4); else F(1, 2); } \
+    else if (bits == 4) F(group, 4);                          \
+    else F(group, 2);
+
 int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const KiviShape* shape,
                    int n_k, const KiviRow* k0, const KiviRow* k1, const float* ka0, const float* ka1, long ka_hs,
                    int n_v, const KiviRow* v0, const KiviRow* v1, const float* vb0, const float* vb1, long vb_hs,
@@ -263,13 +342,13 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
         const long n = n_tokens[b], T = n + pending;
         long kq, vq;
         counts(n, R, &kq, &vq);
-        float* scores = malloc(sizeof(float) * ((size_t)group * T + (size_t)(group * (n_k + 2 * n_v) + 2) * D));
+        float* scores = malloc(sizeof(float) * ((size_t)group * T + (size_t)group * (n_k + 2 * n_v + 2) * D));
         if (!scores) { failed = 1; continue; }
         float* qs = scores + (size_t)group * T;       /* [group, n_k, D]: query with key weights and scale */
         float* acc = qs + (size_t)group * n_k * D;     /* [group, n_v, D]: quantised values */
         float* accr = acc + (size_t)group * n_v * D;   /* [group, n_v, D]: residual values, natural order */
-        float* qsc = accr + (size_t)group * n_v * D;   /* [D] */
-        float* zacc = qsc + D;                         /* [D] (D/G used) */
+        float* wsc = accr + (size_t)group * n_v * D;   /* [group, D]: keys' w, or values' w [group, 4, D/G] */
+        float* zacc = wsc + (size_t)group * D;         /* [group, D/G] */
         for (int j = 0; j < group; j++)
             for (int k = 0; k < n_k; k++)
                 for (int d = 0; d < D; d++) {
@@ -281,46 +360,45 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
             const HeadStrides hs = strides_of(shape, r);
             const uint8_t* codes = r->k_codes + g * hs.kc;
             const uint16_t *sc = r->k_scale + g * hs.ks, *zr = r->k_zero + g * hs.ks;
-            for (int j = 0; j < group; j++) {
-                const float* qw = qs + ((long)j * n_k + k) * D;
-                float* s = scores + (long)j * T;
-                if (bits == 4) key_scores_q(qw, codes, sc, zr, kq, D, G, s, k > 0, qsc, 4);
-                else key_scores_q(qw, codes, sc, zr, kq, D, G, s, k > 0, qsc, 2);
-                key_scores_f(qw, r->k_res + g * hs.kr, T - kq, D, s + kq, k > 0);
-            }
+            const long q_js = (long)n_k * D;
+#define KEYS(GR, BITS) key_scores_q(qs + k * D, q_js, GR, codes, sc, zr, kq, D, G, scores, T, k > 0, wsc, BITS)
+            BY_GROUP_AND_BITS(KEYS)
+#undef KEYS
+            for (int j = 0; j < group; j++)
+                key_scores_f(qs + j * q_js + k * D, r->k_res + g * hs.kr, T - kq, D, scores + (long)j * T + kq, k > 0);
         }
+        float inv[KIVI_MAX_GROUP];  /* 1 / each head's sum of exps: applied to its output, not to every p */
         for (int j = 0; j < group; j++) {  /* softmax over the row's T tokens */
-            float* s = scores + (long)j * T;
-            float m = -INFINITY, sum = 0.f;
-            for (long t = 0; t < T; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+:sum)
-            for (long t = 0; t < T; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma omp simd
-            for (long t = 0; t < T; t++) s[t] *= inv;
+            float m;
+            const float sum = softmax_exp(scores + (long)j * T, 0, (int)T, &m);
+            inv[j] = sum > 0.f ? 1.f / sum : 0.f;
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D * 2);  /* acc and accr */
-        for (int j = 0; j < group; j++) {
-            const float* p = scores + (long)j * T;
-            float* o = out + ((long)b * H_q + g * group + j) * D;
-            memset(o, 0, sizeof(float) * (size_t)D);
-            for (int v = 0; v < n_v; v++) {
-                const KiviRow* r = &v_rows[v][b];
-                const HeadStrides hs = strides_of(shape, r);
-                float *a = acc + ((long)j * n_v + v) * D, *ar = accr + ((long)j * n_v + v) * D;
-                memset(zacc, 0, sizeof(float) * (size_t)D);
-                const uint8_t* codes = r->v_codes + g * hs.vc;
-                const uint16_t *sc = r->v_scale + g * hs.vs, *zr = r->v_zero + g * hs.vs;
-                if (bits == 4) value_acc_q(p, codes, sc, zr, vq, D, G, a, zacc, 4);
-                else value_acc_q(p, codes, sc, zr, vq, D, G, a, zacc, 2);
-                value_acc_f(p + vq, r->v_res + g * hs.vr, T - vq, D, ar);
-                const float* w = v_w[v] ? v_w[v] + (long)g * vb_hs : NULL;
+        for (int j = 0; j < group; j++) memset(out + ((long)b * H_q + g * group + j) * D, 0, sizeof(float) * (size_t)D);
+        for (int v = 0; v < n_v; v++) {
+            const KiviRow* r = &v_rows[v][b];
+            const HeadStrides hs = strides_of(shape, r);
+            const uint8_t* codes = r->v_codes + g * hs.vc;
+            const uint16_t *sc = r->v_scale + g * hs.vs, *zr = r->v_zero + g * hs.vs;
+            const long a_js = (long)n_v * D;
+            memset(zacc, 0, sizeof(float) * (size_t)group * (D / G));
+#define VALUES(GR, BITS) value_acc_q(scores, T, GR, codes, sc, zr, vq, D, G, acc + v * D, a_js, zacc, wsc, BITS)
+            BY_GROUP_AND_BITS(VALUES)
+#undef VALUES
+            const float* w = v_w[v] ? v_w[v] + (long)g * vb_hs : NULL;
+            for (int j = 0; j < group; j++) {
+                const float *a = acc + j * a_js + v * D, *z = zacc + (long)j * (D / G);
+                float* ar = accr + j * a_js + v * D;
+                float* o = out + ((long)b * H_q + g * group + j) * D;
+                value_acc_f(scores + (long)j * T + vq, r->v_res + g * hs.vr, T - vq, D, ar);
                 for (int d = 0; d < D; d++) {
-                    const float y = a[d] + zacc[d / G] + ar[d];
+                    const float y = a[d] + z[d / G] + ar[d];
                     o[d] += w ? w[d] * y : y;
                 }
             }
         }
+        for (int j = 0; j < group; j++)
+            for (int d = 0; d < D; d++) out[((long)b * H_q + g * group + j) * D + d] *= inv[j];
         free(scores);
     }
     return failed ? 2 : 0;

@@ -119,6 +119,27 @@ def test_attention_matches_float64(bits, at, shape, sources):
 
 
 @pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("per_kv", [1, 3, 5])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_attention_query_heads_per_kv_head(bits, per_kv, shape):
+    """The kernel reads each code once for all the query heads of a kv head, two at a time: MHA (its own
+    specialised loops), an odd count (a last head alone) and two pairs and one, against float64."""
+    d, g_size, r_len = SHAPES[shape]
+    n, h_kv, batch = 2 * r_len + 3, 2, 2
+    h_q = h_kv * per_kv
+    cfg = tiny_config(num_hidden_layers=2, num_key_value_heads=h_kv, head_dim=d, num_attention_heads=h_q,
+                      kv_sharing="vanilla", max_position_embeddings=512)
+    cache = KIVICache(cfg, bits, g_size, r_len, max_len=n + 2)
+    _fill(cache, n, batch, h_kv, d, seed=per_kv)
+    g = torch.Generator().manual_seed(3)
+    w = [torch.randn(h_kv, d, generator=g) for _ in range(2)]
+    q = torch.randn(batch, h_q, 1, d, generator=g)
+    got = cpu_kivi.attention(q, cache, [0, 1], w, [0, 1], w[::-1], d**-0.5)
+    want = _reference(q, cache, [0, 1], w, [0, 1], w[::-1], d**-0.5)
+    torch.testing.assert_close(got[:, :, 0].double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("at", ["R-1", "R", "2R-1", "2R+3"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_pending_token_and_flush_match_the_module_path(bits, at, shape):

@@ -65,6 +65,8 @@ CHECK = textwrap.dedent("""
     for bits in (2, 4):
         for shape in kivi.SHAPES:
             kivi.test_attention_matches_float64(bits, "2R+3", shape, "fusedkv")
+            for per_kv in (1, 3):  # MHA's constant-group loops, a pair of query heads and one alone
+                kivi.test_attention_query_heads_per_kv_head(bits, per_kv, shape)
         kivi.test_native_step_matches_the_forward("fusedkv", bits, 2, {})
         kivi.test_generate_same_tokens_with_and_without_the_native_step("fusedkv", bits, 3, {})
     print("ok")
