@@ -57,6 +57,7 @@ from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
 from fusedkv.speed.inference import HF, BenchShape, build_models
 
+INT4_RULE = precision.INT4_RULE  # --int4-rule: the scale rule of every int4 model this script builds
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8", "int4": "int4"}
 
 
@@ -73,7 +74,7 @@ def reduced(model, spec: str):
     if spec == "float32":
         return model
     fmt, _, head = spec.partition("@")
-    return reduce_precision(_copy(model), fmt, head or None)
+    return reduce_precision(_copy(model), fmt, head or None, int4_rule=INT4_RULE)
 
 
 def short(spec: str) -> str:
@@ -467,7 +468,7 @@ def _dispatch_floor(plan: str, fmt: str, steps: int) -> float:
 
     tiny = BenchShape(hidden_size=64, intermediate_size=64, num_attention_heads=8, head_dim=8, vocab_size=64)
     model = build_models(tiny, [plan], 64, "cpu", torch.float32, include_hf=False)[plan]
-    model = model if fmt == "float32" else reduce_precision(model, fmt)
+    model = model if fmt == "float32" else reduce_precision(model, fmt, int4_rule=INT4_RULE)
     set_decode_layout(model, 1)
     select_runtime(model)  # the engine's attention implementations, as generate() runs them
     times = []
@@ -510,7 +511,7 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
              "ops per step | native step ms |", "|---" * 10 + "|"]
     for plan in plans:
         for fmt in weights:
-            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
+            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt, int4_rule=INT4_RULE)
             set_decode_layout(model, 1)
             select_runtime(model)
             products = _product_calls(model)
@@ -589,7 +590,7 @@ def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], re
              "top ops |", "|---" * (len(names) + 7) + "|"]
     for plan in plans:
         for fmt in weights:
-            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt)
+            model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt, int4_rule=INT4_RULE)
             set_decode_layout(model, 1)  # what generate's "auto" layout leaves at batch 1
             for prompt in prompts:
                 ids = torch.randint(1, BenchShape().vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
@@ -875,7 +876,8 @@ def main() -> None:
                     "--plans, --weights, --prompt-lens, --repeats)")
     ap.add_argument("--steps", type=int, default=64, help="--overhead: decode steps per cell")
     args = ap.parse_args()
-    precision.INT4_RULE = args.int4_rule
+    global INT4_RULE
+    INT4_RULE = args.int4_rule  # this script's choice, passed to every reduce_precision it makes
     if args.overhead:
         print(overhead_table(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
                              [int(p) for p in args.prompt_lens.split(",")], args.steps, args.kv.split(",")[0]))

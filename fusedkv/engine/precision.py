@@ -87,7 +87,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 INT4_RULES = ("mse", "q4_0")
-INT4_RULE = "mse"  # how `quantize_int4` chooses a group's scale (benchmarks/cpu_decode.py --int4-rule compares)
+INT4_RULE = "mse"  # the default rule of `quantize_int4` (benchmarks/cpu_decode.py --int4-rule compares the two)
 
 
 def quantize_int4(weight: torch.Tensor, group: int = cpu_gemv.GROUP, rule: str | None = None
@@ -190,8 +190,9 @@ class ReducedLinear(nn.Module):
         self.gemm_dtype = torch.bfloat16 if bf16_gemm else None
 
     @classmethod
-    def from_linears(cls, linears: list[nn.Linear], fmt: str) -> ReducedLinear:
-        """One reduced module over the stacked weights of `linears` (which share their input)."""
+    def from_linears(cls, linears: list[nn.Linear], fmt: str, int4_rule: str | None = None) -> ReducedLinear:
+        """One reduced module over the stacked weights of `linears` (which share their input); `int4_rule` is
+        `quantize_int4`'s `rule`."""
         weight = torch.cat([m.weight.detach() for m in linears]).float()
         biases = [m.bias for m in linears]
         bias = torch.cat([b.detach() for b in biases]).float() if all(b is not None for b in biases) else None
@@ -204,7 +205,7 @@ class ReducedLinear(nn.Module):
         if fmt == "int4":
             # Every int4 product is a block product (outputs padded to whole blocks), except a slice of a group
             # member whose outputs are not whole blocks: that group keeps its dequantised weight in f32.
-            q, scale = quantize_int4(weight)
+            q, scale = quantize_int4(weight, rule=int4_rule)
             if len(linears) == 1 or all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears):
                 packed, scales = cpu_gemv.to_int4_blocks(q, scale)
                 return cls(packed, scales, bias, fmt, in_features=weight.shape[1], out_features=weight.shape[0])
@@ -352,8 +353,9 @@ def _dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.reshape(q.shape[0], scale.shape[1], -1) * scale.float()[..., None]).reshape(q.shape)
 
 
-def _grouped(linears: list[nn.Linear], fmt: str) -> tuple[list[ReducedLinear], ReducedGroup]:
-    whole = ReducedLinear.from_linears(linears, fmt)
+def _grouped(linears: list[nn.Linear], fmt: str, int4_rule: str | None
+             ) -> tuple[list[ReducedLinear], ReducedGroup]:
+    whole = ReducedLinear.from_linears(linears, fmt, int4_rule)
     parts, offset = [], 0
     for m in linears:
         parts.append(whole.slice(offset, offset + m.out_features))
@@ -375,10 +377,11 @@ DEFAULT_INT4_HEAD = "int8"
 
 
 @torch.no_grad()
-def reduce_precision(model: nn.Module, fmt: str, head: str | None = None) -> nn.Module:
+def reduce_precision(model: nn.Module, fmt: str, head: str | None = None, int4_rule: str | None = None) -> nn.Module:
     """Store every projection of `model` in `fmt` and its LM head in `head_format(fmt, head)` (int8 under int4
     unless `head` says otherwise; see the module docstring); the rest of the model keeps its dtype. In place;
-    returns the model. "float32" (with an f32 head) leaves it unchanged."""
+    returns the model. "float32" (with an f32 head) leaves it unchanged. `int4_rule`: how int4 groups choose
+    their scales (`quantize_int4`; default `INT4_RULE`)."""
     fmt, head_fmt = weight_format(fmt), head_format(fmt, head)
     if fmt == "float32" and head_fmt == "float32":
         return model
@@ -396,9 +399,9 @@ def reduce_precision(model: nn.Module, fmt: str, head: str | None = None) -> nn.
         for names, slot in projection_groups(module):
             linears = [getattr(module, name) for name in names]
             if slot is None:
-                setattr(module, names[0], ReducedLinear.from_linears(linears, fmt))
+                setattr(module, names[0], ReducedLinear.from_linears(linears, fmt, int4_rule))
                 continue
-            parts, group = _grouped(linears, fmt)
+            parts, group = _grouped(linears, fmt, int4_rule)
             for name, part in zip(names, parts):
                 setattr(module, name, part)
             setattr(module, slot, group)
@@ -406,7 +409,7 @@ def reduce_precision(model: nn.Module, fmt: str, head: str | None = None) -> nn.
     if isinstance(lm_head, nn.Linear) and head_fmt != "float32":
         # An LM head tied to the embeddings stays tied in f32 in the embedding table; the head's copy
         # is the reduced one (decode reads the head every step, the embedding one row).
-        model.set_output_embeddings(ReducedLinear.from_linears([lm_head], head_fmt))
+        model.set_output_embeddings(ReducedLinear.from_linears([lm_head], head_fmt, int4_rule))
     model.reduced_precision = fmt
     model.reduced_head = head_fmt
     return model

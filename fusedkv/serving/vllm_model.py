@@ -60,7 +60,7 @@ from ..plan import SLIDING, LayerKV
 from .paged import CrossLayerAttention, select_paths
 from .plugin import check_servable
 from .vllm_mla import make_mla
-from .vllm_moe import FusedSparseMoE, make_moe_mlp
+from .vllm_moe import FusedSparseMoE, choose_moe_path, make_moe_mlp
 
 
 def check_backend_runs(config) -> None:
@@ -190,22 +190,24 @@ def make_attention(config, layer: LayerKV, cache_config, quant_config, model_pre
         config, layer, cache_config, quant_config, model_prefix, prefix)
 
 
-def make_mlp(config, layer: LayerKV, quant_config, prefix: str) -> nn.Module:
+def make_mlp(config, layer: LayerKV, quant_config, prefix: str, moe_path: str | None) -> nn.Module:
     """The MLP of one decoder layer: `forward(hidden_states) -> hidden_states`. The one place that chooses
-    it: a mixture of experts (`vllm_moe`) or the gated MLP."""
+    it: a mixture of experts on `moe_path` (`vllm_moe.choose_moe_path`, decided once per model) or the gated
+    MLP."""
     def gated(size: int, prefix: str, act: str = "silu", bias: bool = False) -> GatedMLP:
         return GatedMLP(config.hidden_size, size, act, bias, quant_config, prefix)
 
     # DeepSeekMoE's shared experts: a bias-free SwiGLU (the model's `SwiGLU` default).
-    return make_moe_mlp(config, layer.index, prefix, gated) or gated(
+    return make_moe_mlp(config, layer.index, prefix, gated, moe_path) or gated(
         config.intermediate_size, prefix, config.hidden_act, config.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
+    def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str,
+                 moe_path: str | None):
         super().__init__()
         self.self_attn = make_attention(config, layer, cache_config, quant_config, model_prefix, f"{prefix}.self_attn")
-        self.mlp = make_mlp(config, layer, quant_config, f"{prefix}.mlp")
+        self.mlp = make_mlp(config, layer, quant_config, f"{prefix}.mlp", moe_path)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)  # before the MLP
         # Gemma 2/3 also normalise each block's output before the residual add (the checkpoint's names).
@@ -269,9 +271,10 @@ class FusedKVModel(nn.Module):
         self.config, self.plan = config, config.plan
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
+        moe_path = choose_moe_path(config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, layer, vllm_config.cache_config, vllm_config.quant_config, prefix,
-                         f"{prefix}.layers.{layer.index}")
+                         f"{prefix}.layers.{layer.index}", moe_path)
             for layer in self.plan.layers)
         self.norm = make_norm(config, config.hidden_size)
         # Gemma scales the embeddings by sqrt(hidden_size) rounded to the model's dtype first, as the model does.

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLPs of FusedKV models served by vLLM (Qwen3-MoE and DeepSeekMoE routing).
 
 KV sharing touches attention only (paper App. A.6), so a sparse layer's MLP is an ordinary MoE. Two ways to
-run it, chosen once when the model is built (`moe_path`, logged once):
+run it, chosen once when the model is built (`choose_moe_path`, logged once):
 
   * "fused" (the default): vLLM's own `FusedMoE` (`FusedMoEFactory`, as vLLM's qwen3_moe.py and
     deepseek_v2.py build it). The router is vLLM's (on CPU `fused_moe/router/cpu_router.py`), configured
@@ -134,15 +134,24 @@ def _moe_fake(hidden_states: torch.Tensor, layer_name: str) -> torch.Tensor:
 direct_register_custom_op(op_name="fusedkv_moe", op_func=_moe, fake_impl=_moe_fake)
 
 
-def make_moe_mlp(config, index: int, prefix: str, shared_mlp: Callable[[int, str], nn.Module]) -> nn.Module | None:
-    """The sparse MLP of layer `index`, or None where the layer keeps the dense MLP (Qwen3-MoE's
-    `mlp_only_layers` / `decoder_sparse_step`, DeepSeek's first_k_dense_replace). `shared_mlp(size, prefix)`
-    builds DeepSeekMoE's shared experts (the served gated MLP) for the fused path."""
-    if not is_sparse_layer(config, index):
+def choose_moe_path(config) -> str | None:
+    """FUSED or EXACT for a model with sparse layers (None without): decided and logged once per model,
+    before its layers are built."""
+    if config.num_experts <= 0:
         return None
     path, why = moe_path(config)
     # A warning where the fused path was asked for (the default) but cannot run this config.
     fallback = path == EXACT and requested_moe_path() == FUSED
     say = logger.warning_once if fallback else logger.info_once
     say(f"fusedkv: sparse MoE layers run on the {path} path ({why})")
+    return path
+
+
+def make_moe_mlp(config, index: int, prefix: str, shared_mlp: Callable[[int, str], nn.Module],
+                 path: str | None) -> nn.Module | None:
+    """The sparse MLP of layer `index` on `path` (`choose_moe_path`), or None where the layer keeps the dense
+    MLP (Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`, DeepSeek's first_k_dense_replace).
+    `shared_mlp(size, prefix)` builds DeepSeekMoE's shared experts (the served gated MLP) for the fused path."""
+    if path is None or not is_sparse_layer(config, index):
+        return None
     return FusedSparseMoE(config, prefix, shared_mlp) if path == FUSED else ServedMoE(config, prefix)
