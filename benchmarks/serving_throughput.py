@@ -11,10 +11,15 @@ same batch shape; then --rounds rounds (at least 5), round r running the engines
 by r. Every round gives a ratio to vanilla of that same round; the table prints each round's ratio and
 their median, and the JSON (--out) keeps every per-round time.
 
-Two workloads (`--workload`), both at a KV budget of 8 vanilla sequences of full length:
+Three workloads (`--workload`), all at a KV budget of 8 vanilla sequences of full length:
   * short (the first one measured): 32 requests x (128 prompt + 128 new tokens);
   * long: 32 requests x (1024 prompt + 128 new tokens), the issue's "many long requests": vanilla's budget
     admits 8 full sequences, the half plans' 16, and prefill is a large part of the work.
+  * memory-bound: 16 requests x (256 prompt + 256 new tokens) on a larger model (hidden 1024, GQA 16/4 heads,
+    248 MiB of f32 weights read by every decode step). The two workloads above run a 17 MiB model whose
+    step cost grows with the batch (per-sequence work dominates it); here reading the weights dominates, so a
+    step of 16 sequences costs about what a step of 8 does: the regime in which serving is memory-bound
+    and twice the sequences in flight is what a half-size cache buys.
 In both, Lite and FusedKV run twice: as they are, and with vLLM's --kv-sharing-fast-prefill (the layers
 after the last storage layer run only on the positions whose logits are sampled, paper Sec. 3.3), each
 a row of its own against the same vanilla rounds. vLLM's scheduler is observed in the last round
@@ -30,6 +35,8 @@ vLLM runs in its own environment (scripts/install-vllm.sh), this script in the p
     OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --out docs/serving_throughput.json
     OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --workload long --skip-single-stream \
         --out docs/serving_throughput_long.json
+    OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --workload memory-bound --skip-single-stream \
+        --out docs/serving_throughput_memory_bound.json
     OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --requests 16 --prompt-len 64 --new-tokens 64
 """
 
@@ -50,8 +57,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 PLANS = ("vanilla", "fusedkv-lite", "fusedkv")
 FAST_PREFILL = ("fusedkv-lite", "fusedkv")  # plans whose upper layers can skip prompt positions
-WORKLOADS = {"short": {"requests": 32, "prompt_len": 128, "new_tokens": 128},
-             "long": {"requests": 32, "prompt_len": 1024, "new_tokens": 128}}
+SMALL_MODEL = {"layers": 4, "hidden": 256, "kv_heads": 4, "vocab": 4096}  # 17 MiB of weights per decode step
+WORKLOADS = {"short": {"requests": 32, "prompt_len": 128, "new_tokens": 128, **SMALL_MODEL},
+             "long": {"requests": 32, "prompt_len": 1024, "new_tokens": 128, **SMALL_MODEL},
+             # 248 MiB of f32 weights read by every decode step (GQA 16/4 heads, as served models are): a step
+             # costs about the same at 8 and 16 sequences, the regime where a half-size cache pays on a GPU.
+             "memory-bound": {"requests": 16, "prompt_len": 256, "new_tokens": 256, "layers": 4, "hidden": 1024,
+                              "kv_heads": 4, "vocab": 16384}}
 
 
 def write_checkpoints(root: Path, args) -> dict[str, Path]:
@@ -63,6 +75,7 @@ def write_checkpoints(root: Path, args) -> dict[str, Path]:
         torch.manual_seed(0)
         cfg = FusedKVConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                             num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, head_dim=64,
+                            num_key_value_heads=args.kv_heads,
                             max_position_embeddings=args.prompt_len + args.new_tokens, kv_sharing=plan,
                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
         model = FusedKVForCausalLM(cfg).eval()
@@ -197,12 +210,14 @@ def fmt_rounds(xs) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256, help="hidden size; heads = hidden / 64, head_dim 64")
-    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="short",
-                   help="request shape preset (short: 32 x (128 + 128), long: 32 x (1024 + 128)); the three "
-                        "options below override it")
+                   help="request and model preset (short: 32 x (128 + 128), long: 32 x (1024 + 128), both on a "
+                        "4-layer hidden-256 model; memory-bound: 16 x (256 + 256) on a 4-layer hidden-1024 GQA "
+                        "model); the options below override it")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None, help="hidden size; heads = hidden / 64, head_dim 64")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA below hidden / 64)")
+    p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
@@ -229,7 +244,7 @@ def main() -> None:
     vllm_python = find_vllm_python(args.vllm_python)
     check_vllm_environment(vllm_python)
     if args.kv_cache_memory is None:  # fp32 K and V per layer per token, 8 full-length vanilla sequences
-        per_token = 2 * args.layers * args.hidden * 4
+        per_token = 2 * args.layers * args.kv_heads * 64 * 4
         args.kv_cache_memory = 8 * (args.prompt_len + args.new_tokens) * per_token
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,7 +258,8 @@ def main() -> None:
           f"Measured on a shared 2-core CPU machine (load "
           f"average {load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end): absolute figures are rough. "
           f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), KV-cache memory "
-          f"{args.kv_cache_memory / 2**20:.1f} MiB, {args.layers} layers, hidden {args.hidden}, head_dim 64, fp32, "
+          f"{args.kv_cache_memory / 2**20:.1f} MiB, {args.layers} layers, hidden {args.hidden}, "
+          f"{args.hidden // 64} query / {args.kv_heads} key-value heads of 64, vocabulary {args.vocab}, fp32, "
           f"eager; every engine warmed up, {args.rounds} rounds in rotated order, ratios to vanilla's same round\n")
     print("| plan | cache blocks | max concurrency (vLLM) | requests per decode step (mean) | preemptions | "
           "generated tokens/s (median) | vs vanilla per round | median | by CPU time: per round | median |"
