@@ -122,7 +122,7 @@ def start_server(vllm_python: str, model, log, *extra: str, wait: bool = True) -
 
 def wait_ready(server) -> dict:
     port, proc, log = server["port"], server["proc"], server["log"]
-    wait_until(lambda: healthy(port) or proc.poll() is not None, STARTUP_TIMEOUT_S, 2)
+    wait_until(lambda: healthy(port) or proc.poll() is not None, STARTUP_TIMEOUT_S, 0.5)
     if not healthy(port):
         stop(server)
         pytest.fail(f"the server did not come up (exit {proc.poll()}):\n{log.read_text()[-6000:]}")
