@@ -3,7 +3,8 @@ that imports vLLM and the plugin once, then runs the jobs the serving tests send
 
 Every vLLM process pays its imports (seconds of CPU) and, on the first prompt log-probabilities, the
 compilation of vLLM's `gather_logprobs` (a C++ build by torch inductor); one process pays them once for all
-the offline runs of the session. A job is one line of JSON on stdin, answered by one line on the protocol
+the offline runs of the session, at its start (`compile_the_logprob_ranks`), which the serving tests' warm-up
+overlaps with other tests. A job is one line of JSON on stdin, answered by one line on the protocol
 pipe (the original stdout; the job's own writes to file descriptor 1 go to stderr, the log):
 
     {"module": "fusedkv.serving.offline", "argv": [...]}  -> the module's main(argv), as `python -m` runs it
@@ -38,6 +39,20 @@ from vllm import LLM  # noqa: E402,F401
 
 import fusedkv.serving.offline  # noqa: E402,F401
 
+
+def compile_the_logprob_ranks() -> None:
+    """The compilation of vLLM's prompt-log-probability ranks (`batched_count_greater_than`, torch.compile), paid
+    here while the worker starts in the background rather than by its first job: two vocabulary sizes, so that it
+    is compiled for any size (dynamo makes the vocabulary dimension dynamic at the second), as a session's jobs
+    of several vocabularies would have it compiled."""
+    import torch
+    from vllm.v1.sample.sampler import Sampler
+
+    for vocab in (320, 321):
+        Sampler.gather_logprobs(torch.randn(3, vocab).log_softmax(-1), 0, torch.zeros(3, dtype=torch.long))
+
+
+compile_the_logprob_ranks()
 unfreeze = gc.unfreeze
 gc.unfreeze = lambda: None  # vLLM's, at each engine's shutdown: done once per job below instead
 gc.collect()

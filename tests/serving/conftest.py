@@ -7,13 +7,15 @@ skipped, saying how to install it; with FUSEDKV_REQUIRE_VLLM=1 (CI) a missing in
 
 Where the time goes: every vLLM process pays its imports and, on its first prompt log-probabilities, a
 compilation of vLLM's sampler; every engine pays its start-up. So the offline runs go to at most two worker
-processes for the whole session (`vllm_workers`, `_vllm_worker.py`) that pay the imports once, a module
+processes for the whole session (`vllm_workers`, `_vllm_worker.py`) that pay the imports once, in the
+background from the first serving test on (`warm_vllm_workers`: a core is idle until the first job), a module
 submits its runs together so that both workers (both cores) are busy, and fixtures compute what the tests
 compare against while vLLM runs. Checkpoints are made when first read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -98,6 +100,10 @@ class VLLMWorker:
                                      stderr=self.log_file, text=True)
         self._answer(600)
 
+    def start_if_needed(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+
     def _answer(self, timeout: float) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
@@ -111,8 +117,7 @@ class VLLMWorker:
 
     def run(self, timeout: float = 1200, **job) -> dict:
         """`job`: module= and argv=, or script=; returns {"rc", "stdout", "error", "log"} (log: its stderr)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
+        self.start_if_needed()
         start = self.log.stat().st_size
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
@@ -131,12 +136,12 @@ class VLLMWorker:
 
 
 class VLLMWorkers:
-    """The session's vLLM workers: at most `size` processes, each started when a job first needs it. Jobs
+    """The session's vLLM workers: at most `size` processes, started by `warm` (or when a job first needs one). Jobs
     submitted together run on as many workers at once (on two cores, two), so a module's vLLM runs overlap;
     a job submitted alone runs on a worker already started."""
 
     def __init__(self, python: str, log_dir: Path, size: int = 2):
-        self.python, self.log_dir = python, log_dir
+        self.python, self.log_dir, self.size = python, log_dir, size
         self.started: list[VLLMWorker] = []
         self.local = threading.local()  # one worker per thread of the pool
         self.lock = threading.Lock()
@@ -157,6 +162,21 @@ class VLLMWorkers:
         """VLLMWorker.run on a free worker, waited for."""
         return self.submit(lambda w: w.run(timeout, **job)).result()
 
+    def warm(self) -> None:
+        """Start every worker now, in the background (their vLLM imports overlap with the tests before the first
+        job; one job per pool thread, each holding its thread until its worker is up)."""
+        up = threading.Barrier(self.size)
+
+        def start(worker: VLLMWorker) -> None:
+            try:
+                worker.start_if_needed()  # a failure is the first job's to report: it starts the worker again
+            finally:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    up.wait(timeout=900)
+
+        for _ in range(self.size):
+            self.submit(start)
+
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
         for worker in self.started:
@@ -168,6 +188,19 @@ def vllm_workers(vllm_python, tmp_path_factory):
     workers = VLLMWorkers(vllm_python, tmp_path_factory.mktemp("vllm-workers"), size=min(2, os.cpu_count() or 1))
     yield workers
     workers.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_vllm_workers(request):
+    """When the session will use the workers, start them at its first serving test, in the background: their
+    imports overlap with the serving tests that run before the first vLLM job (and leave a core idle)."""
+    if not any("vllm_workers" in item.fixturenames for item in request.session.items):
+        return
+    try:
+        workers = request.getfixturevalue("vllm_workers")
+    except (pytest.skip.Exception, pytest.fail.Exception):
+        return  # no vLLM environment: the tests that need it say so themselves
+    workers.warm()
 
 
 def _offline(worker: VLLMWorker, models: list[Path], prompts: list[list[int]], out_dir: Path, extra: tuple,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -132,23 +133,43 @@ def deepseek_moe(root: Path, tok_dir: Path, vocab: int) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe-mla")
-    tok_dir = root / "_tokenizer"
-    vocab = len(write_tokenizer(tok_dir))
-    out = deepseek_moe(root, tok_dir, vocab)
-    for name, build in (("qwen3-moe", lambda: qwen3_moe_hf(vocab)),
-                        ("deepseek-v3-qlora", lambda: deepseek_v3_hf(vocab, 32)),
-                        ("deepseek-v3-fullq", lambda: deepseek_v3_hf(vocab, None))):
-        torch.manual_seed(0)
-        out.update(imported(root, tok_dir, name, build()))
-    return out
-
-
 FAMILIES = ["qwen3-moe", "deepseek-moe", "deepseek-v3-qlora", "deepseek-v3-fullq"]
 SERVED = [f"{family}-{plan}" for family in FAMILIES for plan in ("vanilla", "fusedkv")]
 FROM_TRANSFORMERS = ["qwen3-moe", "deepseek-v3-qlora", "deepseek-v3-fullq"]
+COMPILED = "deepseek-v3-qlora-fusedkv"
+
+
+def submit_run(workers, paths: dict[str, Path], names: list[str], out_dir: Path, *extra: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(paths[names[0]])
+    prompts = [tok(prompt).input_ids for prompt in PROMPTS]  # as reference_outputs tokenises them
+    return submit_offline(workers, [paths[n] for n in names], prompts, out_dir, *extra)
+
+
+@pytest.fixture(scope="module")
+def moe_build(vllm_workers, tmp_path_factory) -> tuple[dict[str, Path], Future]:
+    """The checkpoints, and the torch.compile run with chunked prefill (the module's longest) started as soon as
+    its checkpoint is written, so that it runs while the others are built: (paths, its future)."""
+    root = tmp_path_factory.mktemp("moe-mla")
+    tok_dir = root / "_tokenizer"
+    vocab = len(write_tokenizer(tok_dir))
+    out, compiled = {}, None
+    for name, build in (("deepseek-v3-qlora", lambda: deepseek_v3_hf(vocab, 32)),
+                        ("qwen3-moe", lambda: qwen3_moe_hf(vocab)),
+                        ("deepseek-v3-fullq", lambda: deepseek_v3_hf(vocab, None))):
+        torch.manual_seed(0)
+        out.update(imported(root, tok_dir, name, build()))
+        if compiled is None:
+            compiled = submit_run(vllm_workers, out, [COMPILED], tmp_path_factory.mktemp("vllm"), "--compile",
+                                  "--prompt-logprobs", "--max-num-batched-tokens", "32", "--max-num-seqs", "4")
+    out.update(deepseek_moe(root, tok_dir, vocab))
+    return out, compiled
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(moe_build) -> dict[str, Path]:
+    return moe_build[0]
 
 
 @pytest.fixture(scope="module")
@@ -156,26 +177,15 @@ def moe_references(moe_checkpoints) -> dict[str, dict]:
     return {name: reference_outputs(moe_checkpoints[name]) for name in SERVED}
 
 
-COMPILED = "deepseek-v3-qlora-fusedkv"
-
-
 @pytest.fixture(scope="module")
-def moe_runs(vllm_workers, moe_checkpoints, tmp_path_factory) -> dict:
-    """The module's vLLM runs, started together so that they share the session's workers: torch.compile with
-    chunked prefill (the longest, first), and every checkpoint eager (in two halves). Futures: the references
-    are computed while they run."""
-    from transformers import AutoTokenizer
-
-    def run(names, *extra):
-        tok = AutoTokenizer.from_pretrained(moe_checkpoints[names[0]])
-        prompts = [tok(prompt).input_ids for prompt in PROMPTS]  # as reference_outputs tokenises them
-        return submit_offline(vllm_workers, [moe_checkpoints[n] for n in names], prompts,
-                              tmp_path_factory.mktemp("vllm"), *extra)
-
-    compiled = run([COMPILED], "--compile", "--prompt-logprobs", "--max-num-batched-tokens", "32", "--max-num-seqs",
-                   "4")
+def moe_runs(vllm_workers, moe_build, tmp_path_factory) -> dict:
+    """The module's vLLM runs, sharing the session's workers: torch.compile with chunked prefill (started while
+    the checkpoints were built), and every checkpoint eager (in two halves). Futures: the references are
+    computed while they run."""
+    paths, compiled = moe_build
     halves = [SERVED[:len(SERVED) // 2], SERVED[len(SERVED) // 2:]]
-    return {"served": [(h, run(h, "--prompt-logprobs")) for h in halves], "compiled": compiled}
+    return {"served": [(h, submit_run(vllm_workers, paths, h, tmp_path_factory.mktemp("vllm"), "--prompt-logprobs"))
+                       for h in halves], "compiled": compiled}
 
 
 @pytest.fixture(scope="module")

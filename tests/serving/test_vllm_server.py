@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -84,21 +85,44 @@ def healthy(port: int) -> bool:
         return False
 
 
+class ServerLog:
+    """What `fusedkv serve` printed: its stdout (vLLM's log lines), then its stderr (fusedkv serve's own lines,
+    its last line last)."""
+
+    def __init__(self, out: Path, err: Path):
+        self.out, self.err = Path(out), Path(err)
+
+    def read_text(self) -> str:
+        return "".join(f.read_text(errors="replace") if f.exists() else "" for f in (self.out, self.err))
+
+
+def copy_lines(src, path: Path) -> None:
+    with open(path, "w") as f:
+        for line in iter(src.readline, ""):
+            f.write(line)
+            f.flush()
+
+
 def start_server(vllm_python: str, model, log, *extra: str, wait: bool = True) -> dict:
+    """`fusedkv serve` as a child of the CLI tests' zygote (tests/_cli.py: no interpreter start-up and torch
+    import per server; a session of its own), vLLM run by it as a user's run would be."""
     port = free_port()
-    cmd = [sys.executable, "-m", "fusedkv.cli", "serve", str(model), "--port", str(port), "--enforce-eager",
-           "--block-size", "32", "--kv-cache-memory", "64M", "--max-num-seqs", "32", "--vllm-python", vllm_python,
-           *extra]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=vllm_env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    server = {"proc": proc, "port": port, "model": str(model), "log": log}
+    args = ["serve", str(model), "--port", str(port), "--enforce-eager", "--block-size", "32", "--kv-cache-memory",
+            "64M", "--max-num-seqs", "32", "--vllm-python", vllm_python, *extra]
+    proc = cli_process.start_module("fusedkv.cli", *args, env=vllm_env(), cwd=REPO)
+    out, err = Path(f"{log}.out"), Path(f"{log}.err")
+    if isinstance(proc, subprocess.Popen):  # a fresh interpreter (FUSEDKV_TEST_FRESH=1): its pipes to the files
+        for src, dst in ((proc.stdout, out), (proc.stderr, err)):
+            threading.Thread(target=copy_lines, args=(src, dst), daemon=True).start()
+    else:
+        out, err = proc.out, proc.err
+    server = {"proc": proc, "port": port, "model": str(model), "log": ServerLog(out, err)}
     return wait_ready(server) if wait else server
 
 
 def wait_ready(server) -> dict:
     port, proc, log = server["port"], server["proc"], server["log"]
-    wait_until(lambda: healthy(port) or proc.poll() is not None, STARTUP_TIMEOUT_S, 2)
+    wait_until(lambda: healthy(port) or proc.poll() is not None, STARTUP_TIMEOUT_S, 0.5)
     if not healthy(port):
         stop(server)
         pytest.fail(f"the server did not come up (exit {proc.poll()}):\n{log.read_text()[-6000:]}")
@@ -110,7 +134,7 @@ def stop(server) -> None:
     proc = server["proc"]
     group = vllm_group(proc)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()  # its watchdog then stops vLLM's group; so does the line below
     if group is not None and group_pids(group):
         os.killpg(group, signal.SIGKILL)
 
@@ -338,10 +362,14 @@ def test_non_finite_logits_answer_500_and_the_server_exits_1_naming_them(overflo
 @pytest.mark.slow
 def test_ctrl_c_during_startup_exits_130_without_a_traceback(vllm_python, checkpoints, tmp_path):
     s = start_server(vllm_python, checkpoints["fusedkv"], tmp_path / "server.log", wait=False)
+
+    def vllm_output_began() -> bool:
+        return any(line.strip() and not line.startswith("fusedkv serve: ")
+                   for line in s["log"].read_text().splitlines())
+
     try:
         # Interrupt once vLLM is loading (its own output has begun), long before it is ready.
-        assert wait_until(lambda: vllm_group(s["proc"]) is not None, 120)
-        time.sleep(10)
+        assert wait_until(lambda: vllm_group(s["proc"]) is not None and vllm_output_began(), 120, 0.1)
         group = vllm_group(s["proc"])
         assert group is not None and not healthy(s["port"])
         s["proc"].send_signal(signal.SIGINT)
