@@ -14,6 +14,7 @@ the best of --repeats. One thread.
 
     OMP_NUM_THREADS=1 python benchmarks/serving_step_profile.py                  # 128-token prompts
     OMP_NUM_THREADS=1 python benchmarks/serving_step_profile.py --prompt-len 1024
+    OMP_NUM_THREADS=1 python benchmarks/serving_step_profile.py --workload memory-bound   # the larger model
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ def instrument(llm, timers: Timers) -> None:
     model.lm_head.quant_method.apply = timers.wrap("lm_head", model.lm_head.quant_method.apply)
 
 
-def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
+def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int,
+                   dtype: str, block_size: int) -> list[dict]:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model_path, dtype="float32", block_size=32, kv_cache_memory_bytes=max(batches) * (
+    llm = LLM(model=model_path, dtype=dtype, block_size=block_size, kv_cache_memory_bytes=max(batches) * (
         prompt_len + new_tokens + 64) * 2 * 4 * 256 * 4 + (16 << 20), max_model_len=prompt_len + new_tokens,
               enforce_eager=True, seed=0, max_num_seqs=max(batches), enable_prefix_caching=False,
               skip_tokenizer_init=True)
@@ -119,7 +121,8 @@ def inner(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its CPU time is ours
     out = {}
     for path in args.models:
-        out[Path(path).name] = profile_engine(path, args.batches, args.prompt_len, args.new_tokens, args.repeats)
+        out[Path(path).name] = profile_engine(path, args.batches, args.prompt_len, args.new_tokens, args.repeats,
+                                          args.dtype, args.block_size)
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -129,6 +132,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[8, 16])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workload", default="short", help="the model of this serving_throughput.py workload "
+                   "(short and long: 4 layers, hidden 256; memory-bound: hidden 1024, GQA 16/4)")
+    p.add_argument("--dtype", default=None, help="the model's and cache's dtype (default: the workload's)")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM's cache block size (tokens)")
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the vLLM-side half
@@ -137,14 +144,17 @@ def main() -> None:
     if args.inner:
         return inner(args)
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from serving_throughput import PLANS, write_checkpoints
+    from serving_throughput import PLANS, WORKLOADS, write_checkpoints
 
     from fusedkv.serving.command import check_vllm_environment, find_vllm_python
 
     vllm_python = find_vllm_python(args.vllm_python)
     check_vllm_environment(vllm_python)
-    ck_args = argparse.Namespace(vocab=4096, hidden=256, layers=4, prompt_len=args.prompt_len,
-                                 new_tokens=args.new_tokens + 1)
+    if args.workload not in WORKLOADS:
+        p.error(f"--workload: choose one of {', '.join(WORKLOADS)}")
+    shape = {k: WORKLOADS[args.workload][k] for k in ("layers", "hidden", "kv_heads", "vocab")}
+    ck_args = argparse.Namespace(**shape, prompt_len=args.prompt_len, new_tokens=args.new_tokens + 1)
+    args.dtype = args.dtype or WORKLOADS[args.workload]["dtype"]
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         ckpts = write_checkpoints(Path(tmp) / "ckpts", ck_args)
@@ -153,13 +163,16 @@ def main() -> None:
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         cmd = [vllm_python, __file__, "--inner", "--models", *(str(ckpts[p]) for p in PLANS), "--out", str(result),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--batches",
-               *map(str, args.batches), "--repeats", str(args.repeats)]
+               *map(str, args.batches), "--repeats", str(args.repeats), "--dtype", args.dtype,
+               "--block-size", str(args.block_size)]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(f"vLLM run failed:\n{proc.stderr[-4000:]}")
         profile = json.loads(result.read_text())
     print(f"## One decode step, CPU ms ({args.prompt_len}-token prompts, steps {args.prompt_len + 1}-"
-          f"{args.prompt_len + args.new_tokens}, 4 layers, hidden 256, head_dim 64, fp32, eager, 1 thread; load "
+          f"{args.prompt_len + args.new_tokens}, {shape['layers']} layers, hidden {shape['hidden']}, "
+          f"{shape['hidden'] // 64} query / {shape['kv_heads']} key-value heads of 64, vocabulary {shape['vocab']}, "
+          f"{args.dtype}, eager, 1 thread; load "
           f"average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)\n")
     print("| plan | batch | step | " + " | ".join(PARTS) + " | per sequence |\n|" + "---|" * (len(PARTS) + 4))
     for plan, rows in profile.items():

@@ -57,13 +57,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 PLANS = ("vanilla", "fusedkv-lite", "fusedkv")
 FAST_PREFILL = ("fusedkv-lite", "fusedkv")  # plans whose upper layers can skip prompt positions
-SMALL_MODEL = {"layers": 4, "hidden": 256, "kv_heads": 4, "vocab": 4096}  # 17 MiB of weights per decode step
+# 17 MiB of f32 weights per decode step
+SMALL_MODEL = {"layers": 4, "hidden": 256, "kv_heads": 4, "vocab": 4096, "dtype": "float32"}
 WORKLOADS = {"short": {"requests": 32, "prompt_len": 128, "new_tokens": 128, **SMALL_MODEL},
              "long": {"requests": 32, "prompt_len": 1024, "new_tokens": 128, **SMALL_MODEL},
              # 248 MiB of f32 weights read by every decode step (GQA 16/4 heads, as served models are): a step
              # costs about the same at 8 and 16 sequences, the regime where a half-size cache pays on a GPU.
              "memory-bound": {"requests": 16, "prompt_len": 256, "new_tokens": 256, "layers": 4, "hidden": 1024,
-                              "kv_heads": 4, "vocab": 16384}}
+                              "kv_heads": 4, "vocab": 16384, "dtype": "float32"}}
 
 
 def write_checkpoints(root: Path, args) -> dict[str, Path]:
@@ -121,7 +122,7 @@ def throughput(vllm_python, ckpts, args, work) -> list[dict]:
     extra = ["--fast-prefill-models", *(str(ckpts[p]) for p in fast)] if fast else []
     results = vllm_run(vllm_python, [ckpts[p] for p in PLANS], prompts, work, "--max-new-tokens",
                        str(args.new_tokens), "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs",
-                       str(args.requests), "--dtype", "float32", "--max-model-len",
+                       str(args.requests), "--dtype", args.dtype, "--max-model-len",
                        str(args.prompt_len + args.new_tokens), "--rounds", str(args.rounds), *extra)
     names = [*PLANS, *(p + " +fast-prefill" for p in fast)]
     by_name = dict(zip(names, results))
@@ -150,7 +151,7 @@ def prefill_skipping(vllm_python, ckpts, args, work) -> list[dict]:
     timed = {}
     for mode, extra in (("full", ()), ("skipping", ("--fast-prefill",))):
         runs = vllm_run(vllm_python, [ckpts[p] for p in plans], prompts, work, "--max-new-tokens", "1",
-                        "--kv-cache-memory", str(4 * args.kv_cache_memory), "--dtype", "float32",
+                        "--kv-cache-memory", str(4 * args.kv_cache_memory), "--dtype", args.dtype,
                         "--rounds", str(args.rounds), *extra)
         for plan, r in zip(plans, runs):
             timed[plan, mode] = r["elapsed_s"]
@@ -172,7 +173,7 @@ def single_stream(vllm_python, ckpts, args, work) -> dict:
     n = args.single_new_tokens
     vllm = dict(zip(PLANS, vllm_run(vllm_python, [ckpts[p] for p in PLANS], prompt.tolist(), work,
                                     "--max-new-tokens", str(n), "--kv-cache-memory", str(args.kv_cache_memory),
-                                    "--dtype", "float32", "--rounds", str(args.rounds))))
+                                    "--dtype", args.dtype, "--rounds", str(args.rounds))))
     # The project's loop (packed for batch 1) and transformers' generate (a fresh, unpacked model).
     engines = {}
     for plan in PLANS:
@@ -218,6 +219,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=None, help="hidden size; heads = hidden / 64, head_dim 64")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA below hidden / 64)")
     p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="weights and KV cache: float32 or bfloat16")
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
@@ -243,8 +245,8 @@ def main() -> None:
 
     vllm_python = find_vllm_python(args.vllm_python)
     check_vllm_environment(vllm_python)
-    if args.kv_cache_memory is None:  # fp32 K and V per layer per token, 8 full-length vanilla sequences
-        per_token = 2 * args.layers * args.kv_heads * 64 * 4
+    if args.kv_cache_memory is None:  # K and V per layer per token, 8 full-length vanilla sequences
+        per_token = 2 * args.layers * args.kv_heads * 64 * torch.finfo(getattr(torch, args.dtype)).bits // 8
         args.kv_cache_memory = 8 * (args.prompt_len + args.new_tokens) * per_token
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -259,7 +261,7 @@ def main() -> None:
           f"average {load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end): absolute figures are rough. "
           f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), KV-cache memory "
           f"{args.kv_cache_memory / 2**20:.1f} MiB, {args.layers} layers, hidden {args.hidden}, "
-          f"{args.hidden // 64} query / {args.kv_heads} key-value heads of 64, vocabulary {args.vocab}, fp32, "
+          f"{args.hidden // 64} query / {args.kv_heads} key-value heads of 64, vocabulary {args.vocab}, {args.dtype}, "
           f"eager; every engine warmed up, {args.rounds} rounds in rotated order, ratios to vanilla's same round\n")
     print("| plan | cache blocks | max concurrency (vLLM) | requests per decode step (mean) | preemptions | "
           "generated tokens/s (median) | vs vanilla per round | median | by CPU time: per round | median |"
