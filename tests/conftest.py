@@ -4,11 +4,21 @@ skipped unless `--run-manual` or FUSEDKV_RUN_MANUAL=1 asks for them, whatever `-
 
 import os
 
-import pytest
-import torch
+# One thread unless OMP_NUM_THREADS says otherwise, here and in the child processes the tests start: the tests
+# run tiny shapes, where a second OpenMP thread only adds hand-offs, and on a 2-core machine shared with other
+# jobs threads that spin waiting for a descheduled partner made the fast tier about twice as slow (user CPU
+# and wall). The tests of the multi-threaded kernels set their thread counts themselves.
+ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import fusedkv  # noqa: F401  (registers the Auto classes)
-from fusedkv import FusedKVConfig, FusedKVForCausalLM
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fusedkv  # noqa: E402, F401  (registers the Auto classes)
+from fusedkv import FusedKVConfig, FusedKVForCausalLM  # noqa: E402
+
+if ONE_THREAD:
+    torch.set_num_threads(1)  # in case torch was imported before this file
 
 PLAN_CONFIGS = {
     "vanilla": dict(kv_sharing="vanilla"),
