@@ -50,6 +50,47 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Test modules with no case in the fast tier, each for a process-level cost that is the point of the test: a
+# compiler build, Triton's interpreter, vLLM engines, torchrun, the per-family uptrain script. Every other
+# module keeps at least one fast case (tests/test_tiers.py checks it on every fast-tier run).
+SLOW_ONLY = {
+    "tests/kernels/test_native_avx2.py", "tests/kernels/test_triton_kernel.py",
+    "tests/serving/test_gpu_backend_path.py", "tests/serving/test_paged_layout.py",
+    "tests/serving/test_vllm_families.py", "tests/serving/test_vllm_moe_mla.py", "tests/serving/test_vllm_plans.py",
+    "tests/train/test_dcp_resume.py", "tests/train/test_distributed.py", "tests/train/test_multinode.py",
+    "tests/uptrain/test_families_script.py",
+}
+TIERS = pytest.StashKey[dict]()  # {"deselected": modules with a deselected case, "kept": modules with a selected one}
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_deselected(items):
+    if items:
+        items[0].config.stash.setdefault(TIERS, {"deselected": set(), "kept": set()})["deselected"].update(
+            map(_module, items))
+
+
+def pytest_collection_finish(session):
+    session.config.stash.setdefault(TIERS, {"deselected": set(), "kept": set()})["kept"] = set(
+        map(_module, session.items))
+
+
+@pytest.fixture
+def tier_modules(request) -> dict | None:
+    """What this run's selection did to the test modules (TIERS), or None where it deselected nothing."""
+    return request.config.stash.get(TIERS, None)
+
+
+def tiered(cases, fast) -> list:
+    """The parameter tuples `cases` as pytest.params with pytest's own ids ("a-b-3"), those for which
+    `fast(*case)` is false marked slow: they run in the full suite, not in the fast tier."""
+    return [pytest.param(*case, id="-".join(map(str, case)), marks=() if fast(*case) else pytest.mark.slow)
+            for case in cases]
+
+
 def tiny_config(**overrides) -> FusedKVConfig:
     base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                 head_dim=16, max_position_embeddings=128, pad_token_id=0)
