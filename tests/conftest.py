@@ -84,11 +84,10 @@ def tier_modules(request) -> dict | None:
     return request.config.stash.get(TIERS, None)
 
 
-def tiered(cases, fast) -> list:
-    """The parameter tuples `cases` as pytest.params with pytest's own ids ("a-b-3"), those for which
-    `fast(*case)` is false marked slow: they run in the full suite, not in the fast tier."""
-    return [pytest.param(*case, id="-".join(map(str, case)), marks=() if fast(*case) else pytest.mark.slow)
-            for case in cases]
+def tiered(cases, fast, name=lambda *case: "-".join(map(str, case))) -> list:
+    """The parameter tuples `cases` as pytest.params (ids: `name(*case)`, by default pytest's own "a-b-3"), those
+    for which `fast(*case)` is false marked slow: they run in the full suite, not in the fast tier."""
+    return [pytest.param(*case, id=name(*case), marks=() if fast(*case) else pytest.mark.slow) for case in cases]
 
 
 def tiny_config(**overrides) -> FusedKVConfig:
