@@ -4,11 +4,21 @@ skipped unless `--run-manual` or FUSEDKV_RUN_MANUAL=1 asks for them, whatever `-
 
 import os
 
-import pytest
-import torch
+# One thread unless OMP_NUM_THREADS says otherwise, here and in the child processes the tests start: the tests
+# run tiny shapes, where a second OpenMP thread only adds hand-offs, and on a 2-core machine shared with other
+# jobs threads that spin waiting for a descheduled partner made the fast tier about twice as slow (user CPU
+# and wall). The tests of the multi-threaded kernels set their thread counts themselves.
+ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import fusedkv  # noqa: F401  (registers the Auto classes)
-from fusedkv import FusedKVConfig, FusedKVForCausalLM
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fusedkv  # noqa: E402, F401  (registers the Auto classes)
+from fusedkv import FusedKVConfig, FusedKVForCausalLM  # noqa: E402
+
+if ONE_THREAD:
+    torch.set_num_threads(1)  # in case torch was imported before this file
 
 PLAN_CONFIGS = {
     "vanilla": dict(kv_sharing="vanilla"),
@@ -38,6 +48,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "manual" in item.keywords:
             item.add_marker(skip)
+
+
+# Test modules with no case in the fast tier, each for a process-level cost that is the point of the test: a
+# compiler build, Triton's interpreter, vLLM engines, torchrun, the per-family uptrain script. Every other
+# module keeps at least one fast case (tests/test_tiers.py checks it on every fast-tier run).
+SLOW_ONLY = {
+    "tests/kernels/test_native_avx2.py", "tests/kernels/test_triton_kernel.py",
+    "tests/serving/test_gpu_backend_path.py", "tests/serving/test_paged_layout.py",
+    "tests/serving/test_vllm_families.py", "tests/serving/test_vllm_moe_mla.py", "tests/serving/test_vllm_plans.py",
+    "tests/train/test_dcp_resume.py", "tests/train/test_distributed.py", "tests/train/test_multinode.py",
+    "tests/uptrain/test_families_script.py",
+}
+TIERS = pytest.StashKey[dict]()  # {"deselected": modules with a deselected case, "kept": modules with a selected one}
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_deselected(items):
+    if items:
+        items[0].config.stash.setdefault(TIERS, {"deselected": set(), "kept": set()})["deselected"].update(
+            map(_module, items))
+
+
+def pytest_collection_finish(session):
+    session.config.stash.setdefault(TIERS, {"deselected": set(), "kept": set()})["kept"] = set(
+        map(_module, session.items))
+
+
+@pytest.fixture
+def tier_modules(request) -> dict | None:
+    """What this run's selection did to the test modules (TIERS), or None where it deselected nothing."""
+    return request.config.stash.get(TIERS, None)
+
+
+def tiered(cases, fast, name=lambda *case: "-".join(map(str, case))) -> list:
+    """The parameter tuples `cases` as pytest.params (ids: `name(*case)`, by default pytest's own "a-b-3"), those
+    for which `fast(*case)` is false marked slow: they run in the full suite, not in the fast tier."""
+    return [pytest.param(*case, id=name(*case), marks=() if fast(*case) else pytest.mark.slow) for case in cases]
 
 
 def tiny_config(**overrides) -> FusedKVConfig:

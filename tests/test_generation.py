@@ -81,6 +81,7 @@ def test_sampling_respects_top_p_and_stops_on_any_eos():
     assert generate(model, ids, 20, eos_token_id=[96 if first != 96 else 95, first]).tokens.shape[1] == 6
 
 
+@pytest.mark.slow  # the fast tier's only run of the `fusedkv` command with the test's own environment: a zygote
 def test_cli_generate_uses_the_package_loop_quietly(tmp_path):
     # `fusedkv generate --greedy` prints what the model's greedy continuation is (checked against
     # transformers' generate on the same weights), through fusedkv.generation, with no warning printed.

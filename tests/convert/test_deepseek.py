@@ -66,7 +66,13 @@ def build_checkpoint(path, name, **extra):
     return model
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+# Variants whose features the other three bring into the fast tier (a full-rank query: v3-fullq-rotatehalf-tied;
+# dense layers: every V3 variant's first layer; the greedy routing: tests/model/test_moe.py): the full suite's.
+FULL_SUITE_ONLY = {"v3-dense-only-linear-rope", "v2-greedy-fullq"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow if name in FULL_SUITE_ONLY else ())
+                                        for name in VARIANTS])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return request.param, path, build_checkpoint(path, request.param)

@@ -76,7 +76,14 @@ def build(case, root):
     return path, model
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+# Cases whose feature another case also brings into the fast tier (the dynamic RoPE: its own test below; GELU:
+# qwen3-layer-types-gelu, gemma2; ties: llama-bias-tied-llama3; windows: qwen2-window-sharded, mistral-window,
+# qwen3-layer-types-gelu; Gemma 3's linear RoPE: llama-linear-sharded): the full suite's.
+FULL_SUITE_ONLY = {"llama-dynamic", "llama-gelu", "qwen2", "mistral-no-window", "qwen3-window", "gemma3-linear-global"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(c, id=c[0], marks=pytest.mark.slow if c[0] in FULL_SUITE_ONLY
+                                                     else ()) for c in CASES])
 def imported(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     src, reference = build(request.param, root)

@@ -48,6 +48,7 @@ def test_builtin_corpus(builtin_docs):
     assert abs(sum(len(t) for t in kjv) - len(whole)) < 3 * 66
 
 
+@pytest.mark.slow  # reads and splits the whole packaged corpus (test_builtin_corpus's fixture)
 def test_builtin_val_docs_exist_and_are_big_enough(builtin_docs):
     sizes = {n: len(t) for n, t in builtin_docs}
     assert set(BUILTIN_VAL_DOCS) <= set(sizes)

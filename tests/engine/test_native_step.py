@@ -12,7 +12,7 @@ from fusedkv.engine.packing import set_decode_layout
 from fusedkv.engine.precision import reduce_precision
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
-from tests.conftest import PLAN_CONFIGS, tiny_model
+from tests.conftest import PLAN_CONFIGS, tiered, tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native CPU kernels are not built")
 
@@ -35,8 +35,14 @@ def _padded_batch(seed=0):
     return ids * mask, mask
 
 
-@pytest.mark.parametrize("plan", COVERED)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# The fast tier: every plan over an f32 cache, the 16-bit caches for vanilla and FusedKV.
+@pytest.mark.parametrize("cache_dtype, plan", tiered(
+    [(dtype, plan) for dtype in CACHE_DTYPES for plan in COVERED],
+    lambda dtype, plan: dtype == torch.float32 or plan in ("vanilla", "fusedkv"),
+    lambda dtype, plan: f"cache_dtype{CACHE_DTYPES.index(dtype)}-{plan}"))
 def test_step_matches_the_full_forward(plan, cache_dtype):
     """Teacher-forced decode through the native step gives, at every position, the logits of one forward
     over the whole sequence (the plain reference), for a left-padded batch of 3."""

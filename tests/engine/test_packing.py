@@ -12,11 +12,13 @@ from fusedkv import FusedKVForCausalLM
 from fusedkv.engine.packing import column_major_down, is_packed, pack_for_decode, packed_product_wins, unpack_weights
 from fusedkv.generation import generate
 from fusedkv.kernels import native
-from tests.conftest import tiny_model
+from tests.conftest import PLAN_CONFIGS, tiered, tiny_model
 from tests.model.test_decode import incremental_logits, padded_batch
 
 
-@pytest.mark.parametrize("batch", [1, 2])
+# The fast tier: every plan at batch 2 (left padding), batch 1 for vanilla and FusedKV.
+@pytest.mark.parametrize("plan_name, batch", tiered([(plan, batch) for plan in PLAN_CONFIGS for batch in (1, 2)],
+                                                    lambda plan, batch: batch == 2 or plan in ("vanilla", "fusedkv")))
 def test_packed_decode_matches_unpacked(plan_name, batch):
     model = tiny_model(plan_name)
     packed = pack_for_decode(copy.deepcopy(model))

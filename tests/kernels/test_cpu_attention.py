@@ -12,7 +12,7 @@ from fusedkv.engine import select_runtime
 from fusedkv.engine.selection import LayerFacts
 from fusedkv.kernels import cpu_attention, native
 from fusedkv.kernels.reference import kv_start_to_mask, materialized_attention
-from tests.conftest import tiny_model
+from tests.conftest import tiered, tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are not built")
 
@@ -52,9 +52,15 @@ def test_matches_the_float64_reference(dtype, n_k, n_v, weights, h_q, h_kv, leng
     assert (no_padding.double() - ref_all).abs().max() < 2e-5 * (1 + ref_all.abs().max())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d,h_q,h_kv", [(64, 8, 8), (128, 6, 2), (64, 8, 2), (48, 4, 1), (96, 3, 3)])
-@pytest.mark.parametrize("threads", [1, 2])
+LONG_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# The fast tier: every shape and cache dtype on one thread, and every shape on two threads in f32.
+@pytest.mark.parametrize("threads, d, h_q, h_kv, dtype", tiered(
+    [(threads, *shape, dtype) for threads in (1, 2) for shape in [(64, 8, 8), (128, 6, 2), (64, 8, 2), (48, 4, 1),
+                                                                   (96, 3, 3)] for dtype in LONG_DTYPES],
+    lambda threads, d, h_q, h_kv, dtype: threads == 1 or dtype == torch.float32,
+    lambda threads, d, h_q, h_kv, dtype: f"{threads}-{d}-{h_q}-{h_kv}-dtype{LONG_DTYPES.index(dtype)}"))
 def test_long_caches_match_the_float64_reference(dtype, d, h_q, h_kv, threads):
     """The vector path (4-row blocks, two heads per key row under GQA, prefetch ahead, bf16 deinterleaved) over a
     long cache: head widths on and off its chunk (48: the portable loops under AVX-512), odd and even groups,

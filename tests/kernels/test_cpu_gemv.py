@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fusedkv.kernels import cpu_gemv, native
+from tests.conftest import tiered
 
 needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernel is not built")
 
@@ -242,11 +243,12 @@ def _int4(out_features: int, in_features: int, seed: int):
     return q, scale, w_deq
 
 
+# The fast tier: every shape and row count on one thread, and 1 and 16 rows on two threads.
 @needs_native
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16])
-@pytest.mark.parametrize("out_features,in_features", [(16, 3), (48, 31), (32, 32), (40, 33), (16, 63), (64, 65),
-                                                      (96, 95), (256, 512)])
+@pytest.mark.parametrize("out_features, in_features, rows, threads", tiered(
+    [(*shape, rows, threads) for shape in [(16, 3), (48, 31), (32, 32), (40, 33), (16, 63), (64, 65), (96, 95),
+                                           (256, 512)] for rows in (1, 2, 3, 4, 5, 7, 8, 16) for threads in (1, 2)],
+    lambda out_features, in_features, rows, threads: threads == 1 or rows in (1, 16)))
 def test_int4_blocks_match_the_float64_product(rows, out_features, in_features, threads):
     """int4 blocks compute sum_g scale_g (x_bf16 . q_g) in f32: against float64 over the same integers, scales
     and rounded input, every group boundary (31-33, 63-65 inputs), outputs not whole blocks (padded), 1-16

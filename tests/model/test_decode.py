@@ -6,9 +6,13 @@ import torch
 
 from fusedkv.cache import StaticKVCache, kv_cache_nbytes
 from fusedkv.engine import select_runtime
-from tests.conftest import tiny_model
+from tests.conftest import PLAN_CONFIGS, tiered, tiny_model
 
 NEW_TOKENS = 5
+PATHS = ["auto", "materialized", "factored"]
+# The fast tier runs every plan at one prompt length, and the other lengths for two plans (a stored and a fused
+# one); the full suite runs every combination.
+ANCHORS = ("vanilla", "fusedkv")
 
 
 def padded_batch(prompt_len: int, pad: int = 2, vocab: int = 97, seed: int = 1):
@@ -33,8 +37,9 @@ def incremental_logits(model, ids, mask, width, keep_last=0, cache=None):
     return steps, cache
 
 
-@pytest.mark.parametrize("prompt_len", [1, 7, 33])
-@pytest.mark.parametrize("path", ["auto", "materialized", "factored"])
+@pytest.mark.parametrize("plan_name, path, prompt_len", tiered(
+    [(plan, path, n) for plan in PLAN_CONFIGS for path in PATHS for n in (1, 7, 33)],
+    lambda plan, path, n: n == 7 or plan in ANCHORS))
 def test_incremental_decode_matches_full_forward(plan_name, prompt_len, path):
     model = tiny_model(plan_name)
     select_runtime(model, path)
@@ -48,7 +53,8 @@ def test_incremental_decode_matches_full_forward(plan_name, prompt_len, path):
         assert (step[:, 0] - full[:, width + k]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("prompt_len", [1, 7, 33])
+@pytest.mark.parametrize("plan_name, prompt_len", tiered(
+    [(plan, n) for plan in PLAN_CONFIGS for n in (1, 7, 33)], lambda plan, n: n == 7 or plan in ANCHORS))
 def test_prefill_skipping_gives_full_forward_last_logits(plan_name, prompt_len):
     model = tiny_model(plan_name)
     ids, mask, width = padded_batch(prompt_len)
@@ -130,7 +136,8 @@ def test_measured_cache_bytes():
         assert sizes[plan] / vanilla == 0.5, plan
 
 
-@pytest.mark.parametrize("prompt_len", [7, 33])
+@pytest.mark.parametrize("plan_name, prompt_len", tiered(
+    [(plan, n) for plan in PLAN_CONFIGS for n in (7, 33)], lambda plan, n: n == 7 or plan in ANCHORS))
 def test_unpadded_prompt_paths_agree(plan_name, prompt_len):
     """Without a padding mask the model uses SDPA's causal flag; every path must agree with it."""
     model = tiny_model(plan_name)

@@ -9,7 +9,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from fusedkv import FusedKVForCausalLM
 from fusedkv.cache import StaticKVCache, kv_cache_nbytes
 from fusedkv.engine import select_runtime
-from tests.conftest import tiny_config, tiny_model
+from tests.conftest import tiered, tiny_config, tiny_model
 from tests.model.test_decode import incremental_logits, padded_batch
 from tests.model.test_model import shifted_logits
 
@@ -93,9 +93,10 @@ def test_absorbed_attention_equals_expanded(plan):
         assert (model(ids[:, 3:], use_cache=False).logits - unpadded).abs().max() < 1e-10
 
 
-@pytest.mark.parametrize("prompt_len", [1, 9, 33])
-@pytest.mark.parametrize("path", ["auto", "materialized", "factored"])
-@pytest.mark.parametrize("plan", list(MLA_PLANS))
+# The fast tier: every plan and path at one prompt length, the other lengths for vanilla and FusedKV.
+@pytest.mark.parametrize("plan, path, prompt_len", tiered(
+    [(plan, path, n) for plan in MLA_PLANS for path in ("auto", "materialized", "factored") for n in (1, 9, 33)],
+    lambda plan, path, n: n == 9 or plan in ("vanilla", "fusedkv")))
 def test_mla_incremental_decode_matches_full_forward(plan, path, prompt_len):
     model = mla_model(plan)
     select_runtime(model, path)

@@ -12,7 +12,7 @@ from fusedkv.convert import from_qwen3_state
 from fusedkv.engine import select_runtime
 from fusedkv.generation import generate
 from fusedkv.plan import FULL, SLIDING
-from tests.conftest import randomize_fusion
+from tests.conftest import randomize_fusion, tiered
 from tests.model.test_decode import incremental_logits, padded_batch
 
 WINDOW = 5
@@ -53,9 +53,13 @@ PLANS = [("vanilla", None), ("cla", None), ("yoco", None), ("fusedkv-lite", [SLI
          ("fusedkv", [SLIDING]), ("fusedkv", None)]  # shared [SLIDING] is the paper's +W, None (both) +WF
 
 
-@pytest.mark.parametrize("plan, shared", PLANS, ids=[f"{p}-{'W' if s else 'WF'}" for p, s in PLANS])
-@pytest.mark.parametrize("prompt_len", [2, 3 * WINDOW])
-@pytest.mark.parametrize("path", ["auto", "materialized", "factored"])
+# The fast tier: every plan on the default path over a prompt longer than the window; every path and prompt for
+# two plans (vanilla, the paper's FusedKV +W). The full suite: every combination.
+@pytest.mark.parametrize("path, prompt_len, plan, shared", tiered(
+    [(path, n, plan, shared) for path in ("auto", "materialized", "factored") for n in (2, 3 * WINDOW)
+     for plan, shared in PLANS],
+    lambda path, n, plan, shared: (path == "auto" and n > WINDOW) or (plan, shared) in PLANS[:1] + PLANS[5:6],
+    lambda path, n, plan, shared: f"{path}-{n}-{plan}-{'W' if shared else 'WF'}"))
 def test_incremental_decode_matches_full_forward(plan, shared, prompt_len, path):
     model = hybrid_model(plan, shared)
     select_runtime(model, path)
