@@ -114,3 +114,22 @@ def test_the_selection_sends_soft_capped_and_windowed_fusion_to_the_gathered_pat
     assert path(["l0", "l1"], softcap=True) == "gathered"
     assert path(["l0", "l1"], window=True) == "gathered"
     assert path(["l1"], softcap=True, window=True) == "vllm_op"
+
+
+def test_the_selection_gives_two_source_bf16_layers_on_amx_packed_blocks_the_kernel():
+    """vLLM's "amx" ISA packs bf16 caches (keys and values); the kernel reads that packing, so a two-K-source
+    layer takes it, not the gathered copies. A layout learned as a general index (none the kernel has) is gathered.
+    (Which layout vLLM really uses on an AMX processor: test_paged_layout.py, in the vLLM environment.)"""
+    from fusedkv.engine.selection import select_paged_attention
+
+    def path(layout):
+        return select_paged_attention(["l0", "l1"], ["l0", "l1"], gpu=False, head_dim=64, device=torch.device("cpu"),
+                                      dtype=torch.bfloat16, query_dtype=torch.bfloat16,
+                                      native_layout=kernel_layout(layout))
+
+    assert kernel_layout(AMX) == native.PAGED_AMX
+    assert path(AMX) == "native"
+    assert path(KEYS_TRANSPOSED) == "native" and path(ROWS) == "native"
+    shuffled = torch.randperm(32 * 64)
+    assert kernel_layout((shuffled, None)) is None and path((shuffled, None)) == "gathered"
+    assert kernel_layout((AMX_PACKED_KEYS, None)) is None  # a pair the kernel does not read
