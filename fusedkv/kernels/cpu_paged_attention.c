@@ -76,6 +76,19 @@ static inline __attribute__((always_inline)) void scores_t_f32(const float* cons
     }
 }
 
+/* Channels d0 .. d0 + 16 nz of every value source's accumulator (acc[v * D + d]) into registers, and back. */
+static inline __attribute__((always_inline)) void acc_load(__m512 o[2][4], const float* acc, int NV, int D, int d0,
+                                                           int nz) {
+    for (int v = 0; v < NV; v++)
+        for (int z = 0; z < 4; z++)
+            o[v][z] = z < nz ? _mm512_loadu_ps(acc + (long)v * D + d0 + 16 * z) : _mm512_setzero_ps();
+}
+static inline __attribute__((always_inline)) void acc_store(__m512 o[2][4], float* acc, int NV, int D, int d0,
+                                                            int nz) {
+    for (int v = 0; v < NV; v++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc + (long)v * D + d0 + 16 * z, o[v][z]);
+}
+
 /* acc[v * D + d] += sum_i p[i] * V_v[i * D + d] for i < cnt: value rows [bs, D] per block and head, f32, D a
  * multiple of 16; `bases[v]` at the block and head. 64 channels of every source in registers at a time. */
 static inline __attribute__((always_inline)) void values_f32(const float* const* bases, const int NV,
@@ -84,9 +97,7 @@ static inline __attribute__((always_inline)) void values_f32(const float* const*
     for (int d0 = 0; d0 < D; d0 += 64) {
         const int nz = D - d0 >= 64 ? 4 : (D - d0) / 16;
         __m512 o[2][4];
-        for (int v = 0; v < NV; v++)
-            for (int z = 0; z < 4; z++)
-                o[v][z] = z < nz ? _mm512_loadu_ps(acc + (long)v * D + d0 + 16 * z) : _mm512_setzero_ps();
+        acc_load(o, acc, NV, D, d0, nz);
         for (int i = 0; i < cnt; i++) {
             const __m512 pi = _mm512_set1_ps(p[i]);
             for (int v = 0; v < NV; v++) {
@@ -95,8 +106,7 @@ static inline __attribute__((always_inline)) void values_f32(const float* const*
                     if (z < nz) o[v][z] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(row + 16 * z), o[v][z]);
             }
         }
-        for (int v = 0; v < NV; v++)
-            for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc + (long)v * D + d0 + 16 * z, o[v][z]);
+        acc_store(o, acc, NV, D, d0, nz);
     }
 }
 
@@ -145,9 +155,7 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
     for (int d0 = 0; d0 < D; d0 += 64) {
         const int nz = D - d0 >= 64 ? 4 : (D - d0) / 16;
         __m512 o[2][4];
-        for (int v = 0; v < NV; v++)
-            for (int z = 0; z < 4; z++)
-                o[v][z] = z < nz ? _mm512_loadu_ps(acc + (long)v * D + d0 + 16 * z) : _mm512_setzero_ps();
+        acc_load(o, acc, NV, D, d0, nz);
         int i = 0;
         for (; i + 2 <= cnt; i += 2) {
             const __m512 p0 = _mm512_set1_ps(p[i]), p1 = _mm512_set1_ps(p[i + 1]);
@@ -168,8 +176,7 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
                     o[v][z] = _mm512_fmadd_ps(p0, first, o[v][z]);
                 }
         }
-        for (int v = 0; v < NV; v++)
-            for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc + (long)v * D + d0 + 16 * z, o[v][z]);
+        acc_store(o, acc, NV, D, d0, nz);
     }
 }
 
