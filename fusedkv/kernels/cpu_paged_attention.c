@@ -7,15 +7,21 @@
  *     s_t   = sum_k (a_k[g] (.) q_h) . K_k[t] * scale            (one softmax over the SUM of the scores)
  *     out_h = sum_v b_v[g] (.) (sum_t p_t V_v[t])
  * Token t of a sequence is slot t % bs of block block_table[row, t / bs]. vLLM's CPU backend keeps each
- * (block, kv head) of the key cache either as [bs, D] rows or transposed, [D, bs] (its "vec" ISAs), and
- * values as [bs, D] rows; both key layouts are read here (the caller checks the layout). Elements are f32
- * or bf16 (widened as read), arithmetic f32. One task per (row, kv head) covers the query heads sharing
- * it (GQA); tasks are split across threads.
+ * (block, kv head) of bs tokens in one of three layouts (`layout`; the caller learns which from the backend's
+ * own cache-write op, fusedkv.serving.paged.block_layout):
+ *   PAGED_ROWS        keys and values as [bs, D] rows;
+ *   PAGED_KEYS_T      keys transposed, [D, bs] (its "vec" ISAs), values as rows;
+ *   PAGED_AMX         its "amx" ISA (bf16): keys as AMX B tiles [bs/16][D/2][16 tokens][2 channels] (VNNI pairs
+ *                     of channels), values as [D/16][bs/2][16 channels][2 tokens] (pairs of tokens).
+ * Elements are f32 or bf16 (widened as read), arithmetic f32. One task per (row, kv head) covers the query
+ * heads sharing it (GQA); tasks are split across threads.
  *
  * With AVX-512, f32 caches (what vLLM's "vec" ISA keeps) and D a multiple of 16 take register-blocked loops
  * (`scores_t_f32`, `values_f32`): the scores of 32 tokens in 8 independent accumulators with both key
  * sources in one pass, and the values of both sources for 64 channels at a time held in registers across
- * a block's tokens. The generic loops below (the macros) read every other case.
+ * a block's tokens. AMX-packed bf16 caches take the same shape of loops (`scores_amx_bf16`, `values_amx_bf16`):
+ * one 64-byte line is 16 tokens x 2 channels (keys) or 16 channels x 2 tokens (values), widened to two f32
+ * vectors by a shift and a mask. The generic loops below (the macros) read every other case.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +31,11 @@
 #include "cpu_kernels.h"
 
 #define MAX_GROUP_PAGED 64
+
+enum { PAGED_ROWS = 0, PAGED_KEYS_T = 1, PAGED_AMX = 2 };  /* `layout` (fusedkv.kernels.native.PAGED_LAYOUTS) */
+/* Element (token i, channel d) of one (block, head) in the AMX-packed layout (D, bs in scope). */
+#define AMX_KEY(i, d) (((i) >> 4) * 16L * D + ((d) >> 1) * 32 + ((i) & 15) * 2 + ((d) & 1))
+#define AMX_VALUE(i, d) (((d) >> 4) * 16L * bs + ((i) >> 1) * 32 + ((d) & 15) * 2 + ((i) & 1))
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -65,16 +76,28 @@ static inline __attribute__((always_inline)) void scores_t_f32(const float* cons
     }
 }
 
+/* Channels d0 .. d0 + 16 nz of every value source's accumulator (acc[v * D + d]) into registers, and back. */
+static inline __attribute__((always_inline)) void acc_load(__m512 o[2][4], const float* acc, int NV, int D, int d0,
+                                                           int nz) {
+    for (int v = 0; v < NV; v++)
+        for (int z = 0; z < 4; z++)
+            o[v][z] = z < nz ? _mm512_loadu_ps(acc + (long)v * D + d0 + 16 * z) : _mm512_setzero_ps();
+}
+static inline __attribute__((always_inline)) void acc_store(__m512 o[2][4], float* acc, int NV, int D, int d0,
+                                                            int nz) {
+    for (int v = 0; v < NV; v++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc + (long)v * D + d0 + 16 * z, o[v][z]);
+}
+
 /* acc[v * D + d] += sum_i p[i] * V_v[i * D + d] for i < cnt: value rows [bs, D] per block and head, f32, D a
  * multiple of 16; `bases[v]` at the block and head. 64 channels of every source in registers at a time. */
 static inline __attribute__((always_inline)) void values_f32(const float* const* bases, const int NV,
-                                                              const float* p, int cnt, int D, float* acc) {
+                                                              const float* p, int cnt, int D, int bs, float* acc) {
+    (void)bs;
     for (int d0 = 0; d0 < D; d0 += 64) {
         const int nz = D - d0 >= 64 ? 4 : (D - d0) / 16;
         __m512 o[2][4];
-        for (int v = 0; v < NV; v++)
-            for (int z = 0; z < 4; z++)
-                o[v][z] = z < nz ? _mm512_loadu_ps(acc + (long)v * D + d0 + 16 * z) : _mm512_setzero_ps();
+        acc_load(o, acc, NV, D, d0, nz);
         for (int i = 0; i < cnt; i++) {
             const __m512 pi = _mm512_set1_ps(p[i]);
             for (int v = 0; v < NV; v++) {
@@ -83,27 +106,97 @@ static inline __attribute__((always_inline)) void values_f32(const float* const*
                     if (z < nz) o[v][z] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(row + 16 * z), o[v][z]);
             }
         }
-        for (int v = 0; v < NV; v++)
-            for (int z = 0; z < nz; z++) _mm512_storeu_ps(acc + (long)v * D + d0 + 16 * z, o[v][z]);
+        acc_store(o, acc, NV, D, d0, nz);
     }
 }
 
-/* The two loops over a sequence's blocks for f32 caches, for 1 or 2 sources (constants after inlining). */
-#define FAST_SCORES(NK)                                                                                   \
-    for (int blk = 0; blk * bs < L; blk++) {                                                              \
-        const long off = (long)table[blk] * block_stride + g * head_stride;                               \
-        const float* b[2] = {(const float*)k_ptr[0] + off, (const float*)k_ptr[NK - 1] + off};            \
-        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
-        for (int j = 0; j < group; j++)                                                                   \
-            scores_t_f32(b, NK, qs + (long)j * n_k * D, D, bs, cnt, scores + (long)j * L + t0);           \
+/* The two f32 vectors in one 64-byte line of an AMX-packed bf16 block (32 values, 16 pairs): the first of each
+ * pair (the low half of each 32-bit word) and the second (the high half); a bf16 is the top half of an f32. */
+static inline __attribute__((always_inline)) void widen_pairs(const uint16_t* line, __m512* first, __m512* second) {
+    const __m512i w = _mm512_loadu_si512(line);
+    *first = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *second = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* s[i] = sum_k sum_d qk[k * D + d] * K_k(i, d) for i < cnt: keys AMX-packed bf16 ([bs/16][D/2][16 tokens]
+ * [2 channels] per block and head, D a multiple of 16); `bases[k]` at the block and head. A tile of 16 tokens
+ * at a time, its channel pairs in 4 chains; lanes past cnt are computed from whatever the slots hold and
+ * never stored. */
+static inline __attribute__((always_inline)) void scores_amx_bf16(const uint16_t* const* bases, const int NK,
+                                                                   const float* qk, int D, int bs, int cnt, float* s) {
+    (void)bs;
+    for (int i0 = 0; i0 < cnt; i0 += 16) {
+        __m512 a[4];
+        for (int c = 0; c < 4; c++) a[c] = _mm512_setzero_ps();
+        for (int k = 0; k < NK; k++) {
+            const uint16_t* tile = bases[k] + (long)i0 * D;  /* tile i0 / 16 starts at (i0 / 16) * 16 * D */
+            const float* q = qk + (long)k * D;
+            for (int d = 0; d < D; d += 4) {  /* channel pairs d / 2 and d / 2 + 1 */
+                __m512 e0, o0, e1, o1;
+                widen_pairs(tile + (long)d * 16, &e0, &o0);
+                widen_pairs(tile + (long)d * 16 + 32, &e1, &o1);
+                a[0] = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), e0, a[0]);
+                a[1] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 1]), o0, a[1]);
+                a[2] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 2]), e1, a[2]);
+                a[3] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 3]), o1, a[3]);
+            }
+        }
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+        _mm512_mask_storeu_ps(s + i0, lanes(cnt - i0), sum);
     }
-#define FAST_VALUES(NV)                                                                                   \
+}
+
+/* acc[v * D + d] += sum_i p[i] * V_v(i, d) for i < cnt: values AMX-packed bf16 ([D/16][bs/2][16 channels]
+ * [2 tokens] per block and head, D a multiple of 16); `bases[v]` at the block and head. 64 channels of every
+ * source in registers at a time, tokens in pairs; of an odd count's last pair only the first token is read. */
+static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t* const* bases, const int NV,
+                                                                   const float* p, int cnt, int D, int bs,
+                                                                   float* acc) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int nz = D - d0 >= 64 ? 4 : (D - d0) / 16;
+        __m512 o[2][4];
+        acc_load(o, acc, NV, D, d0, nz);
+        int i = 0;
+        for (; i + 2 <= cnt; i += 2) {
+            const __m512 p0 = _mm512_set1_ps(p[i]), p1 = _mm512_set1_ps(p[i + 1]);
+            for (int v = 0; v < NV; v++)
+                for (int z = 0; z < 4; z++)
+                    if (z < nz) {
+                        __m512 first, second;
+                        widen_pairs(bases[v] + (long)(d0 / 16 + z) * 16 * bs + (long)i * 16, &first, &second);
+                        o[v][z] = _mm512_fmadd_ps(p1, second, _mm512_fmadd_ps(p0, first, o[v][z]));
+                    }
+        }
+        if (i < cnt) {  /* odd count: token i's partner slot is past the sequence (any bits, NaN included) */
+            const __m512 p0 = _mm512_set1_ps(p[i]);
+            for (int v = 0; v < NV; v++)
+                for (int z = 0; z < nz; z++) {
+                    __m512 first, second;
+                    widen_pairs(bases[v] + (long)(d0 / 16 + z) * 16 * bs + (long)i * 16, &first, &second);
+                    o[v][z] = _mm512_fmadd_ps(p0, first, o[v][z]);
+                }
+        }
+        acc_store(o, acc, NV, D, d0, nz);
+    }
+}
+
+/* The two loops over a sequence's blocks for the register-blocked functions above (element type T), for 1 or 2
+ * sources (constants after inlining). */
+#define FAST_SCORES(T, FN, NK)                                                                            \
     for (int blk = 0; blk * bs < L; blk++) {                                                              \
         const long off = (long)table[blk] * block_stride + g * head_stride;                               \
-        const float* b[2] = {(const float*)v_ptr[0] + off, (const float*)v_ptr[NV - 1] + off};            \
+        const T* b[2] = {(const T*)k_ptr[0] + off, (const T*)k_ptr[NK - 1] + off};                        \
         const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
         for (int j = 0; j < group; j++)                                                                   \
-            values_f32(b, NV, scores + (long)j * L + t0, cnt, D, acc + (long)j * n_v * D);                \
+            FN(b, NK, qs + (long)j * n_k * D, D, bs, cnt, scores + (long)j * L + t0);                     \
+    }
+#define FAST_VALUES(T, FN, NV)                                                                            \
+    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+        const long off = (long)table[blk] * block_stride + g * head_stride;                               \
+        const T* b[2] = {(const T*)v_ptr[0] + off, (const T*)v_ptr[NV - 1] + off};                        \
+        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
+        for (int j = 0; j < group; j++)                                                                   \
+            FN(b, NV, scores + (long)j * L + t0, cnt, D, bs, acc + (long)j * n_v * D);                    \
     }
 #endif
 
@@ -120,7 +213,13 @@ static inline __attribute__((always_inline)) void values_f32(const float* const*
             for (int j = 0; j < group; j++) {                                                             \
                 const float* qk = qs + ((long)j * n_k + k) * D;                                           \
                 float* s = scores + (long)j * L + t0;                                                     \
-                if (k_transposed) {                                                                       \
+                if (layout == PAGED_AMX) {                                                                \
+                    for (int i = 0; i < cnt; i++) {                                                       \
+                        float a = 0.f;                                                                    \
+                        for (int d = 0; d < D; d++) a += qk[d] * EL(base, AMX_KEY(i, d));                 \
+                        s[i] = k == 0 ? a : s[i] + a;                                                     \
+                    }                                                                                     \
+                } else if (layout == PAGED_KEYS_T) {                                                      \
                     if (k == 0) memset(s, 0, sizeof(float) * cnt);                                        \
                     for (int d = 0; d < D; d++) {                                                         \
                         const float qd = qk[d];                                                           \
@@ -151,8 +250,12 @@ static inline __attribute__((always_inline)) void values_f32(const float* const*
                 const float* p = scores + (long)j * L + t0;                                               \
                 float* o = acc + ((long)j * n_v + v) * D;                                                 \
                 for (int i = 0; i < cnt; i++) {                                                           \
-                    const T* row = base + (long)i * D;                                                    \
                     const float pi = p[i];                                                                \
+                    if (layout == PAGED_AMX) {                                                            \
+                        for (int d = 0; d < D; d++) o[d] += pi * EL(base, AMX_VALUE(i, d));               \
+                        continue;                                                                         \
+                    }                                                                                     \
+                    const T* row = base + (long)i * D;                                                    \
                     _Pragma("omp simd")                                                                   \
                     for (int d = 0; d < D; d++) o[d] += pi * EL(row, d);                                  \
                 }                                                                                         \
@@ -160,13 +263,14 @@ static inline __attribute__((always_inline)) void values_f32(const float* const*
         }                                                                                                 \
     }
 
-/* q [N, H_q, D] f32 contiguous; out [N, H_q, D] f32 contiguous; every source cache has the same
- * (block, head) strides in elements, a value source's pointer already at its value half; block_table
+/* q [N, H_q, D] f32 contiguous; out [N, H_q, D] f32 contiguous; `layout` one of PAGED_ROWS, PAGED_KEYS_T,
+ * PAGED_AMX (which takes bs and D multiples of 16); every source cache has the same (block, head) strides in
+ * elements, a value source's pointer already at its value half; block_table
  * [rows, bt_stride] int32; fusion weights f32 [H_kv, D] (`*_hs` elements between kv heads, 0: shared) or
  * NULL for 1. Returns 0, 1 on a bad argument, 2 when a buffer could not be allocated. */
 int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale, int kind,
                     const int32_t* row_seq, const int32_t* row_len, const int32_t* block_table, long bt_stride,
-                    int bs, long block_stride, long head_stride, int k_transposed,
+                    int bs, long block_stride, long head_stride, int layout,
                     int n_k, const void* k0, const void* k1, const float* ka0, const float* ka1, long ka_hs,
                     int n_v, const void* v0, const void* v1, const float* vb0, const float* vb1, long vb_hs,
                     float* out, int threads) {
@@ -177,6 +281,8 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
     if (H_kv < 1 || H_q % H_kv || n_k < 1 || n_k > 2 || n_v < 1 || n_v > 2 || bs < 1)
         return 1;
     if (kind != KV_F32 && kind != KV_BF16) return 1;
+    if (layout != PAGED_ROWS && layout != PAGED_KEYS_T && layout != PAGED_AMX) return 1;
+    if (layout == PAGED_AMX && (bs % 16 || D % 16)) return 1;
     const int group = H_q / H_kv;
     if (group > MAX_GROUP_PAGED) return 1;
     int failed = 0;
@@ -201,9 +307,12 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
                     qs[((long)j * n_k + k) * D + d] = q[((long)n * H_q + g * group + j) * D + d] * w * scale;
                 }
 #ifdef PAGED_AVX512
-        const int fast = kind == KV_F32 && D % 16 == 0;
-        if (fast && k_transposed && n_k == 2) { FAST_SCORES(2) }
-        else if (fast && k_transposed) { FAST_SCORES(1) }
+        const int fast = kind == KV_F32 && D % 16 == 0 && layout != PAGED_AMX;  /* values in rows */
+        const int fast_amx = kind == KV_BF16 && layout == PAGED_AMX;
+        if (fast && layout == PAGED_KEYS_T && n_k == 2) { FAST_SCORES(float, scores_t_f32, 2) }
+        else if (fast && layout == PAGED_KEYS_T) { FAST_SCORES(float, scores_t_f32, 1) }
+        else if (fast_amx && n_k == 2) { FAST_SCORES(uint16_t, scores_amx_bf16, 2) }
+        else if (fast_amx) { FAST_SCORES(uint16_t, scores_amx_bf16, 1) }
         else
 #endif
         if (kind == KV_F32) { SCORES(float, EL_F32) } else { SCORES(uint16_t, EL_BF16) }
@@ -219,8 +328,10 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D);
 #ifdef PAGED_AVX512
-        if (fast && n_v == 2) { FAST_VALUES(2) }
-        else if (fast) { FAST_VALUES(1) }
+        if (fast && n_v == 2) { FAST_VALUES(float, values_f32, 2) }
+        else if (fast) { FAST_VALUES(float, values_f32, 1) }
+        else if (fast_amx && n_v == 2) { FAST_VALUES(uint16_t, values_amx_bf16, 2) }
+        else if (fast_amx) { FAST_VALUES(uint16_t, values_amx_bf16, 1) }
         else
 #endif
         if (kind == KV_F32) { VALUES(float, EL_F32) } else { VALUES(uint16_t, EL_BF16) }

@@ -101,12 +101,18 @@ def redecide() -> None:
     library.cache_clear()
 
 
-# cpu_paged_attention.c: the cache element types it reads (its `kind` argument) and its source bound.
+# cpu_paged_attention.c: the cache element types it reads (its `kind` argument), its source bound, and the block
+# layouts it reads (its `layout` argument): key and value rows; keys transposed (vLLM's "vec" ISA); vLLM's "amx"
+# ISA packing (keys as AMX B tiles of 16 tokens x channel pairs, values as 16 channels x token pairs).
 PAGED_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 PAGED_MAX_SOURCES = 2
+PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX = 0, 1, 2
+PAGED_LAYOUTS = (PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX)
 
 
-def paged_supports(dtype: torch.dtype, k_count: int, v_count: int) -> bool:
-    """Whether the paged kernel takes a layer with this cache dtype and these sources (asked once per layer,
-    by the engine's selection)."""
-    return dtype in PAGED_KINDS and 1 <= k_count <= PAGED_MAX_SOURCES and 1 <= v_count <= PAGED_MAX_SOURCES
+def paged_supports(dtype: torch.dtype, k_count: int, v_count: int, layout: int | None) -> bool:
+    """Whether the paged kernel takes a layer with this cache dtype, these sources and this block layout (one of
+    `PAGED_LAYOUTS`, None: one it does not read), asked once per layer by the engine's selection. (The AMX packing
+    exists, and is recognised, only for blocks and heads of multiples of 16: what the kernel needs.)"""
+    return (dtype in PAGED_KINDS and 1 <= k_count <= PAGED_MAX_SOURCES and 1 <= v_count <= PAGED_MAX_SOURCES
+            and layout in PAGED_LAYOUTS)

@@ -23,13 +23,15 @@ The ways to evaluate it, chosen once per layer by the engine's selection
     sources' scores, which no call of the op computes (nor per-source calls merged by log-sum-exp: those
     are separate softmaxes). The native kernel `cpu_paged_attention.c` reads every source's blocks in
     place through the block table, decode rows and prefill chunks in one call (`native_paged_attention`).
-  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, AMX's
-    packed bf16 blocks): the blocks of each sequence are gathered into contiguous tensors and
-    `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
+  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, a window or
+    a soft cap, a block layout it does not read): the blocks of each sequence are gathered into contiguous
+    tensors and `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
 
 The CPU backend stores blocks in its own layout (the "vec" ISA keeps each key block transposed,
-[head_dim, block]); `block_layout` learns the layout from the backend's own cache-write op instead of
-assuming it, so the gather is right for every ISA the op has.
+[head_dim, block]; the "amx" ISA, bf16 caches on processors with AMX, packs keys and values in pairs:
+`AMX_PACKED_KEYS`, `AMX_PACKED_VALUES`); `block_layout` learns the layout from the backend's own cache-write
+op instead of assuming it, so the gather is right for every ISA the op has, and the layouts the native
+kernel reads are recognised by name (`KERNEL_LAYOUTS`).
 
 On a GPU backend (vLLM's FlashAttention or Triton backend: caches [num_blocks, block_size, H_kv, D], the
 view those backends take of their [num_blocks, H_kv, block_size, 2 * D] tensor) every plan that reads
@@ -44,6 +46,7 @@ import functools
 
 import torch
 
+from ..kernels import native
 from ..kernels.reference import factored_attention, merge_duplicate_sources
 
 
@@ -86,12 +89,44 @@ def block_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -
                                "the gathered attention path cannot read it")
         idx = torch.empty(n, dtype=torch.long)
         idx[raw_codes] = torch.arange(n)
-        transposed = torch.arange(n).view(block_size, head_dim).t().reshape(-1)  # raw [D, bs] holds (t, d)
-        layout.append(None if torch.equal(idx, codes) else TRANSPOSED if torch.equal(raw_codes, transposed) else idx)
+        named = [name for name in (TRANSPOSED, AMX_PACKED_KEYS, AMX_PACKED_VALUES)
+                 if torch.equal(idx, layout_index(name, block_size, head_dim))]
+        layout.append(None if torch.equal(idx, codes) else named[0] if named else idx)
     return tuple(layout)
 
 
-TRANSPOSED = "transposed"  # each (block, head) stored [head_dim, block]: the "vec" ISA's key layout
+# The block layouts with names (`block_layout`); where (token t, channel d) of one (block, head) of bs tokens
+# and D channels sits in it: `layout_index`.
+TRANSPOSED = "transposed"  # [D, bs]: the "vec" ISA's key layout
+AMX_PACKED_KEYS = "amx-packed keys"  # [bs/16][D/2][16 tokens][2 channels]: the "amx" ISA's keys (AMX B tiles)
+AMX_PACKED_VALUES = "amx-packed values"  # [D/16][bs/2][16 channels][2 tokens]: the "amx" ISA's values
+# The (key, value) layouts the native kernel reads, by its names for them.
+KERNEL_LAYOUTS = {(None, None): native.PAGED_ROWS, (TRANSPOSED, None): native.PAGED_KEYS_TRANSPOSED,
+                  (AMX_PACKED_KEYS, AMX_PACKED_VALUES): native.PAGED_AMX}
+
+
+def layout_index(name: str, block_size: int, head_dim: int) -> torch.Tensor | None:
+    """A named layout as `block_layout`'s index (raw position of element t * D + d), or None where the name has
+    no such layout at this shape (the AMX packings take blocks and heads of multiples of 16)."""
+    t = torch.arange(block_size)[:, None]
+    d = torch.arange(head_dim)[None, :]
+    if name == TRANSPOSED:
+        return (d * block_size + t).reshape(-1)
+    if block_size % 16 or head_dim % 16:
+        return None
+    if name == AMX_PACKED_KEYS:
+        return ((t // 16) * (16 * head_dim) + (d // 2) * 32 + (t % 16) * 2 + d % 2).reshape(-1)
+    if name == AMX_PACKED_VALUES:
+        return ((d // 16) * (16 * block_size) + (t // 2) * 32 + (d % 16) * 2 + t % 2).reshape(-1)
+    raise ValueError(f"no block layout named {name!r}")
+
+
+def kernel_layout(layout: tuple) -> int | None:
+    """The native kernel's name (`native.PAGED_LAYOUTS`) for a (key, value) layout from `block_layout`, None where
+    the kernel does not read it."""
+    if any(isinstance(side, torch.Tensor) for side in layout):  # a general index: not one the kernel has
+        return None
+    return KERNEL_LAYOUTS.get(tuple(layout))
 # Prefill chunks of at least this many rows take matrix products over their gathered blocks instead of the
 # native kernel, which works one query row at a time (one 1024-token chunk: ~52 ms gathered against ~96 ms in
 # the kernel, 2 K + 2 V sources, head_dim 64, 4 heads, one thread; benchmarks/serving_step_profile.py's setting).
@@ -105,9 +140,15 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Te
     num_blocks, h, bs, d = cache.shape
     if layout is None:  # [H, R, n, bs, D]: one copy; the result is a view of it
         return cache.transpose(0, 1)[:, blocks].view(h, r, n * bs, d).transpose(0, 1)
-    if isinstance(layout, str):  # TRANSPOSED: [H, R, n, D, bs] copy, then tokens to the front
+    if layout == TRANSPOSED:  # [H, R, n, D, bs] copy, then tokens to the front
         x = cache.view(num_blocks, h, d, bs).transpose(0, 1)[:, blocks]
         return x.permute(1, 0, 2, 4, 3).reshape(r, h, n * bs, d)
+    if layout == AMX_PACKED_KEYS:  # raw [bs/16, D/2, 16, 2] holds (t // 16, d // 2, t % 16, d % 2)
+        x = cache[blocks.reshape(-1)].view(r, n, h, bs // 16, d // 2, 16, 2)
+        return x.permute(0, 2, 1, 3, 5, 4, 6).reshape(r, h, n * bs, d)
+    if layout == AMX_PACKED_VALUES:  # raw [D/16, bs/2, 16, 2] holds (d // 16, t // 2, d % 16, t % 2)
+        x = cache[blocks.reshape(-1)].view(r, n, h, d // 16, bs // 2, 16, 2)
+        return x.permute(0, 2, 1, 4, 6, 3, 5).reshape(r, h, n * bs, d)
     x = cache[blocks.reshape(-1)].reshape(r * n, h, bs * d).index_select(-1, layout)
     return x.view(r, n, h, bs, d).permute(0, 2, 1, 3, 4).reshape(r, h, n * bs, d)
 
@@ -131,22 +172,22 @@ def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens
 
 
 def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: list, values: list[torch.Tensor],
-                           v_weights: list, rows, block_table: torch.Tensor, scale: float, key_transposed: bool,
+                           v_weights: list, rows, block_table: torch.Tensor, scale: float, layout: int,
                            out: torch.Tensor) -> torch.Tensor:
     """`cpu_paged_attention.c` over vLLM's CPU caches in place: q [T, H_q, D], caches [num_blocks, H_kv, bs, D]
-    (the backend's split views), `rows` from `query_rows`; writes and returns `out` [T, H_q, D]. For layers
+    (the backend's split views) with their blocks in `layout` (`kernel_layout`'s name), `rows` from
+    `query_rows`; writes and returns `out` [T, H_q, D]. For layers
     the engine's selection gave this kernel (`native.paged_supports`, a readable block layout); arguments it
     cannot read are a ValueError (the kernel reads raw pointers), never a quiet fallback."""
-    from ..kernels import native
-
     kind = native.PAGED_KINDS.get(keys[0].dtype)
     sources = [*keys, *values]
-    if (kind is None or len(keys) > native.PAGED_MAX_SOURCES or len(values) > native.PAGED_MAX_SOURCES
+    if (kind is None or layout not in native.PAGED_LAYOUTS
+            or len(keys) > native.PAGED_MAX_SOURCES or len(values) > native.PAGED_MAX_SOURCES
             or any(c.dtype != keys[0].dtype or c.stride() != keys[0].stride() for c in sources)
             or keys[0].stride(3) != 1 or keys[0].stride(2) != keys[0].shape[3]
             or block_table.dtype != torch.int32 or block_table.stride(1) != 1):
         raise ValueError("native paged attention: caches of one dtype it reads (float32, bfloat16) and one "
-                         "layout, 1-2 sources per side, an int32 block table with unit stride")
+                         "layout it reads, 1-2 sources per side, an int32 block table with unit stride")
     t, h_q, d = q.shape
     h_kv, bs = keys[0].shape[1], keys[0].shape[2]
 
@@ -164,7 +205,7 @@ def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights:
     row_seq, row_len = rows
     status = native.library().paged_attention(
         qf.data_ptr(), t, h_q, h_kv, d, scale, kind, row_seq.data_ptr(), row_len.data_ptr(), block_table.data_ptr(),
-        block_table.stride(0), bs, keys[0].stride(0), keys[0].stride(1), int(key_transposed),
+        block_table.stride(0), bs, keys[0].stride(0), keys[0].stride(1), layout,
         len(keys), keys[0].data_ptr(), keys[-1].data_ptr(), ka0, ka1, d,
         len(values), values[0].data_ptr(), values[-1].data_ptr(), vb0, vb1, d,
         of.data_ptr(), torch.get_num_threads())
@@ -292,6 +333,7 @@ class CrossLayerAttention:
         self.weights = weights
         self.path: str | None = None  # one of fusedkv.engine.selection.PAGED_PATHS, once selected
         self.layout: tuple = (None, None)  # the CPU backend's key / value block layouts (`block_layout`)
+        self.kernel_layout: int | None = None  # the native kernel's name for them (`kernel_layout`)
         self._attend = self._unselected
 
     def __getattr__(self, name):  # backend attributes the runner reads (sliding_window, scale, ...)
@@ -302,7 +344,7 @@ class CrossLayerAttention:
 
     def use(self, path: str, layout: tuple = (None, None)) -> None:
         """Attend by `path` from now on (the engine's choice); `layout`: the CPU cache's block layouts."""
-        self.path, self.layout = path, layout
+        self.path, self.layout, self.kernel_layout = path, layout, kernel_layout(layout)
         if self.on_gpu:  # both GPU paths share the batch handling: decode rows in the kernel or gathered
             self._attend = functools.partial(self._on_gpu, use_kernel=path == "triton")
         else:
@@ -383,7 +425,7 @@ class CrossLayerAttention:
         keys, values, k_weights, v_weights = self._cpu_sources(layers)
         if meta.max_query_len < GATHER_PREFILL_ROWS:  # decode steps: every row in the kernel
             native_paged_attention(q, keys, k_weights, values, v_weights, self._rows(meta, q.shape[0]),
-                                   meta.block_table, self.base.scale, self.layout[0] == TRANSPOSED, out)
+                                   meta.block_table, self.base.scale, self.kernel_layout, out)
             return
         # Long prefill chunks as matrix products over their gathered blocks (the kernel works row by row, and
         # a chunk of t rows re-reads the sequence t times); the other rows in the kernel.
@@ -399,7 +441,7 @@ class CrossLayerAttention:
             row_seq, row_len = self._rows(meta, q.shape[0])
             o = native_paged_attention(q[tokens], keys, k_weights, values, v_weights,
                                        (row_seq[tokens].contiguous(), row_len[tokens].contiguous()), meta.block_table,
-                                       self.base.scale, self.layout[0] == TRANSPOSED, torch.empty_like(q[tokens]))
+                                       self.base.scale, self.kernel_layout, torch.empty_like(q[tokens]))
             out[tokens] = o.to(out.dtype)
 
     @staticmethod
@@ -487,7 +529,7 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
             layout = cpu_cache_layout(model_dtype, dtype, impl.kv_cache_dtype, block_size, impl.head_size)
         path = select_paged_attention(impl.k_layers, impl.v_layers, gpu=impl.on_gpu, head_dim=impl.head_size,
                                       device=device, dtype=dtype, query_dtype=model_dtype,
-                                      native_layout=layout[1] is None and layout[0] in (None, TRANSPOSED),
+                                      native_layout=kernel_layout(layout),
                                       window=impl.base.sliding_window not in (None, -1),
                                       softcap=bool(impl.base.logits_soft_cap))
         impl.use(path, layout)

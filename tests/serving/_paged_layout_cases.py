@@ -1,6 +1,6 @@
 """Run by test_paged_layout.py with the vLLM environment's Python: the gather of paged CPU cache blocks
 returns exactly the tokens vLLM's own cache-write op stored, for every layout path (learned, plain,
-transposed, general index), dtype and head size the CPU backend takes."""
+transposed, AMX-packed, general index), dtype and head size the CPU backend takes."""
 
 import torch
 from vllm import _custom_ops as ops

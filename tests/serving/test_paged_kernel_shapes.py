@@ -1,8 +1,10 @@
 """The native paged kernel (`cpu_paged_attention.c`) at the shapes its register-blocked f32 loops take apart:
 head sizes that fill 64-channel chunks or leave a partial one (64, 80, 128), blocks of 32 and 64 tokens
 (two 16-lane tiles or four), sequence lengths that end mid-tile, GQA groups, 1-2 weighted K and V sources,
-transposed and plain key blocks; against the materialised reference in float64. Decode rows and a prefill
-chunk in one batch, as vLLM sends them. Runs in the project's environment (no vLLM needed)."""
+transposed and plain key blocks in float32 and the AMX-packed blocks of bfloat16 caches; against the
+materialised reference in float64. Decode rows and a prefill chunk in one batch, as vLLM sends them. Slots past
+a sequence's end hold NaN: a kernel that reads one into its softmax or its values fails. Runs in the project's
+environment (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -11,29 +13,41 @@ import torch
 
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import native_paged_attention, query_rows, split_cpu_kv_cache
+from fusedkv.serving.paged import (
+    AMX_PACKED_KEYS,
+    AMX_PACKED_VALUES,
+    TRANSPOSED,
+    kernel_layout,
+    layout_index,
+    native_paged_attention,
+    query_rows,
+    split_cpu_kv_cache,
+)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native CPU kernels are not built here")
 
 
-def write_blocks(cache_k, cache_v, k, v, table, bs, transposed):
-    """Token t of a sequence's K/V [S, H_kv, D] into slot t % bs of block table[t // bs], as vLLM's CPU backend
-    lays it out (keys [D, bs] per block and head when transposed)."""
-    n, h, _, d = cache_k.shape
-    keys_t = torch.as_strided(cache_k, (n, h, d, bs), (cache_k.stride(0), cache_k.stride(1), bs, 1))
-    for t in range(k.shape[0]):
-        block, slot = table[t // bs], t % bs
-        if transposed:
-            keys_t[block, :, :, slot] = k[t]
-        else:
-            cache_k[block, :, slot] = k[t]
-        cache_v[block, :, slot] = v[t]
+# (key, value) block layouts as vLLM's CPU backend keeps them (`fusedkv.serving.paged.block_layout`; None: rows).
+ROWS, KEYS_TRANSPOSED, AMX = (None, None), (TRANSPOSED, None), (AMX_PACKED_KEYS, AMX_PACKED_VALUES)
+
+
+def write_blocks(cache_k, cache_v, k, v, table, layout):
+    """Token t of a sequence's K/V [S, H_kv, D] into slot t % bs of block table[t // bs] of [num_blocks, H_kv, bs, D]
+    caches, each (block, head) in the (key, value) `layout`, as vLLM's CPU backend lays it out."""
+    _, h, bs, d = cache_k.shape
+    for cache, x, name in ((cache_k, k, layout[0]), (cache_v, v, layout[1])):
+        where = (torch.arange(bs * d) if name is None else layout_index(name, bs, d)).view(bs, d)
+        for b in range(-(-x.shape[0] // bs)):
+            tokens = x[b * bs:(b + 1) * bs]  # [cnt, H, D]
+            raw = cache[table[b]].view(h, bs * d)  # the block's storage, raw order
+            raw[:, where[:len(tokens)].reshape(-1)] = tokens.transpose(0, 1).reshape(h, -1).to(cache.dtype)
 
 
 @pytest.mark.parametrize("head_dim,bs,h_q,h_kv", [(64, 32, 4, 4), (80, 32, 4, 2), (128, 64, 2, 1), (64, 64, 8, 2)])
 @pytest.mark.parametrize("n_k,n_v", [(2, 2), (1, 1), (2, 1), (1, 2)])
-@pytest.mark.parametrize("transposed", [True, False])
-def test_paged_kernel_equals_reference(head_dim, bs, h_q, h_kv, n_k, n_v, transposed):
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, KEYS_TRANSPOSED), (torch.float32, ROWS),
+                                          (torch.bfloat16, AMX)], ids=["f32-transposed", "f32-rows", "bf16-amx"])
+def test_paged_kernel_equals_reference(head_dim, bs, h_q, h_kv, n_k, n_v, dtype, layout):
     g = torch.Generator().manual_seed(head_dim + bs + 10 * n_k + n_v)
     seqs = [(1, 1), (17, 1), (bs, 1), (3 * bs + 5, 1), (2 * bs + 31, 7)]  # (length after this step, query tokens)
     max_blocks = max(-(-s // bs) for s, _ in seqs)
@@ -42,12 +56,12 @@ def test_paged_kernel_equals_reference(head_dim, bs, h_q, h_kv, n_k, n_v, transp
     tables = [perm[r * max_blocks:(r + 1) * max_blocks] for r in range(len(seqs))]
     sources = []
     for _ in range(2):
-        kv = torch.zeros(num_blocks, h_kv, bs, 2 * head_dim)
+        kv = torch.full((num_blocks, h_kv, bs, 2 * head_dim), float("nan"), dtype=dtype)
         key_cache, value_cache = split_cpu_kv_cache(kv)
-        tokens = [(torch.randn(s, h_kv, head_dim, generator=g), torch.randn(s, h_kv, head_dim, generator=g))
-                  for s, _ in seqs]
+        tokens = [tuple(torch.randn(s, h_kv, head_dim, generator=g).to(dtype).double() for _ in range(2))
+                  for s, _ in seqs]  # as stored
         for r, (k, v) in enumerate(tokens):
-            write_blocks(key_cache, value_cache, k, v, tables[r], bs, transposed)
+            write_blocks(key_cache, value_cache, k, v, tables[r], layout)
         sources.append((key_cache, value_cache, tokens))
     kw = [torch.rand(h_kv, head_dim, generator=g) + 0.5 for _ in range(n_k)]
     vw = [torch.rand(h_kv, head_dim, generator=g) + 0.5 if n_v == 2 else None for _ in range(n_v)]
@@ -59,10 +73,10 @@ def test_paged_kernel_equals_reference(head_dim, bs, h_q, h_kv, n_k, n_v, transp
     scale = head_dim**-0.5
     native_paged_attention(q, [src[0] for src in sources[:n_k]], kw, [src[1] for src in sources[:n_v]], vw,
                            query_rows(qsl, seq_lens, q.shape[0]), torch.tensor(tables, dtype=torch.int32), scale,
-                           transposed, out)
+                           kernel_layout(layout), out)
     for r, (s, t) in enumerate(seqs):
-        ks = [sources[i][2][r][0].double().transpose(0, 1)[None] for i in range(n_k)]
-        vs = [sources[i][2][r][1].double().transpose(0, 1)[None] for i in range(n_v)]
+        ks = [sources[i][2][r][0].transpose(0, 1)[None] for i in range(n_k)]
+        vs = [sources[i][2][r][1].transpose(0, 1)[None] for i in range(n_v)]
         qr = q[qsl[r]:qsl[r + 1]].double().transpose(0, 1)[None]
         mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
         want = materialized_attention(qr, ks, [w.double() for w in kw], vs,
@@ -93,9 +107,29 @@ def test_the_selection_sends_soft_capped_and_windowed_fusion_to_the_gathered_pat
 
     def path(k_sources, **extra):
         return select_paged_attention(k_sources, ["l0", "l1"], gpu=False, head_dim=64, device=torch.device("cpu"),
-                                      dtype=torch.float32, query_dtype=torch.float32, native_layout=True, **extra)
+                                      dtype=torch.float32, query_dtype=torch.float32,
+                                      native_layout=native.PAGED_KEYS_TRANSPOSED, **extra)
 
     assert path(["l0", "l1"]) == "native"
     assert path(["l0", "l1"], softcap=True) == "gathered"
     assert path(["l0", "l1"], window=True) == "gathered"
     assert path(["l1"], softcap=True, window=True) == "vllm_op"
+
+
+def test_the_selection_gives_two_source_bf16_layers_on_amx_packed_blocks_the_kernel():
+    """vLLM's "amx" ISA packs bf16 caches (keys and values); the kernel reads that packing, so a two-K-source
+    layer takes it, not the gathered copies. A layout learned as a general index (none the kernel has) is gathered.
+    (Which layout vLLM really uses on an AMX processor: test_paged_layout.py, in the vLLM environment.)"""
+    from fusedkv.engine.selection import select_paged_attention
+
+    def path(layout):
+        return select_paged_attention(["l0", "l1"], ["l0", "l1"], gpu=False, head_dim=64, device=torch.device("cpu"),
+                                      dtype=torch.bfloat16, query_dtype=torch.bfloat16,
+                                      native_layout=kernel_layout(layout))
+
+    assert kernel_layout(AMX) == native.PAGED_AMX
+    assert path(AMX) == "native"
+    assert path(KEYS_TRANSPOSED) == "native" and path(ROWS) == "native"
+    shuffled = torch.randperm(32 * 64)
+    assert kernel_layout((shuffled, None)) is None and path((shuffled, None)) == "gathered"
+    assert kernel_layout((AMX_PACKED_KEYS, None)) is None  # a pair the kernel does not read
