@@ -15,12 +15,12 @@ Three workloads (`--workload`), all at a KV budget of 8 vanilla sequences of ful
   * short (the first one measured): 32 requests x (128 prompt + 128 new tokens);
   * long: 32 requests x (1024 prompt + 128 new tokens), the issue's "many long requests": vanilla's budget
     admits 8 full sequences, the half plans' 16, and prefill is a large part of the work.
-  * memory-bound: 16 requests x (256 prompt + 256 new tokens) on a larger model (hidden 1024, GQA 16/4 heads,
-    248 MiB of f32 weights read by every decode step). The two workloads above run a 17 MiB model whose
-    step cost grows with the batch (per-sequence work dominates it); here reading the weights dominates, so a
-    step of 16 sequences costs about what a step of 8 does: the regime in which serving is memory-bound
-    and twice the sequences in flight is what a half-size cache buys.
-In both, Lite and FusedKV run twice: as they are, and with vLLM's --kv-sharing-fast-prefill (the layers
+  * memory-bound: 16 requests x (256 prompt + 256 new tokens) on a larger model served in bfloat16 (hidden
+    1024, GQA 16/4 heads: 124 MiB of weights read by every decode step). The two workloads above run a 17 MiB
+    f32 model whose step cost grows with the batch (per-sequence work dominates it); here reading the weights
+    dominates, so a step of 16 sequences costs little more than a step of 8: the regime in which serving is
+    memory-bound, and twice the sequences in flight is what a half-size cache buys.
+In each, Lite and FusedKV run twice: as they are, and with vLLM's --kv-sharing-fast-prefill (the layers
 after the last storage layer run only on the positions whose logits are sampled, paper Sec. 3.3), each
 a row of its own against the same vanilla rounds. vLLM's scheduler is observed in the last round
 (engine steps, preemptions, mean requests per decode step) and printed beside the rates.
@@ -61,10 +61,10 @@ FAST_PREFILL = ("fusedkv-lite", "fusedkv")  # plans whose upper layers can skip 
 SMALL_MODEL = {"layers": 4, "hidden": 256, "kv_heads": 4, "vocab": 4096, "dtype": "float32"}
 WORKLOADS = {"short": {"requests": 32, "prompt_len": 128, "new_tokens": 128, **SMALL_MODEL},
              "long": {"requests": 32, "prompt_len": 1024, "new_tokens": 128, **SMALL_MODEL},
-             # 248 MiB of f32 weights read by every decode step (GQA 16/4 heads, as served models are): a step
-             # costs about the same at 8 and 16 sequences, the regime where a half-size cache pays on a GPU.
+             # bf16 as models are served, GQA 16/4 heads: 124 MiB of weights read by every decode step, whose
+             # cost then grows little from 8 to 16 sequences (serving_step_profile.py --workload memory-bound).
              "memory-bound": {"requests": 16, "prompt_len": 256, "new_tokens": 256, "layers": 4, "hidden": 1024,
-                              "kv_heads": 4, "vocab": 16384, "dtype": "float32"}}
+                              "kv_heads": 4, "vocab": 16384, "dtype": "bfloat16"}}
 
 
 def write_checkpoints(root: Path, args) -> dict[str, Path]:
