@@ -16,7 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_families_script_runs_and_reuses_its_cache(tmp_path):
     from fusedkv.data import read_builtin_text
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # test_uptrain.py's environment (the script sets the last two itself): one forking process serves both files.
+    env = {**{k: v for k, v in os.environ.items() if k != "FUSEDKV_DEBUG"},
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
     script = REPO / "scripts" / "uptrain_families.py"
     corpus = tmp_path / "corpus.txt"  # a slice of the built-in corpus: its 10 MB take long to tokenise
     corpus.write_text(read_builtin_text(limit_chars=150_000))
