@@ -194,6 +194,9 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--teacher-steps", type=int, default=400, help="teacher pre-training steps (default 400)")
     ap.add_argument("--steps", type=int, default=40, help="uptraining (and control) steps (default 40)")
+    ap.add_argument("--data", default="builtin",
+                    help="the text everything trains and is scored on, as `fusedkv train --data` takes it "
+                         "(default: the built-in corpus; a small text file makes a quick check)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -205,8 +208,9 @@ def main() -> None:
 
     root = args.out
     root.mkdir(parents=True, exist_ok=True)
-    data = root / "data" / f"builtin-bpe{TOKENIZER_VOCAB}"
-    ds = prepare_dataset("builtin", data, vocab_size=TOKENIZER_VOCAB, num_proc=1)
+    data = root / "data" / (f"builtin-bpe{TOKENIZER_VOCAB}" if args.data == "builtin"
+                            else f"{_key(str(Path(args.data).resolve()))}-bpe{TOKENIZER_VOCAB}")
+    ds = prepare_dataset(args.data, data, vocab_size=TOKENIZER_VOCAB, num_proc=1)
     rows = []
     for family in args.families:
         teacher = pretrain_teacher(family, ds, root, args.teacher_steps, say)

@@ -22,10 +22,11 @@ def test_eval_command_end_to_end(tmp_path, tokenizer, corpus_text):
     FusedKVForCausalLM(cfg).save_pretrained(ckpt)
     tokenizer.save_pretrained(ckpt)
     (tmp_path / "corpus.txt").write_text(corpus_text)
+    (tmp_path / "text.txt").write_text(corpus_text[:4000])  # a few dozen windows are enough for a perplexity
     data = prepare_dataset(str(tmp_path / "corpus.txt"), tmp_path / "data", tokenizer=str(ckpt), num_proc=1)
     report = tmp_path / "report.json"
     argv = ["eval", str(ckpt), "--val", str(tmp_path / "data"), "--seq-len", "64", "--max-batches", "3",
-            "--text", str(tmp_path / "corpus.txt"), "--tasks", "local", "--limit", "3", "--ruler",
+            "--text", str(tmp_path / "text.txt"), "--tasks", "local", "--limit", "3", "--ruler",
             "--ruler-lengths", "512", "--ruler-tasks", "niah_single_1", "--ruler-samples", "2", "--json", str(report)]
     assert main(argv) == 0
     out = json.loads(report.read_text())

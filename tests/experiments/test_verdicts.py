@@ -122,12 +122,14 @@ def test_claims_from_a_json_record(tmp_path):
     import json
 
     from tests import _cli as cli_process
+    from tests.train.train_helpers import subprocess_env
 
     record = tmp_path / "claims.json"
     record.write_text(json.dumps([{"label": "fusedkv − vanilla", "paper": -0.02, "source": "Table 2",
                                    "diffs": [-0.053, -0.039, -0.018]}]))
     assert v.claims_from_json(record)[0].diffs == [-0.053, -0.039, -0.018]
-    r = cli_process.run_module("fusedkv.experiments.verdicts", record)
+    # The environment of test_chained's CLI runs: their forking process (tests/_cli.py) serves this one too.
+    r = cli_process.run_module("fusedkv.experiments.verdicts", record, env=subprocess_env())
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "| fusedkv − vanilla | -0.02 (Table 2) |" in out and "same direction, inconclusive" in out

@@ -5,6 +5,8 @@ spin against each other make torch several times slower (and timing-dependent)."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,23 @@ def nano_data(tmp_path_factory, corpus_file) -> Path:
     out = tmp_path_factory.mktemp("data") / "nano-512"
     prepare_dataset(str(corpus_file), out, vocab_size=512, num_proc=1)
     return out
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory, nano_data):
+    """One `torchrun --nproc_per_node=2` launch (gloo, CPU) for test_distributed.py and test_dcp.py
+    (dist_worker.py): DDP and FSDP2 runs of the nano preset, 3 steps, into ROOT/dist/{ddp,fsdp}, then the
+    sharded-checkpoint suite on the 1-process checkpoint saved here (ROOT/dcp/one). Returns (ROOT, one's
+    checkpoint, the finished launch)."""
+    import dcp_worker
+    from train_helpers import REPO, subprocess_env
+
+    root = tmp_path_factory.mktemp("two-ranks")
+    dcp = root / "dcp"
+    one = dcp_worker.save("none", dcp / "one", dcp / "one.pt")  # in this process, no process group
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).with_name("dist_worker.py")), nano_data, root / "dist", 3,
+           one, dcp / "one.pt", dcp / "two", dcp / "two.pt"]
+    proc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=480)
+    return root, one, proc

@@ -88,6 +88,21 @@ def load(mode: str, path: Path, ref: Path) -> list[str]:
     return bad
 
 
+def suite(mode: str, ckpt: Path, ref: Path, root_b: Path, ref_b: Path) -> None:
+    """One launch: load a 1-process checkpoint under FSDP and DDP, save from `mode`, load that under DDP;
+    exit 1 naming the tensors that differ."""
+    bad = [f"fsdp: {b}" for b in load("fsdp", ckpt, ref)] + [f"ddp: {b}" for b in load("ddp", ckpt, ref)]
+    if bad:
+        print("MISMATCH " + ", ".join(bad[:10]), flush=True)
+        sys.exit(1)
+    path_b = save(mode, root_b, ref_b)
+    dist.barrier()
+    bad = [f"{mode} -> ddp: {b}" for b in load("ddp", path_b, ref_b)]  # DDP <-> FSDP, same world size
+    if bad:
+        print("MISMATCH " + ", ".join(bad[:10]), flush=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     action, mode, target = sys.argv[1], sys.argv[2], Path(sys.argv[3])
@@ -99,18 +114,8 @@ if __name__ == "__main__":
         target.mkdir(parents=True, exist_ok=True)
         (target / f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
         save(mode, target, None)
-    elif action == "suite":  # one launch: load a 1-process checkpoint under FSDP and DDP, save from FSDP
-        ckpt, ref, root_b, ref_b = target, Path(sys.argv[4]), Path(sys.argv[5]), Path(sys.argv[6])
-        bad = [f"fsdp: {b}" for b in load("fsdp", ckpt, ref)] + [f"ddp: {b}" for b in load("ddp", ckpt, ref)]
-        if bad:
-            print("MISMATCH " + ", ".join(bad[:10]), flush=True)
-            sys.exit(1)
-        path_b = save(mode, root_b, ref_b)
-        dist.barrier()
-        bad = [f"{mode} -> ddp: {b}" for b in load("ddp", path_b, ref_b)]  # DDP <-> FSDP, same world size
-        if bad:
-            print("MISMATCH " + ", ".join(bad[:10]), flush=True)
-            sys.exit(1)
+    elif action == "suite":
+        suite(mode, target, Path(sys.argv[4]), Path(sys.argv[5]), Path(sys.argv[6]))
     else:
         bad = load(mode, target, Path(sys.argv[4]))
         if bad:

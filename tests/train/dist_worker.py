@@ -1,13 +1,16 @@
-"""Run under `torchrun --nproc_per_node=2`: train the nano preset with DDP and then with FSDP2 in the
-same two processes (one process group, created here, so both runs share a single launch).
+"""Run under `torchrun --nproc_per_node=2`: every two-rank check of tests/train in one launch (each launch
+spends seconds importing torch and fusedkv in every process): train the nano preset with DDP and then with
+FSDP2 (test_distributed.py), then the sharded-checkpoint suite of dcp_worker.py (test_dcp.py), in the same
+two processes (one process group, created here).
 
-usage: dist_worker.py DATA OUT_ROOT STEPS
+usage: dist_worker.py DATA OUT_ROOT STEPS  CKPT REF ROOT_B REF_B   (the last four: `dcp_worker.py suite fsdp`'s)
 """
 
 import json
 import sys
 from pathlib import Path
 
+import dcp_worker
 import torch
 import torch.distributed as dist
 
@@ -24,4 +27,5 @@ if __name__ == "__main__":
         res = train(cfg)
         if dist.get_rank() == 0:
             (root / mode / "losses.json").write_text(json.dumps([r["loss"] for r in res["curve"]]))
+    dcp_worker.suite("fsdp", *map(Path, sys.argv[4:8]))
     dist.destroy_process_group()

@@ -32,13 +32,10 @@ def torchrun(*args, env=None, **kw) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dcp")
-    one = W.save("none", root / "one", root / "one.pt")  # in this process, no process group
-    proc = torchrun("suite", "fsdp", one, root / "one.pt", root / "two", root / "two.pt")
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out[-4000:]
-    return root, one, root / "two" / ck.step_dir_name(2)
+def saved(two_ranks):
+    root, one, proc = two_ranks  # the torchrun launch shared with test_distributed.py (conftest.py)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return root / "dcp", one, root / "dcp" / "two" / ck.step_dir_name(2)
 
 
 @pytest.mark.slow

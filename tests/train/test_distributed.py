@@ -1,19 +1,16 @@
 """Two-process DDP and FSDP2 runs (torchrun, gloo, CPU) reach the parameters of a one-process run
 with the same global batch: each rank takes its rows of the global batch, so 2 ranks x 2 accumulated
 micro-batches is the same optimisation as 1 rank x 4. One torchrun launch runs both
-modes (tests/train/dist_worker.py) to keep the suite fast."""
+modes (tests/train/dist_worker.py, test_dcp.py's checks too) to keep the suite fast."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import REPO, nano_config, subprocess_env
+from train_helpers import nano_config
 
 from fusedkv.train import train
 
@@ -23,23 +20,11 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, nano_data):
-    root = tmp_path_factory.mktemp("dist")
-    single = train(nano_config(root / "single", nano_data, max_steps=STEPS, micro_batch_size=2))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(Path(__file__).with_name("dist_worker.py")),
-        str(nano_data),
-        str(root),
-        str(STEPS),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return root, single
+def runs(tmp_path_factory, nano_data, two_ranks):
+    root, _, proc = two_ranks  # the torchrun launch shared with test_dcp.py (conftest.py)
+    assert (root / "dist" / "fsdp" / "losses.json").is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    single = train(nano_config(root / "dist" / "single", nano_data, max_steps=STEPS, micro_batch_size=2))
+    return root / "dist", single
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

@@ -14,9 +14,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_families_script_runs_and_reuses_its_cache(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    from fusedkv.data import read_builtin_text
+
+    # test_uptrain.py's environment (the script sets the last two itself): one forking process serves both files.
+    env = {**{k: v for k, v in os.environ.items() if k != "FUSEDKV_DEBUG"},
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
     script = REPO / "scripts" / "uptrain_families.py"
-    args = [tmp_path / "out", "--families", "deepseek_v3", "--seeds", "0", "--teacher-steps", "3", "--steps", "2"]
+    corpus = tmp_path / "corpus.txt"  # a slice of the built-in corpus: its 10 MB take long to tokenise
+    corpus.write_text(read_builtin_text(limit_chars=150_000))
+    args = [tmp_path / "out", "--families", "deepseek_v3", "--seeds", "0", "--teacher-steps", "3", "--steps", "2",
+            "--data", corpus]
     # `python SCRIPT ARGS`, forked from a process that imported fusedkv once (tests/_cli.py)
     first = cli_process.run_script(script, *args, cwd=REPO, env=env, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
