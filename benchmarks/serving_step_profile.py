@@ -82,15 +82,18 @@ def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tok
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * getattr(
+        torch, dtype).itemsize  # K and V of every layer (an upper bound: the half plans store half)
     llm = LLM(model=model_path, dtype=dtype, block_size=block_size, kv_cache_memory_bytes=max(batches) * (
-        prompt_len + new_tokens + 64) * 2 * 4 * 256 * 4 + (16 << 20), max_model_len=prompt_len + new_tokens,
+        prompt_len + new_tokens + 64) * per_token + (16 << 20), max_model_len=prompt_len + new_tokens,
               enforce_eager=True, seed=0, max_num_seqs=max(batches), enable_prefix_caching=False,
               skip_tokenizer_init=True)
     timers = Timers()
     instrument(llm, timers)
     g = torch.Generator().manual_seed(1)
     prompts = [TokensPrompt(prompt_token_ids=p)
-               for p in torch.randint(2, 4096, (max(batches), prompt_len), generator=g).tolist()]
+               for p in torch.randint(2, cfg["vocab_size"], (max(batches), prompt_len), generator=g).tolist()]
 
     def run(batch: int, n: int) -> dict[str, float]:
         for k in timers.total:

@@ -474,9 +474,11 @@ class CrossLayerAttention:
             v_src = [gather_blocks(c, blocks, value_layout) for c in values]
             key_pos = torch.arange(n_blocks * block_size)[None, :]
             mask = key_pos < lens[:, None]  # [R, S]
-            # Slots past a sequence's end were never written (any bits, NaN included): a masked key's
-            # probability is 0, but 0 x NaN in P V is NaN, so those value rows are zeroed.
-            v_src = [v.masked_fill(~mask[:, None, :, None], 0) for v in v_src]
+            # Slots past a sequence's end hold whatever a freed block held (a non-finite value included): a
+            # masked key's probability is 0, but 0 x NaN in P V is NaN, so those rows of the gathered copies
+            # (never the cache itself) are zeroed.
+            for v in v_src:
+                v.masked_fill_(~mask[:, None, :, None], 0)
             if window > 0:  # a window layer's query at position s - 1 sees keys s - W .. s - 1
                 mask &= key_pos >= lens[:, None] - window
             token_rows = torch.tensor([starts[r] for r in decodes])
