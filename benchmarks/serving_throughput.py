@@ -177,9 +177,10 @@ def single_stream(vllm_python, ckpts, args, work) -> dict:
     # The project's loop (packed for batch 1) and transformers' generate (a fresh, unpacked model).
     engines = {}
     for plan in PLANS:
-        packed = AutoModelForCausalLM.from_pretrained(ckpts[plan]).eval()
+        dtype = getattr(torch, args.dtype)  # the dtype vLLM serves (--dtype), for every engine
+        packed = AutoModelForCausalLM.from_pretrained(ckpts[plan], dtype=dtype).eval()
         engines[plan, "fusedkv_loop"] = lambda m=packed, k=None: generate(m, prompt, k or n, weight_layout="auto")
-        plain = AutoModelForCausalLM.from_pretrained(ckpts[plan]).eval()
+        plain = AutoModelForCausalLM.from_pretrained(ckpts[plan], dtype=dtype).eval()
         engines[plan, "transformers"] = lambda m=plain, k=None: m.generate(
             prompt, max_new_tokens=k or n, min_new_tokens=k or n, do_sample=False)
     tokens = {}
