@@ -79,6 +79,10 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint path)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="skip torch.compile (starts about a minute sooner on CPU; decodes somewhat slower)")
+    p.add_argument("--skip-prefill", action="store_true",
+                   help="the paper's prefill (Sec. 3.3): the layers that hold no KV cache run only on the positions "
+                   "whose logits are sampled (vLLM's --kv-sharing-fast-prefill; implies --enforce-eager). Same "
+                   "generated tokens, less prompt work; requests for prompt log-probabilities are refused")
     p.add_argument("--vllm-python", default=None,
                    help="Python of the environment that has vLLM (default: $FUSEDKV_VLLM_PYTHON, then .venv-vllm)")
     p.set_defaults(func=run, pass_through="vllm_args")
@@ -162,8 +166,10 @@ def server_command(args, python: str, dtype: str, chat_template: str | None) -> 
                         ("--chat-template", chat_template)):
         if value is not None:
             cmd += [flag, str(value)]
-    if args.enforce_eager:
+    if args.enforce_eager or args.skip_prefill:  # the skipped layers' position subset is data-dependent
         cmd.append("--enforce-eager")
+    if args.skip_prefill:
+        cmd.append("--kv-sharing-fast-prefill")
     return cmd + list(args.vllm_args)
 
 
@@ -202,7 +208,9 @@ def run(args) -> int:
     vllm_args = list(args.vllm_args or [])
     if cpu_build:
         preflight.check_cpu_backend(config, args.block_size)
-    preflight.check_vllm_args(vllm_args, config, args.enforce_eager, cpu_build)
+    preflight.check_vllm_args(vllm_args, config, cpu_build)
+    if args.skip_prefill:
+        preflight.check_prefill_skipping(config)
     dtype, warning = preflight.resolve_dtype(args.dtype, config)
     preflight.check_address(args.host, args.port)
     chat_template = None
@@ -217,6 +225,8 @@ def run(args) -> int:
 
     plan = config.plan
     plan_text = f"{config.kv_sharing} ({len(plan.storage_layers)}/{plan.num_layers} layers hold KV cache)"
+    if args.skip_prefill:
+        plan_text += f", prefill skips layers {plan.first_skippable_layer + 1}-{plan.num_layers}"
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(args.host, args.host)
     poll_url = f"http://{'[' + host + ']' if preflight.is_ipv6(host) else host}:{args.port}"
     print(f"fusedkv serve: starting vLLM for {args.checkpoint}: plan {plan_text}, dtype {dtype}, on "

@@ -42,7 +42,17 @@ OWN_OPTIONS = {
     "--kv-cache-memory-bytes": "--kv-cache-memory", "--max-model-len": "--max-model-len",
     "--block-size": "--block-size", "--max-num-seqs": "--max-num-seqs",
     "--served-model-name": "--served-model-name", "--enforce-eager": "--enforce-eager",
+    "--kv-sharing-fast-prefill": "--skip-prefill",
 }
+
+
+def check_prefill_skipping(config) -> None:
+    """`--skip-prefill` needs layers without a cache after the last storage layer (paper Sec. 3.3): their
+    outputs at prompt positions feed nothing but those positions' logits."""
+    plan = config.plan
+    if plan.first_skippable_layer >= plan.num_layers:
+        raise UsageError(f"--skip-prefill: plan {config.kv_sharing} has no layer to skip (every layer up to the last "
+                         "holds or writes KV cache); serve it without --skip-prefill")
 
 
 def option_name(arg: str) -> str | None:
@@ -70,7 +80,7 @@ def has_option(vllm_args: list[str], name: str) -> bool:
     return any(option_name(a) in (name, "--no-" + name[2:]) for a in vllm_args)
 
 
-def check_vllm_args(vllm_args: list[str], config, enforce_eager: bool, cpu_build: bool) -> None:
+def check_vllm_args(vllm_args: list[str], config, cpu_build: bool) -> None:
     """Refuse pass-through arguments that duplicate fusedkv's own or that the plugin cannot run."""
     for arg in vllm_args:
         name = option_name(arg)
@@ -82,11 +92,6 @@ def check_vllm_args(vllm_args: list[str], config, enforce_eager: bool, cpu_build
             how = "give the checkpoint directory" if own == "CHECKPOINT" else f"use fusedkv serve's own {own}"
             raise UsageError(f"{arg!r} after `--` duplicates an option fusedkv serve sets itself; {how} "
                              "(before `--`)")
-    plan = config.plan
-    if has_option(vllm_args, "--kv-sharing-fast-prefill") and plan.first_skippable_layer < plan.num_layers \
-            and not enforce_eager and "--no-kv-sharing-fast-prefill" not in vllm_args:
-        raise UsageError("--kv-sharing-fast-prefill needs --enforce-eager with FusedKV models (the skipped layers "
-                         "take a data-dependent subset of the positions, which torch.compile cannot trace)")
     for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
         value = option_value(vllm_args, names)
         if value is not None and value.strip() != "1":

@@ -92,8 +92,14 @@ def test_vllm_options_that_fusedkv_sets_are_refused_after_the_separator(ckpt, ex
     refused(serve(ckpt, "--port", "9000", "--", "--api-key", "k", *extra), repr(extra[0]), "duplicates")
 
 
-def test_fast_prefill_without_eager_mode_is_refused_before_start(ckpt):
-    refused(serve(ckpt, "--", "--kv-sharing-fast-prefill"), "--kv-sharing-fast-prefill", "--enforce-eager")
+def test_fast_prefill_is_fusedkv_serves_own_option(ckpt):
+    """vLLM's flag needs eager mode with FusedKV (a data-dependent subset of positions): `--skip-prefill` sets
+    both, so the flag after `--` is a duplicate, refused before start-up."""
+    refused(serve(ckpt, "--", "--kv-sharing-fast-prefill"), "--kv-sharing-fast-prefill", "--skip-prefill")
+
+
+def test_skip_prefill_on_a_plan_without_skippable_layers_is_refused(checkpoints):
+    refused(serve(str(checkpoints["vanilla"]), "--skip-prefill"), "--skip-prefill", "vanilla", "no layer to skip")
 
 
 @pytest.mark.parametrize("extra,words", [(["-tp", "2"], ("--tensor-parallel-size 2",)),

@@ -6,7 +6,8 @@ the checkpoint's float32), concurrent requests must return what sequential ones 
 must work on a checkpoint saved without a chat template, and SIGTERM must stop every process it
 started. Further servers: one of a checkpoint `fusedkv train` saved (chat completions with the template it
 carries; then its supervisor is killed with SIGKILL: nothing of vLLM survives), one whose logits overflow
-(HTTP 500, then `fusedkv serve` exits 1 naming the cause), one interrupted during start-up (exit 130, no
+(HTTP 500, then `fusedkv serve` exits 1 naming the cause), one of a Lite checkpoint with `--skip-prefill`
+(the tokens of the full model; prompt log-probabilities refused), one interrupted during start-up (exit 130, no
 traceback). Bad checkpoints must fail before vLLM starts, with `fusedkv
 generate`'s messages. Request loops are bounded by time.
 """
@@ -168,6 +169,9 @@ def launched(request, vllm_python, checkpoints, tmp_path_factory):
                                                   root / "overflowing.log", wait=False)
         if "trained" in wanted:
             servers["trained"] = start_server(vllm_python, train_nano(root), root / "trained.log", wait=False)
+        if "skipping" in wanted:
+            servers["skipping"] = start_server(vllm_python, checkpoints["fusedkv-lite"], root / "skipping.log",
+                                               "--skip-prefill", wait=False)
         yield servers
     finally:
         for s in servers.values():
@@ -183,6 +187,12 @@ def server(launched):
 def trained(launched):
     """Served with fusedkv serve's defaults: the chat test asks it, then the kill -9 test kills its supervisor."""
     return wait_ready(launched["trained"])
+
+
+@pytest.fixture(scope="module")
+def skipping(launched):
+    """A Lite checkpoint served with `--skip-prefill` (the paper's prefill, Sec. 3.3)."""
+    return wait_ready(launched["skipping"])
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +258,21 @@ def test_sixteen_concurrent_requests_equal_sequential_ones(server, references):
     assert concurrent == sequential
     for row in references["fusedkv"]["rows"]:  # the untruncated prompts: the transformers model's tokens
         assert sequential[prompts.index(row["prompt_ids"])] == row["tokens"][:16]
+
+
+@pytest.mark.slow
+def test_skip_prefill_generates_transformers_tokens_and_refuses_prompt_logprobs(skipping, references):
+    """The upper half runs only on sampled positions: the same greedy tokens as the full model, stated at
+    start-up; prompt log-probabilities (which the skipped positions would get wrong) are refused by vLLM."""
+    log = skipping["log"].read_text()
+    assert "plan fusedkv-lite (2/4 layers hold KV cache), prefill skips layers 3-4" in log, log[-3000:]
+    for row in references["fusedkv-lite"]["rows"]:
+        assert complete(skipping, row["prompt_ids"], 24) == row["tokens"][:24]
+    body = {"model": skipping["model"], "prompt": "In the", "max_tokens": 2, "prompt_logprobs": 1}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(skipping["port"], "/v1/completions", body)
+    assert e.value.code == 400
+    assert "prompt" in json.loads(e.value.read())["error"]["message"]
 
 
 def greedy_continuation(path, prompt_ids: list[int], n: int, pad_token_id: int) -> list[int]:
