@@ -234,9 +234,14 @@ def format_retrieval(result: dict) -> str:
     lines.append("| passkey | 0.0 | " + " | ".join(cell(_get(result["passkey"], L)) for L in lengths) + " |")
     for task, row in (result.get("ruler") or {}).get("scores", {}).items():
         lines.append(f"| {task} | | " + " | ".join(cell(_get(row, L)) for L in lengths) + " |")
+    if samples:
+        marks = (f"`*`: above the random-copy floor (one-sided exact binomial test over the {samples} x P answers, "
+                 "p < 0.05).")
+    else:  # a mean over seeds that answered the same questions is not one binomial sample
+        marks = (f"A mean over {result.get('seeds', 'several')} seeds: no significance marks (the seeds that "
+                 "learned the lookup are listed per seed).")
     return "\n".join(lines) + (f"\n\nFloors (%): random copy of one of the P values 100/P; a uniform guess over the "
-                                f"{MQAR_VALUE_COUNT} values {uniform_floor():.1f}. `*`: above the random-copy floor "
-                                f"(one-sided exact binomial test over the {samples} x P answers, p < 0.05).")
+                                f"{MQAR_VALUE_COUNT} values {uniform_floor():.1f}. " + marks)
 
 
 def _get(d: dict, key):

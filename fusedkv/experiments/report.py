@@ -24,7 +24,10 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
         scored = [r["retrieval"] for r in results if r["name"] == name and r.get("retrieval")]
         if not scored:
             continue
-        mean = {"lengths": scored[0]["lengths"], "pairs": scored[0]["pairs"], "mqar": {}, "passkey": {}}
+        # One seed: its own table, significance marks included. A mean over seeds is no binomial sample (the
+        # seeds answer the same questions): no marks, `seeds` says how many; who learned is listed per seed.
+        mean = {"lengths": scored[0]["lengths"], "pairs": scored[0]["pairs"], "mqar": {}, "passkey": {},
+                "num_samples": scored[0].get("num_samples", 0) if len(scored) == 1 else 0, "seeds": len(scored)}
         for p in mean["pairs"]:
             mean["mqar"][p] = {L: _mean_cell([s["mqar"][_k(s["mqar"], p)] for s in scored], L)
                                for L in mean["lengths"]}

@@ -92,6 +92,25 @@ def test_retrieval_report_scores_and_pairs_seed_by_seed(tmp_path):
     assert "Seeds that learned the lookup" in text and "vanilla 0/3, lite 0/4" in text  # no sample counts given
 
 
+def test_retrieval_report_marks_significance_only_on_one_seeds_table(tmp_path):
+    """A run scored at one seed is a binomial sample: its table marks cells above the random-copy floor and
+    names the sample count. A mean over seeds (the same questions answered by each) gets no marks."""
+    def scored(a2, a4):
+        return {"lengths": [64], "pairs": [2, 4], "num_samples": 50, "mqar": {2: {64: a2}, 4: {64: a4}},
+                "passkey": {64: 0.0}}
+
+    results = [{"name": "one", "seed": 0, "val_loss": 1.0, "retrieval": scored(100.0, 30.0)},
+               {"name": "two", "seed": 0, "val_loss": 1.0, "retrieval": scored(100.0, 98.0)},
+               {"name": "two", "seed": 1, "val_loss": 1.0, "retrieval": scored(100.0, 98.0)}]
+    text = (tmp_path / "retrieval.md").read_text() if retrieval_report(results, tmp_path, "t") else ""
+    one, two = text.split("## one (mean over seeds)")[1].split("## two (mean over seeds)")
+    # 100% of 100 answers is above 50%; 30% of 200 answers is not significantly above 25% (p ~ 0.06).
+    assert "| MQAR 2 pairs | 50.0 | 100.0* |" in one and "| MQAR 4 pairs | 25.0 | 30.0 |" in one
+    assert "binomial test over the 50 x P answers" in one
+    assert "| MQAR 2 pairs | 50.0 | 100.0 |" in two and "*" not in two.split("Floors")[0]
+    assert "A mean over 2 seeds: no significance marks" in two
+
+
 def retrieval_path() -> str:
     from fusedkv.experiments.runner import EXPERIMENTS_DIR
 
