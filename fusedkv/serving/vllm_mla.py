@@ -13,9 +13,12 @@ other layers' latents, so this module serves MLA with the model's own arithmetic
     layer writes (c, k_R) into its own slots and attends itself;
   * a reconstruction layer owns no blocks: it reads its sources' (c, k_R) through the same block table
     (every layer is in one KV-cache group), fuses them with its `LatentFusion` weights, and attends;
-  * attention is the model's `MLA.expanded_attention` (per head K/V through kv_b_proj, SDPA with the
-    causal pattern of a chunk that may start mid-sequence), per request, in float32 equal to
-    `fusedkv generate`'s tokens. The gather copies each request's latents: correct, not fast.
+  * attention: the batch's one-token (decode) requests together in the absorbed form, as `fusedkv generate`
+    decodes (`fusedkv.engine.backends.absorbed_attention`: W_UK on the query, W_UV on the output, fusion
+    weights on both, so no latent is expanded per head), their latents gathered and padded to the longest;
+    prefill chunks per request in the model's `MLA.expanded_attention` (per head K/V through kv_b_proj,
+    SDPA with the causal pattern of a chunk that may start mid-sequence). Greedy tokens equal `fusedkv
+    generate`'s in float32. The gathers copy the latents (vLLM's MLA op cannot read these caches, above).
 
 Parameter names, the query paths (q_lora_rank on or off), interleaved RoPE and YaRN's mscale are the
 model's `fusedkv.model.mla.MLA`'s, which `ServedMLA` subclasses. Under torch.compile the attention
@@ -30,7 +33,9 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from ..engine.backends import absorbed_attention
 from ..kernels.reference import fuse_sources
+from ..model.fusion import KVSources
 from ..model.layers import apply_rope, rope_inv_freq, rope_tables
 from ..model.mla import MLA
 from ..plan import LayerKV
@@ -113,9 +118,12 @@ class ServedMLA(MLA):
             latent_w, rope_w = self.fusion.value_weights(), self.fusion.key_weights()
         starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
+        decodes = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
+        if decodes:
+            self._decode_rows(decodes, starts, q_nope, q_rope, out, rows, meta, block_size, latent_w, rope_w)
         for i in range(len(starts) - 1):
             a, b = starts[i], starts[i + 1]
-            if b <= a:
+            if b - a <= 1:  # none, or a decode row (above)
                 continue
             s, q_len = seq_lens[i], b - a
             blocks = meta.block_table[i, : -(-s // block_size)].long()
@@ -127,6 +135,32 @@ class ServedMLA(MLA):
             o = self.expanded_attention(q_nope[None, :, a:b], q_rope[None, :, a:b], latent.to(q_nope.dtype),
                                         k_rope.to(q_nope.dtype), mask, False)
             out[a:b] = o[0].transpose(0, 1).reshape(q_len, -1).to(out.dtype)
+
+
+    def _decode_rows(self, requests, starts, q_nope, q_rope, out, rows, meta, block_size, latent_w, rope_w):
+        """Every one-token request of the batch at once, absorbed (DeepSeek-V2 Sec. 2.1.2: W_UK on the query,
+        W_UV on the output, so the latents are never expanded per head): each request's slots gathered and
+        padded to the longest, the padding masked, the fusion weights on the query and the output."""
+        r, width = self.kv_lora_rank, self.kv_lora_rank + self.rope_dim
+        index = torch.tensor(requests)
+        lens = meta.seq_lens[index].long()
+        num_blocks = -(-int(lens.max()) // block_size)
+        # Table entries past a shorter request's end are not its blocks: any valid slot will do (masked).
+        last_block = next(iter(rows.values())).shape[0] // block_size - 1
+        blocks = meta.block_table[index, :num_blocks].long().clamp(0, last_block)
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(requests), -1)
+        valid = torch.arange(slots.shape[1])[None, :] < lens[:, None]  # [R, S]
+
+        def gather(name: str, lo: int, hi: int) -> torch.Tensor:  # [R, 1, S, hi - lo], zero past the end
+            # (a masked key's probability is 0, but 0 x NaN is NaN: a freed slot may hold anything)
+            return rows[name][slots, lo:hi].to(q_nope.dtype).masked_fill_(~valid[..., None], 0)[:, None]
+
+        sources = KVSources(tuple(gather(n, r, width) for n in self.key_layers), tuple(rope_w),
+                            tuple(gather(n, 0, r) for n in self.value_layers), tuple(latent_w))
+        tokens = torch.tensor([starts[i] for i in requests])
+        o = absorbed_attention(self, q_nope[:, tokens].transpose(0, 1)[:, :, None],  # [R, N, 1, d]
+                               q_rope[:, tokens].transpose(0, 1)[:, :, None], sources, valid[:, None, None, :])
+        out[tokens] = o[:, :, 0].reshape(len(requests), -1).to(out.dtype)
 
 
 def token_rows(kv_cache: torch.Tensor) -> torch.Tensor:
