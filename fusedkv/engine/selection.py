@@ -183,10 +183,10 @@ def select_paged_attention(k_sources: Sequence, v_sources: Sequence, *, gpu: boo
     `native_layout`: the CPU backend's block layout as the native kernel names it (`native.PAGED_LAYOUTS`: rows,
     key blocks transposed, or AMX-packed bf16), None where the kernel does not read it; `window`: a
     sliding-window layer; `softcap`: attention logit soft-capping (Gemma 2). GPU: decode rows in the paged
-    Triton kernel where it takes the distinct sources and runs on this device and dtype, else gathered
-    (prefill chunks are gathered either way). CPU: one K source is vLLM's op (which takes
-    the window and the soft cap); more run in the native kernel where it is built and reads the cache and the
-    layer has neither a window nor a soft cap (the kernel has neither), else gathered."""
+    Triton kernel where it takes the distinct sources and runs on this device and dtype (it takes the window
+    and the soft cap), else gathered (prefill chunks are gathered either way). CPU: one K source is vLLM's op
+    (which takes the window and the soft cap); more run in the native kernel where it is built and reads the
+    cache and the layer has neither a window nor a soft cap (the kernel has neither), else gathered."""
     if gpu:
         kernel = (query_dtype == dtype and triton_runs_on(device, dtype)
                   and triton_decode_fits(head_dim, len(set(k_sources)), len(set(v_sources))))

@@ -133,3 +133,15 @@ def test_the_selection_gives_two_source_bf16_layers_on_amx_packed_blocks_the_ker
     shuffled = torch.randperm(32 * 64)
     assert kernel_layout((shuffled, None)) is None and path((shuffled, None)) == "gathered"
     assert kernel_layout((AMX_PACKED_KEYS, None)) is None  # a pair the kernel does not read
+
+
+def test_the_selection_gives_windowed_and_soft_capped_gpu_layers_the_paged_triton_kernel(monkeypatch):
+    """On a GPU backend the paged Triton kernel takes the window and the soft cap: such a layer keeps the kernel
+    (where Triton runs: here told so, the interpreter-run case is tests/serving/_gpu_backend_cases.py)."""
+    from fusedkv.engine import selection
+
+    monkeypatch.setattr(selection, "triton_runs_on", lambda device, dtype: True)
+    for extra in ({}, dict(window=True), dict(softcap=True), dict(window=True, softcap=True)):
+        assert selection.select_paged_attention(["l0", "l1"], ["l0", "l1"], gpu=True, head_dim=64,
+                                                device=torch.device("cuda"), dtype=torch.bfloat16,
+                                                query_dtype=torch.bfloat16, native_layout=None, **extra) == "triton"
