@@ -411,6 +411,8 @@ class CrossLayerAttention:
 
     # ---- GPU backends: the paged kernel for decode rows, gathered prefill --------------------------
     def _on_gpu(self, layer, layers, q, meta, out, use_kernel: bool):
+        if not self._one_block_table:
+            self._check_one_block_table(meta)
         # One split per layer: a layer listed twice gives the same tensors, which the kernel merges.
         split = {n: split_gpu_kv_cache(layers[n].kv_cache, self.base.head_size)
                  for n in dict.fromkeys(self.k_layers + self.v_layers)}
@@ -457,6 +459,28 @@ class CrossLayerAttention:
                 out.add_(target)
 
     # ---- several K sources: the native kernel over the blocks in place -----------------------------
+    _one_block_table = False  # GPU: the sources were seen to share this layer's block table (once is enough)
+
+    def _check_one_block_table(self, meta) -> None:
+        """The kernel and the gather read every source through this layer's block table (its KV-cache group's, its
+        first K source's). On GPU, vLLM's hybrid KV-cache manager can give a sliding-window hybrid's layers of one
+        type several groups, each with its own block table: a source in another group would be read at the wrong
+        blocks, so that is refused, once, at the first step with metadata (the groups are fixed by then)."""
+        from vllm.forward_context import get_forward_context
+
+        per_layer = get_forward_context().attn_metadata
+        if not isinstance(per_layer, dict):  # micro-batched steps list one dict per micro-batch: checked elsewhere
+            return
+        ptr = meta.block_table.data_ptr()
+        others = [n for n in dict.fromkeys(self.k_layers + self.v_layers)
+                  if getattr(per_layer.get(n), "block_table", None) is not None
+                  and per_layer[n].block_table.data_ptr() != ptr]
+        if others:
+            raise NotImplementedError(
+                f"a FusedKV reconstruction layer reads {others} from other KV-cache groups than its own (vLLM's hybrid "
+                "KV-cache manager gave them separate block tables); serve with --disable-hybrid-kv-cache-manager")
+        self._one_block_table = True
+
     _step_rows: tuple = (None, None)  # (a step's metadata, its `query_rows`): shared by every layer of the step
 
     def _native(self, layer, layers, q, meta, out):

@@ -25,7 +25,7 @@ H_KV, G, D = 2, 2, 16
 SEQ_LENS, QUERY_LENS = [37, 37, 1, 20, 16], [1, 5, 1, 20, 1]
 
 
-def run(impl_cls, meta_cls, extra, query_lens, window=None, softcap=None):
+def run(impl_cls, meta_cls, extra, query_lens, window=None, softcap=None, other_group=None):
     seq_lens = SEQ_LENS[:len(query_lens)]
     dev, ref = make_paged(seq_lens, H_KV, G, 2, 2, True, query_lens=query_lens, seed=2)
     if window:
@@ -45,7 +45,19 @@ def run(impl_cls, meta_cls, extra, query_lens, window=None, softcap=None):
     query = torch.cat([dev["q"], torch.randn(3, *dev["q"].shape[1:])])  # 3 padding rows past num_actual_tokens
     output = torch.full_like(query, float("nan"))
     layers = {f"l{i}": SimpleNamespace(kv_cache=kv) for i, kv in enumerate(dev["layers"])}
-    with override_forward_context(ForwardContext(no_compile_layers=layers, attn_metadata={}, slot_mapping={})):
+    # Per layer, its KV-cache group's metadata, as the runner gives it: one group (one block table) for all, or
+    # `other_group` in a group of its own (vLLM's hybrid KV-cache manager), which the layer must refuse.
+    per_layer = {name: meta for name in layers}
+    if other_group:
+        per_layer[other_group] = meta_cls(**{**vars(meta), "block_table": meta.block_table.clone()})
+    with override_forward_context(ForwardContext(no_compile_layers=layers, attn_metadata=per_layer, slot_mapping={})):
+        if other_group:
+            try:
+                layer.forward(None, query, None, None, None, meta, output)
+            except NotImplementedError as e:
+                assert "--disable-hybrid-kv-cache-manager" in str(e) and other_group in str(e), e
+                return
+            raise AssertionError("a source in another KV-cache group was not refused")
         layer.forward(None, query, None, None, None, meta, output)
     err = max_error(output[:t], reference(ref, scale, window, softcap))
     assert err < 1e-5, (impl_cls.__name__, query_lens, window, softcap, err)
@@ -61,6 +73,7 @@ for query_lens in (QUERY_LENS, [1, 1, 1]):  # a mixed batch; decode only (one ke
     for window, softcap in ((None, None), (8, 2.5)):
         run(FlashAttentionImpl, FlashAttentionMetadata, {}, query_lens, window, softcap)
         run(TritonAttentionImpl, TritonAttentionMetadata, triton_extra, query_lens, window, softcap)
+run(FlashAttentionImpl, FlashAttentionMetadata, {}, [1, 1, 1], 8, 2.5, other_group="l2")
 # ALiBi and sinks stay refused on GPU, with the message that says what the layers take.
 for bad in (dict(alibi_slopes=[0.5] * (H_KV * G)), dict(sinks=torch.zeros(H_KV * G))):
     impl = TritonAttentionImpl(**{**dict(num_heads=H_KV * G, head_size=D, scale=D**-0.5, num_kv_heads=H_KV,
