@@ -23,9 +23,9 @@ The ways to evaluate it, chosen once per layer by the engine's selection
     sources' scores, which no call of the op computes (nor per-source calls merged by log-sum-exp: those
     are separate softmaxes). The native kernel `cpu_paged_attention.c` reads every source's blocks in
     place through the block table, decode rows and prefill chunks in one call (`native_paged_attention`).
-  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, a window or
-    a soft cap, a block layout it does not read): the blocks of each sequence are gathered into contiguous
-    tensors and `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
+  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, a block layout
+    it does not read): the blocks of each sequence are gathered into contiguous tensors and
+    `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
 
 The CPU backend stores blocks in its own layout (the "vec" ISA keeps each key block transposed,
 [head_dim, block]; the "amx" ISA, bf16 caches on processors with AMX, packs keys and values in pairs:
@@ -37,10 +37,11 @@ On a GPU backend (vLLM's FlashAttention or Triton backend: caches [num_blocks, b
 view those backends take of their [num_blocks, H_kv, block_size, 2 * D] tensor) every plan that reads
 other layers goes through `paged_cross_layer_attention`: decode rows in one launch of the paged Triton
 kernel (`fusedkv.kernels.triton_paged_decode`, which reads the source blocks in place through the block
-table), prefill chunks gathered per sequence into `factored_attention` with the causal mask. Both take the
-layer's sliding window (keys p - W < k <= p; keys left of every query's window are not read) and Gemma 2's
-soft cap (c tanh(s / c) on the fused scores, which the factored form of Sec. 3.3 forms before the softmax);
-ALiBi and attention sinks are refused there.
+table), prefill chunks gathered per sequence into `factored_attention` with the causal mask.
+
+Every path, CPU and GPU, takes the layer's sliding window (a query at p sees keys p - W < k <= p; the kernels
+read no block left of it) and Gemma 2's soft cap (c tanh(s / c) on the fused scores, which the factored form of
+Sec. 3.3 forms before the softmax); on GPU, ALiBi and attention sinks are refused.
 """
 
 from __future__ import annotations
@@ -176,10 +177,11 @@ def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens
 
 def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: list, values: list[torch.Tensor],
                            v_weights: list, rows, block_table: torch.Tensor, scale: float, layout: int,
-                           out: torch.Tensor) -> torch.Tensor:
+                           out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """`cpu_paged_attention.c` over vLLM's CPU caches in place: q [T, H_q, D], caches [num_blocks, H_kv, bs, D]
     (the backend's split views) with their blocks in `layout` (`kernel_layout`'s name), `rows` from
-    `query_rows`; writes and returns `out` [T, H_q, D]. For layers
+    `query_rows`; writes and returns `out` [T, H_q, D]. `window` W: each row sees only its last W keys (p - W < k
+    <= p); `softcap` c: scores -> c tanh(scores / c) after the scale (None or 0: neither). For layers
     the engine's selection gave this kernel (`native.paged_supports`, a readable block layout); arguments it
     cannot read are a ValueError (the kernel reads raw pointers), never a quiet fallback."""
     kind = native.PAGED_KINDS.get(keys[0].dtype)
@@ -207,8 +209,9 @@ def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights:
     of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(t, h_q, d)
     row_seq, row_len = rows
     status = native.library().paged_attention(
-        qf.data_ptr(), t, h_q, h_kv, d, scale, kind, row_seq.data_ptr(), row_len.data_ptr(), block_table.data_ptr(),
-        block_table.stride(0), bs, keys[0].stride(0), keys[0].stride(1), layout,
+        qf.data_ptr(), t, h_q, h_kv, d, scale, int(window or 0), float(softcap or 0.0), kind, row_seq.data_ptr(),
+        row_len.data_ptr(), block_table.data_ptr(), block_table.stride(0), bs, keys[0].stride(0), keys[0].stride(1),
+        layout,
         len(keys), keys[0].data_ptr(), keys[-1].data_ptr(), ka0, ka1, d,
         len(values), values[0].data_ptr(), values[-1].data_ptr(), vb0, vb1, d,
         of.data_ptr(), torch.get_num_threads())
@@ -487,7 +490,8 @@ class CrossLayerAttention:
         keys, values, k_weights, v_weights = self._cpu_sources(layers)
         if meta.max_query_len < GATHER_PREFILL_ROWS:  # decode steps: every row in the kernel
             native_paged_attention(q, keys, k_weights, values, v_weights, self._rows(meta, q.shape[0]),
-                                   meta.block_table, self.base.scale, self.kernel_layout, out)
+                                   meta.block_table, self.base.scale, self.kernel_layout, out, self.window,
+                                   self.softcap)
             return
         # Long prefill chunks as matrix products over their gathered blocks (the kernel works row by row, and
         # a chunk of t rows re-reads the sequence t times); the other rows in the kernel.
@@ -503,7 +507,8 @@ class CrossLayerAttention:
             row_seq, row_len = self._rows(meta, q.shape[0])
             o = native_paged_attention(q[tokens], keys, k_weights, values, v_weights,
                                        (row_seq[tokens].contiguous(), row_len[tokens].contiguous()), meta.block_table,
-                                       self.base.scale, self.kernel_layout, torch.empty_like(q[tokens]))
+                                       self.base.scale, self.kernel_layout, torch.empty_like(q[tokens]), self.window,
+                                       self.softcap)
             out[tokens] = o.to(out.dtype)
 
     @staticmethod
@@ -596,6 +601,5 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
             layout = cpu_cache_layout(model_dtype, dtype, impl.kv_cache_dtype, block_size, impl.head_size)
         path = select_paged_attention(impl.k_layers, impl.v_layers, gpu=impl.on_gpu, head_dim=impl.head_size,
                                       device=device, dtype=dtype, query_dtype=model_dtype,
-                                      native_layout=kernel_layout(layout),
-                                      window=impl.window is not None, softcap=impl.softcap is not None)
+                                      native_layout=kernel_layout(layout))
         impl.use(path, layout)
