@@ -12,6 +12,8 @@ Runs in the project's environment (no vLLM needed)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -37,30 +39,37 @@ def paged_cache(num_blocks: int, dtype, layout, tokens: dict[int, tuple[torch.Te
     return key_cache, value_cache
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", [KEYS_TRANSPOSED, ROWS, AMX], ids=["transposed", "rows", "amx"])
-@pytest.mark.parametrize("n_k,n_v,weighted", [(2, 2, True), (1, 1, False), (2, 1, True), (1, 2, False)])
-def test_native_paged_attention_equals_materialised_reference(dtype, layout, n_k, n_v, weighted):
-    g = torch.Generator().manual_seed(0)
+def random_batch(dtype, layout, n_k: int, n_v: int, weighted: bool, seed: int) -> SimpleNamespace:
+    """SEQS in paged caches (two layers, each sequence's blocks shuffled), fusion weights, the batch's queries."""
+    g = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-s // BS) for s, _ in SEQS)
     num_blocks = len(SEQS) * max_blocks + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables = [perm[r * max_blocks:(r + 1) * max_blocks] for r in range(len(SEQS))]
-    block_table = torch.tensor(tables, dtype=torch.int32)
     sources = [{r: (torch.randn(s, H_KV, D, generator=g), torch.randn(s, H_KV, D, generator=g))
                 for r, (s, _) in enumerate(SEQS)} for _ in range(2)]
     caches = [paged_cache(num_blocks, dtype, layout, src, tables) for src in sources]
-    keys, values = [c[0] for c in caches[:n_k]], [c[1] for c in caches[:n_v]]
-    kw = [torch.rand(H_KV, D, generator=g) + 0.5 if weighted else None for _ in range(n_k)]
-    vw = [torch.rand(H_KV, D, generator=g) + 0.5 if weighted else None for _ in range(n_v)]
     q_lens = [t for _, t in SEQS]
-    q = torch.randn(sum(q_lens), H_Q, D, generator=g)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([s for s, _ in SEQS], dtype=torch.int32)
+    return SimpleNamespace(
+        tables=tables, block_table=torch.tensor(tables, dtype=torch.int32), sources=sources, caches=caches,
+        keys=[c[0] for c in caches[:n_k]], values=[c[1] for c in caches[:n_v]],
+        kw=[torch.rand(H_KV, D, generator=g) + 0.5 if weighted else None for _ in range(n_k)],
+        vw=[torch.rand(H_KV, D, generator=g) + 0.5 if weighted else None for _ in range(n_v)],
+        q=torch.randn(sum(q_lens), H_Q, D, generator=g),
+        qsl=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor([s for s, _ in SEQS], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [KEYS_TRANSPOSED, ROWS, AMX], ids=["transposed", "rows", "amx"])
+@pytest.mark.parametrize("n_k,n_v,weighted", [(2, 2, True), (1, 1, False), (2, 1, True), (1, 2, False)])
+def test_native_paged_attention_equals_materialised_reference(dtype, layout, n_k, n_v, weighted):
+    b = random_batch(dtype, layout, n_k, n_v, weighted, seed=0)
+    q, qsl, kw, vw, sources = b.q, b.qsl, b.kw, b.vw, b.sources
     out = torch.full_like(q, float("nan"))
     scale = D**-0.5
-    assert native_paged_attention(q, keys, kw, values, vw, query_rows(qsl, seq_lens, q.shape[0]), block_table, scale,
-                                  kernel_layout(layout), out) is out
+    assert native_paged_attention(q, b.keys, kw, b.values, vw, query_rows(qsl, b.seq_lens, q.shape[0]), b.block_table,
+                                  scale, kernel_layout(layout), out) is out
     for r, (s, t) in enumerate(SEQS):
         # The reference reads the tokens as stored (rounded to the cache dtype) and attends causally.
         ks = [sources[i][r][0].to(dtype).float().transpose(0, 1)[None] for i in range(n_k)]
@@ -86,30 +95,17 @@ LAYOUTS = {"transposed": KEYS_TRANSPOSED, "rows": ROWS, "amx": AMX}
         [str(dtype)[6:], *[name for name, v in LAYOUTS.items() if v == layout], f"w{window}", f"cap{softcap}"])))
 @pytest.mark.parametrize("n_k,n_v,weighted", [(2, 2, True), (1, 2, False)])
 def test_native_paged_attention_window_and_softcap_equal_float64(dtype, layout, window, softcap, n_k, n_v, weighted):
-    g = torch.Generator().manual_seed(1)
-    max_blocks = max(-(-s // BS) for s, _ in SEQS)
-    num_blocks = len(SEQS) * max_blocks + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [perm[r * max_blocks:(r + 1) * max_blocks] for r in range(len(SEQS))]
-    sources = [{r: (torch.randn(s, H_KV, D, generator=g), torch.randn(s, H_KV, D, generator=g))
-                for r, (s, _) in enumerate(SEQS)} for _ in range(2)]
-    caches = [paged_cache(num_blocks, dtype, layout, src, tables) for src in sources]
+    b = random_batch(dtype, layout, n_k, n_v, weighted, seed=1)
+    q, qsl, kw, vw, sources = b.q, b.qsl, b.kw, b.vw, b.sources
     if window:  # blocks wholly left of every query row's window: a window layer never needs them
         for r, (s, t) in enumerate(SEQS):
-            for b in range(max(s - t + 1 - window, 0) // BS):
-                for cache in (c for pair in caches for c in pair):
-                    cache[tables[r][b]] = float("nan")
-    keys, values = [c[0] for c in caches[:n_k]], [c[1] for c in caches[:n_v]]
-    kw = [torch.rand(H_KV, D, generator=g) + 0.5 if weighted else None for _ in range(n_k)]
-    vw = [torch.rand(H_KV, D, generator=g) + 0.5 if weighted else None for _ in range(n_v)]
-    q_lens = [t for _, t in SEQS]
-    q = torch.randn(sum(q_lens), H_Q, D, generator=g)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([s for s, _ in SEQS], dtype=torch.int32)
+            for blk in range(max(s - t + 1 - window, 0) // BS):
+                for cache in (c for pair in b.caches for c in pair):
+                    cache[b.tables[r][blk]] = float("nan")
     out = torch.full_like(q, float("nan"))
     scale = 0.5  # scores of several units: a cap of 2 changes the attention a lot
-    native_paged_attention(q, keys, kw, values, vw, query_rows(qsl, seq_lens, q.shape[0]),
-                           torch.tensor(tables, dtype=torch.int32), scale, kernel_layout(layout), out, window, softcap)
+    native_paged_attention(q, b.keys, kw, b.values, vw, query_rows(qsl, b.seq_lens, q.shape[0]), b.block_table, scale,
+                           kernel_layout(layout), out, window, softcap)
 
     def fused(side, count, weights, r):  # [H_kv, S, D] float64, the tokens as stored (rounded to the cache dtype)
         return sum(sources[i][r][side].to(dtype).double().transpose(0, 1) * (1 if w is None else w.double()[:, None])
