@@ -173,7 +173,7 @@ def _mla_backend(attn: MLA, path: str):
 
 def select_paged_attention(k_sources: Sequence, v_sources: Sequence, *, gpu: bool, head_dim: int,
                            device: torch.device, dtype: torch.dtype, query_dtype: torch.dtype,
-                           native_layout: int | None, window: bool = False, softcap: bool = False) -> str:
+                           native_layout: int | None) -> str:
     """How a FusedKV reconstruction layer served by vLLM attends over its sources' paged caches (one of
     `PAGED_PATHS`), chosen once per layer when serving loads the weights (`fusedkv.serving.paged.select_paths`);
     nothing re-checks per call.
@@ -181,19 +181,17 @@ def select_paged_attention(k_sources: Sequence, v_sources: Sequence, *, gpu: boo
     `k_sources` / `v_sources`: the layer's sources as listed (a layer listed twice counts twice); `gpu`: a
     GPU backend (FlashAttention, Triton) rather than the CPU one; `dtype`: the cache's element type;
     `native_layout`: the CPU backend's block layout as the native kernel names it (`native.PAGED_LAYOUTS`: rows,
-    key blocks transposed, or AMX-packed bf16), None where the kernel does not read it; `window`: a
-    sliding-window layer; `softcap`: attention logit soft-capping (Gemma 2). GPU: decode rows in the paged
-    Triton kernel where it takes the distinct sources and runs on this device and dtype, else gathered
-    (prefill chunks are gathered either way). CPU: one K source is vLLM's op (which takes
-    the window and the soft cap); more run in the native kernel where it is built and reads the cache and the
-    layer has neither a window nor a soft cap (the kernel has neither), else gathered."""
+    key blocks transposed, or AMX-packed bf16), None where the kernel does not read it. GPU: decode rows in the
+    paged Triton kernel where it takes the distinct sources and runs on this device and dtype, else gathered
+    (prefill chunks are gathered either way). CPU: one K source is vLLM's op; more run in the native kernel where
+    it is built and reads the cache, else gathered. Every path takes a sliding window and Gemma 2's soft cap
+    (vLLM's op, both kernels and the gathered factored form), so neither decides the path."""
     if gpu:
         kernel = (query_dtype == dtype and triton_runs_on(device, dtype)
                   and triton_decode_fits(head_dim, len(set(k_sources)), len(set(v_sources))))
         return "triton" if kernel else "gathered"
     if len(k_sources) == 1:
         return "vllm_op"
-    if (not window and not softcap and native.available()
-            and native.paged_supports(dtype, len(k_sources), len(v_sources), native_layout)):
+    if native.available() and native.paged_supports(dtype, len(k_sources), len(v_sources), native_layout):
         return "native"
     return "gathered"

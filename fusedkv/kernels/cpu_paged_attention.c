@@ -3,8 +3,10 @@
  * output) over 1-2 key and 1-2 value sources, nothing fused and nothing gathered.
  *
  * Every query row n (a decode token, or one token of a prefill chunk) belongs to block-table row
- * row_seq[n] and sees that sequence's first row_len[n] keys (causality of a chunk is its rows' lengths):
- *     s_t   = sum_k (a_k[g] (.) q_h) . K_k[t] * scale            (one softmax over the SUM of the scores)
+ * row_seq[n] and sees that sequence's first row_len[n] keys (causality of a chunk is its rows' lengths),
+ * or with a sliding window W only the last W of them (blocks wholly left of the window are not read):
+ *     s_t   = sum_k (a_k[g] (.) q_h) . K_k[t] * scale            (one softmax over the SUM of the scores,
+ *                                                                  soft-capped, c tanh(s_t / c), in Gemma 2)
  *     out_h = sum_v b_v[g] (.) (sum_t p_t V_v[t])
  * Token t of a sequence is slot t % bs of block block_table[row, t / bs]. vLLM's CPU backend keeps each
  * (block, kv head) of bs tokens in one of three layouts (`layout`; the caller learns which from the backend's
@@ -183,36 +185,36 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
 /* The two loops over a sequence's blocks for the register-blocked functions above (element type T), for 1 or 2
  * sources (constants after inlining). */
 #define FAST_SCORES(T, FN, NK)                                                                            \
-    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+    for (int blk = blk0; blk * bs < L; blk++) {                                                           \
         const long off = (long)table[blk] * block_stride + g * head_stride;                               \
         const T* b[2] = {(const T*)k_ptr[0] + off, (const T*)k_ptr[NK - 1] + off};                        \
         const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
         for (int j = 0; j < group; j++)                                                                   \
-            FN(b, NK, qs + (long)j * n_k * D, D, bs, cnt, scores + (long)j * L + t0);                     \
+            FN(b, NK, qs + (long)j * n_k * D, D, bs, cnt, scores + (long)j * S + t0 - first);             \
     }
 #define FAST_VALUES(T, FN, NV)                                                                            \
-    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+    for (int blk = blk0; blk * bs < L; blk++) {                                                           \
         const long off = (long)table[blk] * block_stride + g * head_stride;                               \
         const T* b[2] = {(const T*)v_ptr[0] + off, (const T*)v_ptr[NV - 1] + off};                        \
         const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
         for (int j = 0; j < group; j++)                                                                   \
-            FN(b, NV, scores + (long)j * L + t0, cnt, D, bs, acc + (long)j * n_v * D);                    \
+            FN(b, NV, scores + (long)j * S + t0 - first, cnt, D, bs, acc + (long)j * n_v * D);            \
     }
 #endif
 
 #define EL_F32(p, i) ((p)[i])
 #define EL_BF16(p, i) bf16_to_f32((p)[i])
 
-/* scores[j * L + t] for the query heads j of one kv head, over the sequence's blocks. */
+/* scores[j * S + t - first] for the query heads j of one kv head, over the blocks from key `first` on. */
 #define SCORES(T, EL)                                                                                     \
-    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+    for (int blk = blk0; blk * bs < L; blk++) {                                                           \
         const long block = table[blk];                                                                    \
         const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
         for (int k = 0; k < n_k; k++) {                                                                   \
             const T* base = (const T*)k_ptr[k] + block * block_stride + g * head_stride;                  \
             for (int j = 0; j < group; j++) {                                                             \
                 const float* qk = qs + ((long)j * n_k + k) * D;                                           \
-                float* s = scores + (long)j * L + t0;                                                     \
+                float* s = scores + (long)j * S + t0 - first;                                             \
                 if (layout == PAGED_AMX) {                                                                \
                     for (int i = 0; i < cnt; i++) {                                                       \
                         float a = 0.f;                                                                    \
@@ -241,13 +243,13 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
     }
 
 #define VALUES(T, EL)                                                                                     \
-    for (int blk = 0; blk * bs < L; blk++) {                                                              \
+    for (int blk = blk0; blk * bs < L; blk++) {                                                           \
         const long block = table[blk];                                                                    \
         const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
         for (int v = 0; v < n_v; v++) {                                                                   \
             const T* base = (const T*)v_ptr[v] + block * block_stride + g * head_stride;                  \
             for (int j = 0; j < group; j++) {                                                             \
-                const float* p = scores + (long)j * L + t0;                                               \
+                const float* p = scores + (long)j * S + t0 - first;                                       \
                 float* o = acc + ((long)j * n_v + v) * D;                                                 \
                 for (int i = 0; i < cnt; i++) {                                                           \
                     const float pi = p[i];                                                                \
@@ -263,12 +265,14 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
         }                                                                                                 \
     }
 
-/* q [N, H_q, D] f32 contiguous; out [N, H_q, D] f32 contiguous; `layout` one of PAGED_ROWS, PAGED_KEYS_T,
+/* q [N, H_q, D] f32 contiguous; out [N, H_q, D] f32 contiguous; `window` W > 0: row n sees only its last W keys
+ * (row_len[n] - W <= t, the model's p - W < t <= p), 0: all; `softcap` c > 0: scores -> c tanh(scores / c) after
+ * the scale (Gemma 2), 0: none; `layout` one of PAGED_ROWS, PAGED_KEYS_T,
  * PAGED_AMX (which takes bs and D multiples of 16); every source cache has the same (block, head) strides in
  * elements, a value source's pointer already at its value half; block_table
  * [rows, bt_stride] int32; fusion weights f32 [H_kv, D] (`*_hs` elements between kv heads, 0: shared) or
  * NULL for 1. Returns 0, 1 on a bad argument, 2 when a buffer could not be allocated. */
-int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale, int kind,
+int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale, int window, float softcap, int kind,
                     const int32_t* row_seq, const int32_t* row_len, const int32_t* block_table, long bt_stride,
                     int bs, long block_stride, long head_stride, int layout,
                     int n_k, const void* k0, const void* k1, const float* ka0, const float* ka1, long ka_hs,
@@ -280,6 +284,7 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
     const float* v_w[2] = {vb0, vb1};
     if (H_kv < 1 || H_q % H_kv || n_k < 1 || n_k > 2 || n_v < 1 || n_v > 2 || bs < 1)
         return 1;
+    if (window < 0 || !(softcap >= 0.f)) return 1;
     if (kind != KV_F32 && kind != KV_BF16) return 1;
     if (layout != PAGED_ROWS && layout != PAGED_KEYS_T && layout != PAGED_AMX) return 1;
     if (layout == PAGED_AMX && (bs % 16 || D % 16)) return 1;
@@ -296,9 +301,14 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
             memset(o_rows, 0, sizeof(float) * (size_t)group * D);
             continue;
         }
-        float* scores = malloc(sizeof(float) * ((size_t)group * L + (size_t)group * (n_k + n_v) * D));
+        /* Keys [lo, L): with a window only the last W. The loops run over whole blocks from lo's (`first` = its
+         * first token), so no block left of the window is read; the few keys of that block left of lo (tokens
+         * of this sequence, written) get probability 0. scores: [group, S] over keys first .. L - 1. */
+        const int lo = window > 0 && L > window ? L - window : 0;
+        const int blk0 = lo / bs, first = blk0 * bs, S = L - first, skip = lo - first;
+        float* scores = malloc(sizeof(float) * ((size_t)group * S + (size_t)group * (n_k + n_v) * D));
         if (!scores) { failed = 1; continue; }
-        float* qs = scores + (size_t)group * L;        /* [group, n_k, D]: query with key weights and scale */
+        float* qs = scores + (size_t)group * S;        /* [group, n_k, D]: query with key weights and scale */
         float* acc = qs + (size_t)group * n_k * D;     /* [group, n_v, D] */
         for (int j = 0; j < group; j++)
             for (int k = 0; k < n_k; k++)
@@ -316,15 +326,20 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
         else
 #endif
         if (kind == KV_F32) { SCORES(float, EL_F32) } else { SCORES(uint16_t, EL_BF16) }
-        for (int j = 0; j < group; j++) {  /* softmax over [0, L) */
-            float* s = scores + (long)j * L;
+        for (int j = 0; j < group; j++) {  /* softmax over keys [lo, L): s[skip, S) */
+            float* s = scores + (long)j * S;
             float m = -INFINITY, sum = 0.f;
-            for (int t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
+            if (softcap > 0.f) {  /* on the fused (summed) score, before the softmax */
+                const float inv_cap = 1.f / softcap;
+                for (int t = skip; t < S; t++) s[t] = softcap * tanhf(s[t] * inv_cap);
+            }
+            for (int t = 0; t < skip; t++) s[t] = 0.f;
+            for (int t = skip; t < S; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+:sum)
-            for (int t = 0; t < L; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
+            for (int t = skip; t < S; t++) { s[t] = exp_poly(s[t] - m); sum += s[t]; }
             const float inv = 1.f / sum;
 #pragma omp simd
-            for (int t = 0; t < L; t++) s[t] *= inv;
+            for (int t = skip; t < S; t++) s[t] *= inv;
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D);
 #ifdef PAGED_AVX512

@@ -43,7 +43,8 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "kivi_attention": ([P, I, I, I, F, P, I, P, P, P, P, L, I, P, P, P, P, L, P, I, P, I], I),
     "kivi_flush": ([P, P, L], I),
     # cpu_paged_attention.c (vLLM's paged cache, fusedkv.serving.paged)
-    "paged_attention": ([P, I, I, I, I, F, I, P, P, P, L, I, L, L, I, I, P, P, P, P, L, I, P, P, P, P, L, P, I], I),
+    "paged_attention": ([P, I, I, I, I, F, I, F, I, P, P, P, L, I, L, L, I, I, P, P, P, P, L, I, P, P, P, P, L, P, I],
+                        I),
 }
 
 

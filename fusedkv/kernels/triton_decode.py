@@ -123,7 +123,7 @@ def _fused_decode_stage1(
         m_i, l_i, acc1, acc2 = _attend_tile(
             qa1, qa2, k1_base + offs_n * stride_k1s, k2_base + offs_n * stride_k2s,
             v1_base + offs_n * stride_v1s, v2_base + offs_n * stride_v2s, n_ok, offs_d, m_i, l_i, acc1, acc2,
-            HAS_K2, HAS_V2, USE_DOT, DOT_PRECISION, BLOCK_G)
+            0.0, HAS_K2, HAS_V2, False, USE_DOT, DOT_PRECISION, BLOCK_G)
 
     _fuse_values_and_store(acc1, acc2, m_i, l_i, VW1, VW2, O_PART, LSE_PART, OUT, b, j, split, heads, g_ok, offs_d,
                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,

@@ -82,17 +82,29 @@ def _fused_queries(Q, K1, K2, KW1, KW2, b, j, heads, g_ok, offs_d, stride_qb, st
 
 
 @triton.jit
-def _attend_tile(qa1, qa2, k1_rows, k2_rows, v1_rows, v2_rows, n_ok, offs_d, m_i, l_i, acc1, acc2,
-                 HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+def _softcap(s, cap2):
+    # Gemma 2's soft cap on base-2 scores: s = log2(e) * x with x the scaled score and cap2 = log2(e) * c,
+    # so c * tanh(x / c) in base 2 is cap2 * tanh(s / cap2).  tanh(y) = 1 - 2 / (e^(2y) + 1): finite for
+    # every y (e^(2y) = inf gives 1, 0 gives -1), with an absolute error of a few fp32 ulps of 1.
+    return cap2 - 2.0 * cap2 / (tl.exp2(s * (2.0 * 1.4426950408889634 / cap2)) + 1.0)
+
+
+@triton.jit
+def _attend_tile(qa1, qa2, k1_rows, k2_rows, v1_rows, v2_rows, n_ok, offs_d, m_i, l_i, acc1, acc2, softcap,
+                 HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, SOFTCAP: tl.constexpr,
                  USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr):
     # One tile of BLOCK_N keys.  *_rows: [BLOCK_N] pointers to each key's D-vector in a source (the
     # kernels differ only in how they find them); n_ok: which keys are valid (others are not loaded).
     # Updates the running max m_i, sum l_i and the fp32 accumulator of each V source (online softmax).
+    # SOFTCAP: cap the fused scores (softcap = log2(e) * c, see _softcap); the cap applies to the sum of
+    # the sources' scores, the fused key's score (paper Sec. 3.3), not to each source's.
     k1 = tl.load(k1_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     s = _qk(qa1, k1, USE_DOT, DOT_PRECISION, BLOCK_G)
     if HAS_K2:
         k2 = tl.load(k2_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
         s += _qk(qa2, k2, USE_DOT, DOT_PRECISION, BLOCK_G)
+    if SOFTCAP:
+        s = _softcap(s, softcap)
     s = tl.where(n_ok[None, :], s, float("-inf"))
 
     # Online softmax (base 2); the caller visits only tiles holding >= 1 valid key, so m_new is finite.

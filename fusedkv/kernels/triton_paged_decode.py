@@ -21,6 +21,16 @@ Split sizes depend only on the block table's width (the longest sequence a reque
 caller passes ``max_seq_len``: the launch then never reads a device value, so it can be captured in a
 CUDA graph and replayed with longer sequences.  Splits past a sequence's end run no iteration.
 
+Two features of served architectures, each behind a constexpr (compiled out when off):
+
+* a sliding window W: the query at position ``p = seq_lens[b] - 1`` sees ``p - W < t <= p``, the last W
+  positions (the model's convention, and vLLM's: FlashAttention's ``window_size`` is ``(W - 1, 0)``).  The
+  splits cut only that range (from its start rounded down to a tile), so a key left of the window is
+  never loaded: the blocks a window layer has freed are not read, and long sequences cost O(W).
+* Gemma 2's attention logit soft cap c: scores -> ``c * tanh(scores / c)`` after the scale, before the
+  softmax.  The cap is not linear, so it applies to the fused score (the sum over K sources above), never
+  per source; ``tanh`` is written with ``exp2`` (finite everywhere, a few fp32 ulps of c from exact).
+
 This module imports Triton at import time; import it lazily.
 """
 
@@ -65,8 +75,8 @@ def _paged_decode_stage1(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    H_KV, G, CHUNK, qk_scale,
-    HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,
+    H_KV, G, CHUNK, qk_scale, WINDOW, softcap,
+    HAS_K2: tl.constexpr, HAS_V2: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_KW1: tl.constexpr, HAS_KW2: tl.constexpr, HAS_VW1: tl.constexpr, HAS_VW2: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
@@ -84,9 +94,17 @@ def _paged_decode_stage1(
     qa1, qa2 = _fused_queries(Q, K1, K2, KW1, KW2, b, j, heads, g_ok, offs_d, stride_qb, stride_qh, qk_scale,
                               HAS_K2, HAS_KW1, HAS_KW2, USE_DOT, DOT_PRECISION, D)
 
-    # ---- this split's keys: [split * CHUNK, min(+CHUNK, seq_len)); none past the sequence's end -----
+    # ---- this split's keys: [base + split * CHUNK, min(+CHUNK, seq_len)); none past the sequence's end -
+    # With a window W the query (position seq_len - 1) sees keys win_lo = seq_len - W .. seq_len - 1; the
+    # splits share the keys from win_lo rounded down to a tile, so none visits (or loads) a key left of the
+    # window but the first tile's few, which are masked (a window layer's freed blocks are never read).
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
-    lo = split * CHUNK
+    win_lo = 0
+    base = 0
+    if HAS_WINDOW:
+        win_lo = tl.maximum(seq_len - WINDOW, 0)
+        base = (win_lo // BLOCK_N) * BLOCK_N
+    lo = base + split * CHUNK
     hi = tl.minimum(lo + CHUNK, seq_len)
     hi = tl.where(lo < hi, hi, lo)
 
@@ -102,10 +120,13 @@ def _paged_decode_stage1(
     acc1 = tl.zeros([BLOCK_G, D], tl.float32)
     acc2 = tl.zeros([BLOCK_G, D], tl.float32)
 
-    # Every visited tile holds >= 1 valid key (lo < seq_len), which keeps the running max finite.
+    # Every visited tile holds >= 1 valid key (lo < seq_len, and the first holds win_lo), which keeps the
+    # running max finite.
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
+        if HAS_WINDOW:
+            n_ok = n_ok & (offs_n >= win_lo)
         # Physical block of each key (int64: block * block stride can pass 2^31 elements).
         block = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
         slot = (offs_n % PAGE).to(tl.int64)
@@ -114,7 +135,8 @@ def _paged_decode_stage1(
         v1_rows = v1_head + (block * stride_v1n + slot * stride_v1t)
         v2_rows = v2_head + (block * stride_v2n + slot * stride_v2t)
         m_i, l_i, acc1, acc2 = _attend_tile(qa1, qa2, k1_rows, k2_rows, v1_rows, v2_rows, n_ok, offs_d,
-                                            m_i, l_i, acc1, acc2, HAS_K2, HAS_V2, USE_DOT, DOT_PRECISION, BLOCK_G)
+                                            m_i, l_i, acc1, acc2, softcap, HAS_K2, HAS_V2, SOFTCAP,
+                                            USE_DOT, DOT_PRECISION, BLOCK_G)
 
     _fuse_values_and_store(acc1, acc2, m_i, l_i, VW1, VW2, O_PART, LSE_PART, OUT, b, j, split, heads, g_ok, offs_d,
                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -133,6 +155,8 @@ def paged_decode_attention(
     *,
     out: Tensor | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -150,6 +174,11 @@ def paged_decode_attention(
         scale: softmax scale, default ``1/sqrt(D)``.
         out: optional ``[B, H_q, D]`` tensor (q's dtype) to write into, e.g. rows of vLLM's output.
         max_seq_len: an upper bound of ``seq_lens`` (None: the block table's width * block_size).
+        window: a sliding window W >= 1: the query (position ``seq_lens[b] - 1``) sees only the last W keys,
+            ``seq_lens[b] - W <= t`` (the model's and vLLM's convention, p - W < t <= p); keys left of it
+            are not read. None: every key.
+        softcap: Gemma 2's attention logit soft cap c > 0: scores -> c * tanh(scores / c) after the scale,
+            before the softmax. None (or 0, vLLM's "off"): no cap.
         num_splits, block_n, num_warps: launch overrides.
 
     Returns ``out`` (or a new ``[B, H_q, D]`` tensor in q's dtype).
@@ -202,6 +231,10 @@ def paged_decode_attention(
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be [B, H_q, D] in q's dtype with unit stride in D, got {out.dtype} "
                          f"{tuple(out.shape)}")
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"window must be a positive number of keys (or None), got {window!r}")
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(f"softcap must be positive (or 0 / None: no cap), got {softcap!r}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     kw = [None if w is None else expand_weight(w, h_kv, d).to(q.device).contiguous() for w in kw]
@@ -209,7 +242,8 @@ def paged_decode_attention(
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     return paged_decode_step(q, ks, kw, vs, vw, block_table, seq_lens.contiguous(), scale, out=out,
-                             max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n, num_warps=num_warps)
+                             max_seq_len=max_seq_len, window=window, softcap=softcap, num_splits=num_splits,
+                             block_n=block_n, num_warps=num_warps)
 
 
 def paged_decode_step(
@@ -224,6 +258,8 @@ def paged_decode_step(
     *,
     out: Tensor | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -248,11 +284,15 @@ def paged_decode_step(
         auto_n = max(16, auto_n // 2)
     block_n = auto_n if block_n is None else int(block_n)
     num_warps = auto_warps if num_warps is None else int(num_warps)
+    # The keys a split may visit span at most s_max, or with a window W the last W rounded down to a tile
+    # (at most W + block_n - 1): the splits cut that span, not the whole sequence.
+    window = int(window) if window else None
+    span = s_max if window is None else min(s_max, window + block_n - 1)
     if num_splits is None:
-        num_splits = choose_num_splits(s_max, bsz * h_kv, block_n, _num_sms(device))
-    num_splits = max(1, min(int(num_splits), triton.cdiv(s_max, block_n)))
-    # num_splits * chunk >= s_max: every key below the bound belongs to exactly one split.
-    chunk = triton.cdiv(triton.cdiv(s_max, num_splits), block_n) * block_n
+        num_splits = choose_num_splits(span, bsz * h_kv, block_n, _num_sms(device))
+    num_splits = max(1, min(int(num_splits), triton.cdiv(span, block_n)))
+    # num_splits * chunk >= span: every key the query sees belongs to exactly one split.
+    chunk = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
 
     if out is None:
         out = torch.empty(bsz, h_q, d, dtype=q.dtype, device=device)
@@ -289,8 +329,8 @@ def paged_decode_step(
         sp[0], sp[1], sp[2],
         sl[0], sl[1],
         out.stride(0), out.stride(1),
-        h_kv, g, chunk, scale * _LOG2E,
-        HAS_K2=len(ks) > 1, HAS_V2=len(vs) > 1,
+        h_kv, g, chunk, scale * _LOG2E, window or 0, float(softcap or 0.0) * _LOG2E,
+        HAS_K2=len(ks) > 1, HAS_V2=len(vs) > 1, HAS_WINDOW=window is not None, SOFTCAP=bool(softcap),
         HAS_KW1=kw1 is not None, HAS_KW2=kw2 is not None,
         HAS_VW1=vw1 is not None, HAS_VW2=vw2 is not None,
         SINGLE_SPLIT=single, USE_DOT=use_dot, DOT_PRECISION="ieee" if exact else "default",

@@ -23,9 +23,9 @@ The ways to evaluate it, chosen once per layer by the engine's selection
     sources' scores, which no call of the op computes (nor per-source calls merged by log-sum-exp: those
     are separate softmaxes). The native kernel `cpu_paged_attention.c` reads every source's blocks in
     place through the block table, decode rows and prefill chunks in one call (`native_paged_attention`).
-  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, a window or
-    a soft cap, a block layout it does not read): the blocks of each sequence are gathered into contiguous
-    tensors and `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
+  * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, a block layout
+    it does not read): the blocks of each sequence are gathered into contiguous tensors and
+    `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
 
 The CPU backend stores blocks in its own layout (the "vec" ISA keeps each key block transposed,
 [head_dim, block]; the "amx" ISA, bf16 caches on processors with AMX, packs keys and values in pairs:
@@ -38,6 +38,10 @@ view those backends take of their [num_blocks, H_kv, block_size, 2 * D] tensor) 
 other layers goes through `paged_cross_layer_attention`: decode rows in one launch of the paged Triton
 kernel (`fusedkv.kernels.triton_paged_decode`, which reads the source blocks in place through the block
 table), prefill chunks gathered per sequence into `factored_attention` with the causal mask.
+
+Every path, CPU and GPU, takes the layer's sliding window (a query at p sees keys p - W < k <= p; the kernels
+read no block left of it) and Gemma 2's soft cap (c tanh(s / c) on the fused scores, which the factored form of
+Sec. 3.3 forms before the softmax); on GPU, ALiBi and attention sinks are refused.
 """
 
 from __future__ import annotations
@@ -173,10 +177,11 @@ def query_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens
 
 def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: list, values: list[torch.Tensor],
                            v_weights: list, rows, block_table: torch.Tensor, scale: float, layout: int,
-                           out: torch.Tensor) -> torch.Tensor:
+                           out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """`cpu_paged_attention.c` over vLLM's CPU caches in place: q [T, H_q, D], caches [num_blocks, H_kv, bs, D]
     (the backend's split views) with their blocks in `layout` (`kernel_layout`'s name), `rows` from
-    `query_rows`; writes and returns `out` [T, H_q, D]. For layers
+    `query_rows`; writes and returns `out` [T, H_q, D]. `window` W: each row sees only its last W keys (p - W < k
+    <= p); `softcap` c: scores -> c tanh(scores / c) after the scale (None or 0: neither). For layers
     the engine's selection gave this kernel (`native.paged_supports`, a readable block layout); arguments it
     cannot read are a ValueError (the kernel reads raw pointers), never a quiet fallback."""
     kind = native.PAGED_KINDS.get(keys[0].dtype)
@@ -204,8 +209,9 @@ def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights:
     of = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(t, h_q, d)
     row_seq, row_len = rows
     status = native.library().paged_attention(
-        qf.data_ptr(), t, h_q, h_kv, d, scale, kind, row_seq.data_ptr(), row_len.data_ptr(), block_table.data_ptr(),
-        block_table.stride(0), bs, keys[0].stride(0), keys[0].stride(1), layout,
+        qf.data_ptr(), t, h_q, h_kv, d, scale, int(window or 0), float(softcap or 0.0), kind, row_seq.data_ptr(),
+        row_len.data_ptr(), block_table.data_ptr(), block_table.stride(0), bs, keys[0].stride(0), keys[0].stride(1),
+        layout,
         len(keys), keys[0].data_ptr(), keys[-1].data_ptr(), ka0, ka1, d,
         len(values), values[0].data_ptr(), values[-1].data_ptr(), vb0, vb1, d,
         of.data_ptr(), torch.get_num_threads())
@@ -240,7 +246,8 @@ def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor],
                                 value_caches: list[torch.Tensor], v_weights: list, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, *,
                                 out: torch.Tensor | None = None, max_query_len: int | None = None,
-                                max_seq_len: int | None = None, use_kernel: bool) -> torch.Tensor:
+                                max_seq_len: int | None = None, window: int | None = None,
+                                softcap: float | None = None, use_kernel: bool) -> torch.Tensor:
     """Attention of one vLLM batch over fused paged sources (paper Sec. 3.3), nothing fused written.
 
     q: [T, H_q, D], the batch's query tokens, request r owning rows query_start_loc[r] : query_start_loc[r+1];
@@ -248,9 +255,11 @@ def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor],
     ([num_blocks, block_size, H_kv, D]); weights per source [H_kv, D] or None. Decode rows (one query token)
     run batched, in the paged Triton kernel when `use_kernel` (the engine's choice for the layer:
     `select_paged_attention`), else gathered into `factored_attention`; longer rows (prefill, chunked
-    prefill) are gathered per request and run with the causal mask. A batch of decode rows only
-    (`max_query_len` 1) is one kernel launch that reads no device value (CUDA-graph safe); mixed batches
-    read the row lengths on the host.
+    prefill) are gathered per request and run with the causal mask. `window` W (None: none): a query at
+    position p sees keys p - W < k <= p, and keys left of every row's window are not read; `softcap` c (None
+    or 0: none): scores -> c tanh(scores / c) after the scale (Gemma 2), on the fused scores. A batch of
+    decode rows only (`max_query_len` 1) is one kernel launch that reads no device value (CUDA-graph safe);
+    mixed batches read the row lengths on the host.
     Returns `out` (a new [T, H_q, D] tensor in q's dtype if None); rows of no request are left untouched."""
     ks, kw = merge_duplicate_sources(list(key_caches), list(k_weights))
     vs, vw = merge_duplicate_sources(list(value_caches), list(v_weights))
@@ -258,6 +267,7 @@ def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor],
     vw = [None if w is None else w.contiguous() for w in vw]
     block_size = ks[0].shape[1]
     num_reqs = query_start_loc.shape[0] - 1
+    window, softcap = window or None, softcap or None
     if out is None:
         out = torch.empty_like(q)
     if use_kernel:
@@ -266,7 +276,7 @@ def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor],
     if use_kernel and max_query_len == 1 and num_reqs <= q.shape[0]:
         # Decode only: request r's token is row r (requests past the real ones have seq_len 0 -> zeros).
         paged_decode_step(q[:num_reqs], ks, kw, vs, vw, block_table, seq_lens, scale, out=out[:num_reqs],
-                          max_seq_len=max_seq_len)
+                          max_seq_len=max_seq_len, window=window, softcap=softcap)
         return out
 
     starts = query_start_loc.tolist()
@@ -277,30 +287,57 @@ def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor],
         tokens = torch.tensor([starts[r] for r in decodes], device=q.device)
         if use_kernel:
             out[tokens] = paged_decode_step(q[tokens], ks, kw, vs, vw, block_table[rows], seq_lens[rows], scale,
-                                            max_seq_len=max(lens[r] for r in decodes))
-        else:  # padded to the longest sequence, the tail masked
+                                            max_seq_len=max(lens[r] for r in decodes), window=window,
+                                            softcap=softcap)
+        else:  # padded to the longest sequence, the tail (and what lies left of a window) masked
             n_blocks = -(-max(lens[r] for r in decodes) // block_size)
             # Table entries past a shorter sequence's end are not its blocks: any valid index will do.
             blocks = block_table[rows, :n_blocks].clamp(0, ks[0].shape[0] - 1)
-            mask = torch.arange(n_blocks * block_size, device=q.device)[None, :] < seq_lens[rows, None]
-            # Zero the tail of the values too: a weight of 0 times whatever the slot holds must stay 0.
+            key_pos = torch.arange(n_blocks * block_size, device=q.device)[None, :]
+            mask = key_pos < seq_lens[rows, None]
+            if window:  # the query at position s - 1 sees keys s - W .. s - 1
+                mask &= key_pos >= seq_lens[rows, None] - window
+            # Zero the masked values too: a weight of 0 times whatever the slot holds must stay 0.
             v_src = [gather_paged(c, blocks).masked_fill_(~mask[:, None, :, None], 0) for c in vs]
             o = factored_attention(q[tokens].unsqueeze(2), [gather_paged(c, blocks) for c in ks], kw, v_src, vw,
-                                   mask=mask[:, None, None, :], scale=scale)
+                                   mask=mask[:, None, None, :], scale=scale, softcap=softcap)
             out[tokens] = o[:, :, 0].to(out.dtype)
     for r in range(num_reqs):
         t = starts[r + 1] - starts[r]
         if t <= 1:
             continue
         s = lens[r]
-        blocks = block_table[r:r + 1, : -(-s // block_size)]
-        # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i.
-        mask = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - t, s, device=q.device)[:, None]
+        # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i, or with a window only
+        # the last W of those: keys before the first query's window (from `first`) are not gathered.
+        first = max(s - t - window + 1, 0) if window else 0
+        blocks = block_table[r:r + 1, first // block_size: -(-s // block_size)]
+        skip = first - first // block_size * block_size
+        q_pos = torch.arange(s - t, s, device=q.device)[:, None]
+        key_pos = torch.arange(first, s, device=q.device)[None, :]
+        mask = key_pos <= q_pos
+        if window:
+            mask &= q_pos - key_pos < window
         qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
-        o = factored_attention(qr, [gather_paged(c, blocks)[:, :, :s] for c in ks], kw,
-                               [gather_paged(c, blocks)[:, :, :s] for c in vs], vw, mask=mask, scale=scale)
+        o = factored_attention(qr, [gather_paged(c, blocks)[:, :, skip:skip + s - first] for c in ks], kw,
+                               [gather_paged(c, blocks)[:, :, skip:skip + s - first] for c in vs], vw, mask=mask,
+                               scale=scale, softcap=softcap)
         out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+def layer_window(sliding_window, on_gpu: bool) -> int | None:
+    """A backend impl's `sliding_window` as the window W of the model's convention (a query at position p sees
+    keys p - W < k <= p), None for no window. vLLM's CPU backend holds W (-1: none); its FlashAttention and
+    Triton backends hold FlashAttention's `window_size` pair (W - 1, 0), keys p - (W - 1) .. p ((-1, -1): none)."""
+    if not on_gpu:
+        return None if sliding_window in (None, -1) else int(sliding_window)
+    left, right = tuple(sliding_window)
+    if (left, right) == (-1, -1):
+        return None
+    if left < 0 or right != 0:
+        raise NotImplementedError(f"sliding window {(left, right)}: FusedKV reconstruction layers take causal "
+                                  "windows (W - 1, 0) only")
+    return left + 1
 
 
 class CrossLayerAttention:
@@ -324,10 +361,13 @@ class CrossLayerAttention:
             raise NotImplementedError(
                 f"kv_cache_dtype={base_impl.kv_cache_dtype!r}: FusedKV reconstruction layers read unquantised caches; "
                 "serve with the default --kv-cache-dtype auto")
-        if self.on_gpu and (base_impl.alibi_slopes is not None or tuple(base_impl.sliding_window) != (-1, -1)
-                            or base_impl.logits_soft_cap or getattr(base_impl, "sinks", None) is not None):
-            raise NotImplementedError("FusedKV reconstruction layers on GPU take plain causal attention "
-                                      "(no ALiBi, sliding window, soft cap or sinks)")
+        if self.on_gpu and (base_impl.alibi_slopes is not None or getattr(base_impl, "sinks", None) is not None):
+            raise NotImplementedError("FusedKV reconstruction layers on GPU take causal attention with an optional "
+                                      "sliding window and soft cap (no ALiBi or sinks)")
+        # The layer's window W (None: none) and soft cap c (None: none), as the model has them (a query at p
+        # sees keys p - W < k <= p); the backends hold the window in their own forms (`layer_window`).
+        self.window = layer_window(base_impl.sliding_window, self.on_gpu)
+        self.softcap = base_impl.logits_soft_cap or None
         self.base = base_impl
         self.k_layers, self.v_layers = list(k_layers), list(v_layers)
         self.weights = weights
@@ -374,6 +414,8 @@ class CrossLayerAttention:
 
     # ---- GPU backends: the paged kernel for decode rows, gathered prefill --------------------------
     def _on_gpu(self, layer, layers, q, meta, out, use_kernel: bool):
+        if not self._one_block_table:
+            self._check_one_block_table(meta)
         # One split per layer: a layer listed twice gives the same tensors, which the kernel merges.
         split = {n: split_gpu_kv_cache(layers[n].kv_cache, self.base.head_size)
                  for n in dict.fromkeys(self.k_layers + self.v_layers)}
@@ -386,7 +428,8 @@ class CrossLayerAttention:
         paged_cross_layer_attention(
             q, keys, k_weights, values, v_weights, meta.query_start_loc, meta.seq_lens, meta.block_table,
             self.base.scale, out=out, max_query_len=meta.max_query_len,
-            max_seq_len=None if capturing else meta.max_seq_len, use_kernel=use_kernel)
+            max_seq_len=None if capturing else meta.max_seq_len, window=self.window, softcap=self.softcap,
+            use_kernel=use_kernel)
 
     # ---- one K source: vLLM's op, once per V source ---------------------------------------------
     def _with_cpu_op(self, layer, layers, q, meta, out):
@@ -419,13 +462,36 @@ class CrossLayerAttention:
                 out.add_(target)
 
     # ---- several K sources: the native kernel over the blocks in place -----------------------------
+    _one_block_table = False  # GPU: the sources were seen to share this layer's block table (once is enough)
+
+    def _check_one_block_table(self, meta) -> None:
+        """The kernel and the gather read every source through this layer's block table (its KV-cache group's, its
+        first K source's). On GPU, vLLM's hybrid KV-cache manager can give a sliding-window hybrid's layers of one
+        type several groups, each with its own block table: a source in another group would be read at the wrong
+        blocks, so that is refused, once, at the first step with metadata (the groups are fixed by then)."""
+        from vllm.forward_context import get_forward_context
+
+        per_layer = get_forward_context().attn_metadata
+        if not isinstance(per_layer, dict):  # micro-batched steps list one dict per micro-batch: checked elsewhere
+            return
+        ptr = meta.block_table.data_ptr()
+        others = [n for n in dict.fromkeys(self.k_layers + self.v_layers)
+                  if getattr(per_layer.get(n), "block_table", None) is not None
+                  and per_layer[n].block_table.data_ptr() != ptr]
+        if others:
+            raise NotImplementedError(
+                f"a FusedKV reconstruction layer reads {others} from other KV-cache groups than its own (vLLM's hybrid "
+                "KV-cache manager gave them separate block tables); serve with --disable-hybrid-kv-cache-manager")
+        self._one_block_table = True
+
     _step_rows: tuple = (None, None)  # (a step's metadata, its `query_rows`): shared by every layer of the step
 
     def _native(self, layer, layers, q, meta, out):
         keys, values, k_weights, v_weights = self._cpu_sources(layers)
         if meta.max_query_len < GATHER_PREFILL_ROWS:  # decode steps: every row in the kernel
             native_paged_attention(q, keys, k_weights, values, v_weights, self._rows(meta, q.shape[0]),
-                                   meta.block_table, self.base.scale, self.kernel_layout, out)
+                                   meta.block_table, self.base.scale, self.kernel_layout, out, self.window,
+                                   self.softcap)
             return
         # Long prefill chunks as matrix products over their gathered blocks (the kernel works row by row, and
         # a chunk of t rows re-reads the sequence t times); the other rows in the kernel.
@@ -441,7 +507,8 @@ class CrossLayerAttention:
             row_seq, row_len = self._rows(meta, q.shape[0])
             o = native_paged_attention(q[tokens], keys, k_weights, values, v_weights,
                                        (row_seq[tokens].contiguous(), row_len[tokens].contiguous()), meta.block_table,
-                                       self.base.scale, self.kernel_layout, torch.empty_like(q[tokens]))
+                                       self.base.scale, self.kernel_layout, torch.empty_like(q[tokens]), self.window,
+                                       self.softcap)
             out[tokens] = o.to(out.dtype)
 
     @staticmethod
@@ -534,7 +601,5 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
             layout = cpu_cache_layout(model_dtype, dtype, impl.kv_cache_dtype, block_size, impl.head_size)
         path = select_paged_attention(impl.k_layers, impl.v_layers, gpu=impl.on_gpu, head_dim=impl.head_size,
                                       device=device, dtype=dtype, query_dtype=model_dtype,
-                                      native_layout=kernel_layout(layout),
-                                      window=impl.base.sliding_window not in (None, -1),
-                                      softcap=bool(impl.base.logits_soft_cap))
+                                      native_layout=kernel_layout(layout))
         impl.use(path, layout)

@@ -4,8 +4,10 @@ interpreter runs them on CPU (`_triton_paged_interpret_cases.py`), `test_triton_
 The reference is built independently of the code under test: every sequence's blocks are copied out of
 the paged caches into contiguous float64 tensors, the fused K and V are materialised
 (K = sum_s a_s (.) K_s, V = sum_s b_s (.) V_s, paper Sec. 2.2, Eqs. 4-5) and plain softmax attention
-runs on them. Cache blocks that no sequence owns, and the slots past each sequence's end, hold NaN: a
-key the kernel reads but should not shows up as NaN in its output.
+runs on them, with the causal mask (and a sliding window: a query at p sees keys p - W < k <= p, the
+model's convention) and Gemma 2's soft cap on the scaled scores. Cache blocks that no sequence owns, and
+the slots past each sequence's end, hold NaN: a key the kernel reads but should not shows up as NaN in
+its output (`poison_left_of_window` does the same to the keys left of every query's window).
 """
 
 from __future__ import annotations
@@ -83,9 +85,22 @@ def _fuse(caches, weights, blocks, s) -> torch.Tensor:
     return sum(contiguous(c) * (1.0 if w is None else w[:, None, :]) for c, w in zip(caches, weights))
 
 
-def reference(ref, scale=None) -> torch.Tensor:
+def poison_left_of_window(dev, ref, window) -> None:
+    """NaN into the device caches' slots that no query of a request sees under a window of W (keys before
+    s - t - W + 1 for t query tokens over s keys): blocks a window layer frees hold anything. The reference
+    keeps its copies (it masks those keys)."""
+    caches = {id(c): c for c in (*dev["key_caches"], *dev["value_caches"])}.values()
+    for r, (s, t) in enumerate(zip(ref["seq_lens"], ref["query_lens"])):
+        for pos in range(max(s - t - window + 1, 0)):
+            blk, slot = int(ref["block_table"][r, pos // BLOCK]), pos % BLOCK
+            for c in caches:
+                c[blk, slot] = float("nan")
+
+
+def reference(ref, scale=None, window=None, softcap=None) -> torch.Tensor:
     """Float64 attention per request with materialised fused K/V; query token i of a request with t query
-    tokens and s keys sits at position s - t + i (causal). Returns [T, H_q, D]."""
+    tokens and s keys sits at position s - t + i (causal; with a `window` W it sees keys p - W < k <= p).
+    `softcap` c: scores -> c tanh(scores / c) after the scale. Returns [T, H_q, D]."""
     q = ref["q"]
     h_q, d = q.shape[1], q.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -98,7 +113,12 @@ def reference(ref, scale=None) -> torch.Tensor:
         k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
         qr = q[row:row + t].transpose(0, 1)  # [H_q, t, D]
         scores = scale * qr @ k.transpose(1, 2)  # [H_q, t, s]
-        causal = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos, k_pos = torch.arange(s - t, s)[:, None], torch.arange(s)[None, :]
+        causal = k_pos <= q_pos
+        if window:
+            causal &= q_pos - k_pos < window
         if s == 0:
             outs.append(torch.zeros(t, h_q, d, dtype=torch.float64))
         else:
@@ -113,32 +133,40 @@ def max_error(out, ref_out) -> float:
 
 
 def check_kernel(seq_lens, h_kv, g, n_k, n_v, weighted, device, *, dtype=torch.float32, num_splits=None,
-                 vllm_strides=True, tol=1e-5, seed=0, d=D, **launch):
+                 vllm_strides=True, tol=1e-5, seed=0, d=D, scale=None, window=None, softcap=None, **launch):
+    """The kernel against `reference`; with a `window`, the keys left of it hold NaN (never read)."""
     from fusedkv.kernels.triton_paged_decode import paged_decode_attention
 
     dev, ref = make_paged(seq_lens, h_kv, g, n_k, n_v, weighted, dtype=dtype, device=device,
                           vllm_strides=vllm_strides, seed=seed, d=d)
+    if window:
+        poison_left_of_window(dev, ref, window)
     out = paged_decode_attention(dev["q"], dev["key_caches"], dev["k_weights"], dev["value_caches"],
-                                 dev["v_weights"], dev["block_table"], dev["seq_lens"], num_splits=num_splits,
-                                 **launch)
+                                 dev["v_weights"], dev["block_table"], dev["seq_lens"], scale, num_splits=num_splits,
+                                 window=window, softcap=softcap, **launch)
     assert out.shape == dev["q"].shape and out.dtype == dtype
-    want = reference(ref)
+    want = reference(ref, scale, window, softcap)
     err = max_error(out, want) / (want.abs().max().item() if dtype != torch.float32 else 1.0)
-    assert err < tol, (seq_lens, h_kv, g, n_k, n_v, weighted, dtype, num_splits, err)
-    return out
+    assert err < tol, (seq_lens, h_kv, g, n_k, n_v, weighted, dtype, num_splits, window, softcap, err)
+    return out, ref
 
 
 def check_batch(seq_lens, query_lens, h_kv, g, n_k, n_v, weighted, device, *, use_kernel, dtype=torch.float32,
-                tol=1e-5):
-    """`paged_cross_layer_attention` over a vLLM batch (decode rows and prefill chunks mixed)."""
+                tol=1e-5, scale=None, window=None, softcap=None):
+    """`paged_cross_layer_attention` over a vLLM batch (decode rows and prefill chunks mixed); with a `window`,
+    the keys left of every query's window hold NaN (never read)."""
     from fusedkv.serving.paged import paged_cross_layer_attention
 
     dev, ref = make_paged(seq_lens, h_kv, g, n_k, n_v, weighted, dtype=dtype, device=device,
                           query_lens=query_lens, seed=1)
+    if window:
+        poison_left_of_window(dev, ref, window)
+    scale = dev["q"].shape[-1] ** -0.5 if scale is None else scale
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     out = torch.full_like(dev["q"], float("nan"))
     paged_cross_layer_attention(dev["q"], dev["key_caches"], dev["k_weights"], dev["value_caches"], dev["v_weights"],
-                                starts, dev["seq_lens"], dev["block_table"], dev["q"].shape[-1] ** -0.5, out=out,
-                                max_query_len=max(query_lens), use_kernel=use_kernel)
-    err = max_error(out, reference(ref))
-    assert err < tol, (seq_lens, query_lens, use_kernel, err)
+                                starts, dev["seq_lens"], dev["block_table"], scale, out=out,
+                                max_query_len=max(query_lens), window=window, softcap=softcap, use_kernel=use_kernel)
+    err = max_error(out, reference(ref, scale, window, softcap))
+    assert err < tol, (seq_lens, query_lens, use_kernel, window, softcap, err)
+    return out, ref

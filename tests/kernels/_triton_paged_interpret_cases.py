@@ -14,9 +14,10 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/test_triton_paged_decode.py"
 
-from _paged_decode_checks import check_batch, check_kernel, make_paged  # noqa: E402
+from _paged_decode_checks import check_batch, check_kernel, make_paged, max_error, reference  # noqa: E402
 
 from fusedkv.kernels.triton_paged_decode import paged_decode_attention  # noqa: E402
+from tests.conftest import tiered  # noqa: E402
 
 # Block 16: 1 token, a full block, lengths inside a block, three blocks and a bit.
 SEQ_LENS = [1, 16, 37, 50]
@@ -80,3 +81,49 @@ def test_argument_errors():
                     seq_lens=lens) | change
         with pytest.raises(ValueError, match=message):
             paged_decode_attention(**args)
+
+
+# ---- sliding window and soft cap (Gemma 2 / Mistral-style layers served on GPU) ----------------------------
+# Block 16; lengths shorter than, equal to and longer than the window, ending mid-block and on a block's end.
+WINDOW_LENS = [1, 7, 19, 20, 21, 32, 50]
+# (K sources, V sources, weighted, G, window, softcap): FusedKV (2 K, 2 V, weights), Lite (1 K, 1 V), GQA and
+# MHA, tl.dot (G = 8); window 1 (only the query's own key), a window inside one block, one over three.
+WINDOW_CASES = tiered(
+    [(2, 2, True, 2, 20, None), (1, 1, False, 1, 20, 2.5), (2, 2, True, 2, 20, 2.5), (2, 1, True, 1, 1, None),
+     (2, 2, True, 8, 7, 2.5), (1, 2, False, 2, 16, None), (2, 2, True, 2, None, 2.5), (2, 2, True, 1, 48, 2.5)],
+    lambda n_k, n_v, weighted, g, window, softcap: (n_k, g, window) in [(2, 2, 20), (1, 1, 20)],
+    lambda *case: "k{}-v{}-{}-g{}-w{}-cap{}".format(*case))
+
+
+@pytest.mark.parametrize("n_k, n_v, weighted, g, window, softcap", WINDOW_CASES)
+def test_window_and_softcap_kernel(n_k, n_v, weighted, g, window, softcap):
+    # Scale 1 (head_dim 16): scores of a few units, so a cap of 2.5 changes the attention a lot.
+    out, ref = check_kernel(WINDOW_LENS, 2, g, n_k, n_v, weighted, "cpu", scale=1.0, window=window, softcap=softcap,
+                            num_splits=3, block_n=16)
+    # The test can fail: without the window (or the cap) the reference is far from what the kernel gave.
+    for wrong in ([reference(ref, 1.0, None, softcap)] if window and window < max(WINDOW_LENS) else []) + (
+            [reference(ref, 1.0, window, None)] if softcap else []):
+        assert max_error(out, wrong) > 1e-2
+
+
+def test_window_automatic_launch_and_long_sequence():
+    # Splits cut the window only (chosen automatically): most of a 300-key sequence lies left of it (NaN there).
+    check_kernel([300, 5, 129], 2, 2, 2, 2, True, "cpu", window=24, softcap=2.5, scale=1.0)
+
+
+@pytest.mark.parametrize("use_kernel, window, softcap", tiered(
+    [(True, 8, 2.5), (False, 8, 2.5), (True, 1, None), (False, 1, None), (True, 20, None), (False, None, 2.5)],
+    lambda use_kernel, window, softcap: window == 8))
+def test_window_and_softcap_mixed_batch(use_kernel, window, softcap):
+    # Decode rows shorter and longer than the window, a chunk of 20 starting mid-sequence (keys 0..29 of 50, a
+    # window of 8 skips the first block), a whole prompt longer than the window, a chunk of 5 at 37.
+    check_batch([50, 37, 3, 20, 16, 37], [20, 1, 1, 20, 1, 5], 2, 2, 2, 2, True, "cpu", use_kernel=use_kernel,
+                scale=1.0, window=window, softcap=softcap)
+
+
+def test_window_and_softcap_argument_errors():
+    dev, _ = make_paged([5], 2, 1, 1, 1, False, spare_blocks=1)
+    args = (dev["q"], dev["key_caches"], None, dev["value_caches"], None, dev["block_table"], dev["seq_lens"])
+    for bad, message in ((dict(window=0), "window"), (dict(window=2.5), "window"), (dict(softcap=-1.0), "softcap")):
+        with pytest.raises(ValueError, match=message):
+            paged_decode_attention(*args, **bad)

@@ -1,6 +1,7 @@
 """The paged Triton decode kernel over vLLM-layout block tables, and a mixed vLLM batch through it,
-against a float64 reference: on CPU under the Triton interpreter (a subprocess with TRITON_INTERPRET=1
-from the start, see `_triton_paged_interpret_cases.py`), and compiled on CUDA when a GPU is present."""
+against a float64 reference (plain causal, sliding windows, soft caps): on CPU under the Triton interpreter
+(a subprocess with TRITON_INTERPRET=1 from the start, see `_triton_paged_interpret_cases.py`), and compiled
+on CUDA when a GPU is present."""
 
 from __future__ import annotations
 
@@ -57,3 +58,20 @@ def test_mixed_batch_on_cuda(use_kernel):
 
     check_batch([37, 37, 1, 20, 16], [1, 5, 1, 20, 1], 2, 2, 2, 2, True, "cuda", use_kernel=use_kernel)
     check_batch([1, 16, 300], [1, 1, 1], 2, 4, 1, 1, False, "cuda", use_kernel=use_kernel)
+
+
+@cuda
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("g", [1, 8])
+@pytest.mark.parametrize("window, softcap", [(1, None), (64, None), (700, 2.5), (None, 2.5), (100, 2.5)])
+def test_paged_kernel_window_and_softcap_on_cuda(window, softcap, g, dtype, tol):
+    sys.path.insert(0, str(HERE))
+    from _paged_decode_checks import check_batch, check_kernel
+
+    for num_splits in (None, 1, 4):
+        check_kernel([1, 16, 37, 50, 64, 65, 700], 2, g, 2, 2, True, "cuda", dtype=dtype, num_splits=num_splits,
+                     tol=tol, d=64, scale=0.5, window=window, softcap=softcap)
+    if dtype == torch.float32:
+        for use_kernel in (True, False):
+            check_batch([50, 37, 3, 20, 16, 300], [20, 1, 1, 20, 1, 5], 2, g, 2, 2, True, "cuda",
+                        use_kernel=use_kernel, scale=0.5, window=window, softcap=softcap)

@@ -100,20 +100,18 @@ def test_query_rows_decode_only_equals_general_path():
             assert seq[:2].tolist() == [0, 0] and length[:2].tolist() == [seq_lens[0] - 1, seq_lens[0]]
 
 
-def test_the_selection_sends_soft_capped_and_windowed_fusion_to_the_gathered_path():
-    """The paged kernel has neither a soft cap nor a window: a layer fusing two K sources with either is
-    gathered (factored attention applies both); one K source stays on vLLM's op, which applies both."""
+def test_the_selection_gives_soft_capped_and_windowed_fusion_the_native_kernel():
+    """Every paged path takes the soft cap and the window (the native kernel too), so neither is asked: a layer fusing
+    two K sources gets the native kernel where it is built; one K source stays on vLLM's op."""
     from fusedkv.engine.selection import select_paged_attention
 
-    def path(k_sources, **extra):
+    def path(k_sources):
         return select_paged_attention(k_sources, ["l0", "l1"], gpu=False, head_dim=64, device=torch.device("cpu"),
                                       dtype=torch.float32, query_dtype=torch.float32,
-                                      native_layout=native.PAGED_KEYS_TRANSPOSED, **extra)
+                                      native_layout=native.PAGED_KEYS_TRANSPOSED)
 
-    assert path(["l0", "l1"]) == "native"
-    assert path(["l0", "l1"], softcap=True) == "gathered"
-    assert path(["l0", "l1"], window=True) == "gathered"
-    assert path(["l1"], softcap=True, window=True) == "vllm_op"
+    assert path(["l0", "l1"]) == ("native" if native.available() else "gathered")
+    assert path(["l1"]) == "vllm_op"
 
 
 def test_the_selection_gives_two_source_bf16_layers_on_amx_packed_blocks_the_kernel():
@@ -133,3 +131,4 @@ def test_the_selection_gives_two_source_bf16_layers_on_amx_packed_blocks_the_ker
     shuffled = torch.randperm(32 * 64)
     assert kernel_layout((shuffled, None)) is None and path((shuffled, None)) == "gathered"
     assert kernel_layout((AMX_PACKED_KEYS, None)) is None  # a pair the kernel does not read
+
