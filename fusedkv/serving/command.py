@@ -209,6 +209,7 @@ def run(args) -> int:
     if cpu_build:
         preflight.check_cpu_backend(config, args.block_size)
     preflight.check_vllm_args(vllm_args, config, cpu_build)
+    implied = preflight.implied_vllm_args(config, vllm_args, cpu_build)
     if args.skip_prefill:
         preflight.check_prefill_skipping(config)
     dtype, warning = preflight.resolve_dtype(args.dtype, config)
@@ -217,7 +218,7 @@ def run(args) -> int:
     if not preflight.has_chat_template(Path(args.checkpoint)) and not preflight.has_option(vllm_args,
                                                                                            "--chat-template"):
         chat_template = DEFAULT_CHAT_TEMPLATE
-    args.vllm_args = vllm_args
+    args.vllm_args = vllm_args + implied
     # vLLM's default max_model_len multiplies max_position_embeddings by a linear / dynamic RoPE factor; the
     # model (like transformers' with its fixed-base frequencies) ends at max_position_embeddings.
     args.max_model_len = args.max_model_len or config.max_position_embeddings
@@ -233,6 +234,9 @@ def run(args) -> int:
           f"http://{args.host}:{args.port}/v1 with {python}", file=sys.stderr, flush=True)
     if warning:
         print(f"fusedkv serve: warning: {warning}", file=sys.stderr, flush=True)
+    if implied:
+        print(f"fusedkv serve: adding {' '.join(implied)} (window and full layers must share one block table: the "
+              "reconstruction layers read their sources through it)", file=sys.stderr, flush=True)
     if chat_template:
         print("fusedkv serve: the checkpoint has no chat template: /v1/chat/completions uses fusedkv's default "
               "('Role: text' paragraphs, then 'Assistant:'; docs/serving.md); `-- --chat-template FILE` sets another",

@@ -114,6 +114,19 @@ def reads_other_layers(config) -> bool:
                for layer in config.plan.layers)
 
 
+def implied_vllm_args(config, vllm_args: list[str], cpu_build: bool) -> list[str]:
+    """vLLM options `fusedkv serve` adds for this model. On a GPU build, a hybrid of window and full layers
+    with reconstruction layers that fuse (not plain reuse, which is vLLM's own KV sharing):
+    `--disable-hybrid-kv-cache-manager`, since vLLM's hybrid manager may split the layers into KV-cache
+    groups with separate block tables, and such a layer reads every source through its own
+    (`fusedkv.serving.paged`). The CPU build keeps one group."""
+    hybrid = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    if (cpu_build or not hybrid or not reads_other_layers(config)
+            or has_option(vllm_args, "--disable-hybrid-kv-cache-manager")):
+        return []
+    return ["--disable-hybrid-kv-cache-manager"]
+
+
 def check_cpu_backend(config, block_size: int | None) -> None:
     """Head and block sizes vLLM's CPU attention runs; it accepts others at start-up and fails later."""
     if config.head_dim not in CPU_HEAD_SIZES and getattr(config, "kv_lora_rank", None) is None:  # MLA: vllm_mla

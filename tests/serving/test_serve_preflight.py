@@ -200,3 +200,19 @@ def test_the_reason_a_server_died_is_the_root_cause_in_vllms_output():
     server.tail.clear()
     server.tail.extend(["usage: api_server.py [-h] ...", "api_server.py: error: unrecognized arguments: --bogus"])
     assert server.reason() == "api_server.py: error: unrecognized arguments: --bogus"
+
+
+def test_gpu_hybrids_that_read_other_layers_get_one_block_table():
+    """vLLM's hybrid KV-cache manager (GPU builds) may give window and full layers separate block tables; a
+    reconstruction layer reads its sources through its own, so fusedkv serve disables the manager for them."""
+    from tiny_checkpoints import tiny_config
+
+    hybrid = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+    flag = ["--disable-hybrid-kv-cache-manager"]
+    assert preflight.implied_vllm_args(tiny_config("fusedkv", 320, **hybrid), [], cpu_build=False) == flag
+    # Lite's hybrid plan reuses a layer of the same attention type as it is: vLLM's own KV sharing, no table read.
+    assert preflight.implied_vllm_args(tiny_config("fusedkv-lite", 320, **hybrid), [], cpu_build=False) == []
+    assert preflight.implied_vllm_args(tiny_config("fusedkv", 320, **hybrid), [], cpu_build=True) == []  # one group
+    assert preflight.implied_vllm_args(tiny_config("fusedkv", 320), [], cpu_build=False) == []  # no windows
+    assert preflight.implied_vllm_args(tiny_config("vanilla", 320, **hybrid), [], cpu_build=False) == []
+    assert preflight.implied_vllm_args(tiny_config("fusedkv", 320, **hybrid), flag, cpu_build=False) == []  # given
