@@ -12,6 +12,7 @@ thread; CPU ms per call, the best of `--repeats`:
     masked softmax, two P V products (the route before `fused_chunk_attention`);
   * FusedKV, fused + SDPA over the rows of the step: the whole-sequence route (`StorageAttention`'s rows);
   * FusedKV, gathered + fused + SDPA: the same over copied blocks (the mid-sequence route, here whole);
+  * FusedKV, the step's fused rows written to a scratch paged cache, then vLLM's op: the alternative to SDPA;
   * Lite by SDPA over the rows of the step: whether Lite's prefill would gain by the same route;
   * the mid-sequence chunk, gathered + factored against gathered + fused + SDPA (its mask).
 """
@@ -50,6 +51,9 @@ def main() -> None:
     from fusedkv.serving.paged import block_layout, fused_chunk_attention, gather_blocks, split_cpu_kv_cache
 
     torch.manual_seed(0)
+    # A bf16 product first: oneDNN asks the kernel for the AMX tile state, which vLLM's "amx" op assumes was
+    # granted (in an engine something has done so before the first step); without it the op died with SIGILL.
+    torch.ones(32, 32, dtype=torch.bfloat16) @ torch.ones(32, 32, dtype=torch.bfloat16)
     t, h, h_kv, d, bs = args.tokens, args.heads, args.kv_heads, 64, 32
     dtype = getattr(torch, args.dtype)
     isa = _get_attn_isa(dtype, bs, d)
@@ -98,7 +102,22 @@ def main() -> None:
         keys, values = gathered()
         return fused_chunk_attention(q[first:], keys, kw, values, vw, scale)
 
+    def scratch_op():
+        k = (rows[0][0] * kw[0].to(dtype)).add_(rows[1][0] * kw[1].to(dtype))  # [t, H_kv, D]
+        v = (rows[0][1] * vw[0].to(dtype)).add_(rows[1][1] * vw[1].to(dtype))
+        kv = torch.empty(n_blocks, h_kv, bs, 2 * d, dtype=dtype)
+        key_cache, value_cache = split_cpu_kv_cache(kv)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(t), isa)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+            seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=block_table, softcap=0.0, scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        return out
+
     routes = {
+        "FusedKV, fused rows written to a scratch cache + vLLM's op": scratch_op,
         "vLLM's op, one K + one V source (a normal layer; Lite)": vllm_op,
         "FusedKV, gathered + factored (before)": lambda: factored(0),
         "FusedKV, fused + SDPA over the step's rows (whole sequence)":
