@@ -137,6 +137,16 @@ def inner(args) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
+def print_table(profile: dict, total: str, prefix: str, digits: int) -> None:
+    """One markdown row per plan and batch: the total (`{prefix}ms` or `step_ms`), its parts, per sequence."""
+    key = "step_ms" if total == "step" else f"{prefix}ms"
+    print(f"| plan | batch | {total} | " + " | ".join(PARTS) + " | per sequence |\n|" + "---|" * (len(PARTS) + 4))
+    for plan, rows in profile.items():
+        for r in rows:
+            parts = " | ".join(f"{r[f'{prefix}parts_ms'][k]:.{digits}f}" for k in PARTS)
+            print(f"| {plan} | {r['batch']} | {r[key]:.{digits}f} | {parts} | {r[key] / r['batch']:.{digits + 1}f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -185,18 +195,10 @@ def main() -> None:
           f"{shape['hidden'] // 64} query / {shape['kv_heads']} key-value heads of 64, vocabulary {shape['vocab']}, "
           f"{args.dtype}, eager, 1 thread; load "
           f"average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)\n")
-    print("| plan | batch | step | " + " | ".join(PARTS) + " | per sequence |\n|" + "---|" * (len(PARTS) + 4))
-    for plan, rows in profile.items():
-        for r in rows:
-            parts = " | ".join(f"{r['parts_ms'][k]:.2f}" for k in PARTS)
-            print(f"| {plan} | {r['batch']} | {r['step_ms']:.2f} | {parts} | {r['step_ms'] / r['batch']:.3f} |")
+    print_table(profile, "step", "", 2)
     print(f"\n## The batch's prefill and first token, CPU ms (the run of {args.prompt_len} + 1 tokens, best of "
           f"{args.repeats})\n")
-    print("| plan | batch | prefill | " + " | ".join(PARTS) + " | per sequence |\n|" + "---|" * (len(PARTS) + 4))
-    for plan, rows in profile.items():
-        for r in rows:
-            parts = " | ".join(f"{r['prefill_parts_ms'][k]:.1f}" for k in PARTS)
-            print(f"| {plan} | {r['batch']} | {r['prefill_ms']:.1f} | {parts} | {r['prefill_ms'] / r['batch']:.1f} |")
+    print_table(profile, "prefill", "prefill_", 1)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "load_average": load, "profile": profile},
                                              indent=1) + "\n")
