@@ -134,6 +134,8 @@ def kernel_layout(layout: tuple) -> int | None:
     if any(isinstance(side, torch.Tensor) for side in layout):  # a general index: not one the kernel has
         return None
     return KERNEL_LAYOUTS.get(tuple(layout))
+
+
 # Prefill chunks of at least this many rows attend over their fused K/V with SDPA (`fused_chunk_attention`) instead
 # of in the native kernel, which works one query row at a time and re-reads the sequence for every row; from about
 # this many rows on, materialising is also faster than the factored form (the engine's threshold,
@@ -511,17 +513,18 @@ class CrossLayerAttention:
         """Each listed request's prefill chunk in `fused_chunk_attention`: a chunk that is its whole sequence over
         the storage layers' rows of this step (`StorageAttention.rows`), a chunk that starts mid-sequence over its
         gathered blocks."""
-        step = [layers[n].impl.step_rows(meta) for n in self.k_layers + self.v_layers] if self.step_rows else [None]
-        if any(rows is None for rows in step):  # not this step's rows (e.g. fast prefill's own metadata)
-            step = None
-        else:
-            step_keys, step_values = [r[0] for r in step[:len(keys)]], [r[1] for r in step[len(keys):]]
+        # The source layers' rows of this step, where they kept this step's (fast prefill gives the upper layers
+        # metadata of their own: then every chunk gathers).
+        kept = [layers[n].impl.step_rows(meta) for n in self.k_layers + self.v_layers] if self.step_rows else [None]
+        step = None
+        if all(rows is not None for rows in kept):
+            step = [rows[0] for rows in kept[:len(keys)]], [rows[1] for rows in kept[len(keys):]]
         block_size = keys[0].shape[2]
         key_layout, value_layout = self.layout
         for r in requests:
             a, b, s = starts[r], starts[r + 1], seq_lens[r]
             if step is not None and s == b - a:  # starts at 0: its sources are the storage layers' rows of this step
-                k_src, v_src = [x[a:b] for x in step_keys], [x[a:b] for x in step_values]
+                k_src, v_src = [x[a:b] for x in step[0]], [x[a:b] for x in step[1]]
             else:
                 blocks = meta.block_table[r:r + 1, : -(-s // block_size)]
                 k_src = [gather_blocks(c, blocks, key_layout)[0, :, :s].transpose(0, 1) for c in keys]
