@@ -10,7 +10,7 @@ logits, and the engine around the model (scheduler, input preparation, sampling,
 
 Times are CPU seconds of the engine's process (timers around the parts), so that a shared machine's
 waiting for a core is not counted; a decode step is (a run of P + n tokens - a run of P + 1) / (n - 1),
-the best of --repeats. One thread.
+the best of --repeats; the batch's prefill (the run of P + 1 tokens) is split the same way. One thread.
 
     OMP_NUM_THREADS=1 python benchmarks/serving_step_profile.py                  # 128-token prompts
     OMP_NUM_THREADS=1 python benchmarks/serving_step_profile.py --prompt-len 1024
@@ -105,18 +105,26 @@ def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tok
 
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False),
                  use_tqdm=False)
+    def split(t: dict[str, float]) -> dict[str, float]:
+        return {"linear": t["linear"] + t["lm_head"], "attention": t["attention"],
+                "other model": t["model"] - t["linear"] - t["attention"], "logits": t["logits"] - t["lm_head"],
+                "engine": t["step"] - t["model"] - t["logits"]}
+
     rows = []
     for batch in batches:
-        best = None
+        best = prefill = None
         for _ in range(repeats):
             short, full = run(batch, 1), run(batch, new_tokens + 1)
             step = {k: (full[k] - short[k]) / new_tokens for k in full}
             if best is None or step["step"] < best["step"]:
                 best = step
-        parts = {"linear": best["linear"] + best["lm_head"], "attention": best["attention"],
-                 "other model": best["model"] - best["linear"] - best["attention"],
-                 "logits": best["logits"] - best["lm_head"], "engine": best["step"] - best["model"] - best["logits"]}
-        rows.append({"batch": batch, "step_ms": 1e3 * best["step"], "parts_ms": {k: 1e3 * v for k, v in parts.items()}})
+            if prefill is None or short["step"] < prefill["step"]:
+                prefill = short
+        rows.append({"batch": batch, "step_ms": 1e3 * best["step"],
+                     "parts_ms": {k: 1e3 * v for k, v in split(best).items()},
+                     # the run of P + 1 tokens: the batch's prefill and its first token
+                     "prefill_ms": 1e3 * prefill["step"],
+                     "prefill_parts_ms": {k: 1e3 * v for k, v in split(prefill).items()}})
     return rows
 
 
@@ -127,6 +135,16 @@ def inner(args) -> None:
         out[Path(path).name] = profile_engine(path, args.batches, args.prompt_len, args.new_tokens, args.repeats,
                                           args.dtype, args.block_size)
     Path(args.out).write_text(json.dumps(out))
+
+
+def print_table(profile: dict, total: str, prefix: str, digits: int) -> None:
+    """One markdown row per plan and batch: the total (`{prefix}ms` or `step_ms`), its parts, per sequence."""
+    key = "step_ms" if total == "step" else f"{prefix}ms"
+    print(f"| plan | batch | {total} | " + " | ".join(PARTS) + " | per sequence |\n|" + "---|" * (len(PARTS) + 4))
+    for plan, rows in profile.items():
+        for r in rows:
+            parts = " | ".join(f"{r[f'{prefix}parts_ms'][k]:.{digits}f}" for k in PARTS)
+            print(f"| {plan} | {r['batch']} | {r[key]:.{digits}f} | {parts} | {r[key] / r['batch']:.{digits + 1}f} |")
 
 
 def main() -> None:
@@ -177,11 +195,10 @@ def main() -> None:
           f"{shape['hidden'] // 64} query / {shape['kv_heads']} key-value heads of 64, vocabulary {shape['vocab']}, "
           f"{args.dtype}, eager, 1 thread; load "
           f"average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)\n")
-    print("| plan | batch | step | " + " | ".join(PARTS) + " | per sequence |\n|" + "---|" * (len(PARTS) + 4))
-    for plan, rows in profile.items():
-        for r in rows:
-            parts = " | ".join(f"{r['parts_ms'][k]:.2f}" for k in PARTS)
-            print(f"| {plan} | {r['batch']} | {r['step_ms']:.2f} | {parts} | {r['step_ms'] / r['batch']:.3f} |")
+    print_table(profile, "step", "", 2)
+    print(f"\n## The batch's prefill and first token, CPU ms (the run of {args.prompt_len} + 1 tokens, best of "
+          f"{args.repeats})\n")
+    print_table(profile, "prefill", "prefill_", 1)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "load_average": load, "profile": profile},
                                              indent=1) + "\n")

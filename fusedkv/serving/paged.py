@@ -22,7 +22,13 @@ The ways to evaluate it, chosen once per layer by the engine's selection
   * two K sources (FusedKV, the iterative variant): softmax needs one score matrix over the SUM of the
     sources' scores, which no call of the op computes (nor per-source calls merged by log-sum-exp: those
     are separate softmaxes). The native kernel `cpu_paged_attention.c` reads every source's blocks in
-    place through the block table, decode rows and prefill chunks in one call (`native_paged_attention`).
+    place through the block table, decode rows and short prefill chunks in one call (`native_paged_attention`).
+    Prefill chunks of `PREFILL_ROWS` or more rows attend as a normal layer's prefill does: the chunk's fused
+    K^i, V^i are built (one weighted sum per side) and attended in one causal SDPA call
+    (`fused_chunk_attention`; the factored form pays off only for a few query rows). A chunk that is its whole
+    sequence (it starts at position 0: no chunked prefill, no prefix-cache hit) takes its source rows from the
+    storage layers' own inputs of this step, post-RoPE as they were written to the cache (`StorageAttention`),
+    so nothing is read back from the cache; a chunk that starts mid-sequence gathers its blocks.
   * where that kernel does not apply (no C compiler, more than two sources as in dense fusion, a block layout
     it does not read): the blocks of each sequence are gathered into contiguous tensors and
     `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
@@ -49,9 +55,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import native
-from ..kernels.reference import factored_attention, merge_duplicate_sources
+from ..kernels.reference import factored_attention, fuse_sources, merge_duplicate_sources
 
 
 def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +138,13 @@ def kernel_layout(layout: tuple) -> int | None:
     if any(isinstance(side, torch.Tensor) for side in layout):  # a general index: not one the kernel has
         return None
     return KERNEL_LAYOUTS.get(tuple(layout))
-# Prefill chunks of at least this many rows take matrix products over their gathered blocks instead of the
-# native kernel, which works one query row at a time (one 1024-token chunk: ~52 ms gathered against ~96 ms in
-# the kernel, 2 K + 2 V sources, head_dim 64, 4 heads, one thread; benchmarks/serving_step_profile.py's setting).
-GATHER_PREFILL_ROWS = 16
+
+
+# Prefill chunks of at least this many rows attend over their fused K/V with SDPA (`fused_chunk_attention`) instead
+# of in the native kernel, which works one query row at a time and re-reads the sequence for every row; from about
+# this many rows on, materialising is also faster than the factored form (the engine's threshold,
+# `fusedkv.model.attention.SHORT_QUERY`). Figures: docs/serving.md, "FusedKV's prefill as a normal layer's".
+PREFILL_ROWS = 16
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor:
@@ -155,6 +165,37 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Te
         return x.permute(0, 2, 1, 4, 6, 3, 5).reshape(r, h, n * bs, d)
     x = cache[blocks.reshape(-1)].reshape(r * n, h, bs * d).index_select(-1, layout)
     return x.view(r, n, h, bs, d).permute(0, 2, 1, 3, 4).reshape(r, h, n * bs, d)
+
+
+def fused_chunk_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: list, values: list[torch.Tensor],
+                          v_weights: list, scale: float, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
+    """One prefill chunk of t query rows over its sequence's s source rows: the fused K/V built (paper Eq. 4-5),
+    then one SDPA call, causal, GQA without copies; the model's own computation for long blocks
+    (`fusedkv.model.attention.ReferenceAttention`), in q's dtype.
+
+    q [t, H_q, D]; sources [s, H_kv, D] (any strides) in token order; weights [H_kv, D] or None. Query i sits at
+    position s - t + i: a whole sequence (t == s) is SDPA's causal flag, which skips the masked blocks; a chunk
+    that starts mid-sequence takes the mask. A window layer's query at p sees keys p - W < k <= p; a soft cap
+    (Gemma 2) is c tanh(score / c) before the softmax, which SDPA has not: those layers take the factored
+    reference on the fused K/V instead. Returns [t, H_q, D]."""
+    t, h_q, _ = q.shape
+    s, h_kv, _ = keys[0].shape
+    k = fuse_sources([x.transpose(0, 1)[None] for x in keys], k_weights, q.dtype)  # [1, H_kv, s, D]
+    v = fuse_sources([x.transpose(0, 1)[None] for x in values], v_weights, q.dtype)
+    mask = None
+    if t != s or window or softcap:  # SDPA's causal flag serves the plain whole-sequence case alone
+        q_pos, key_pos = torch.arange(s - t, s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+        mask = key_pos <= q_pos
+        if window:
+            mask &= q_pos - key_pos < window
+    if softcap:
+        o = factored_attention(q.transpose(0, 1)[None], [k], [None], [v], [None], mask=mask, scale=scale,
+                               softcap=softcap)
+        return o[0].transpose(0, 1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+                                       scale=scale, enable_gqa=h_q != h_kv)
+    return o[0].transpose(0, 1)
 
 
 # ---- CPU: the native kernel over the blocks in place --------------------------------------------------
@@ -340,6 +381,37 @@ def layer_window(sliding_window, on_gpu: bool) -> int | None:
     return left + 1
 
 
+class StorageAttention:
+    """Stands in for a storage layer's backend `impl` (it attends and writes its cache exactly as that impl does)
+    where FusedKV reconstruction layers read the layer's rows of the step: the key and value rows it was given
+    for a step with a prefill chunk (post-RoPE, as written to the cache), kept with that step's metadata until
+    the next step. A whole-sequence prefill chunk's source rows are exactly these (`CrossLayerAttention`).
+
+    `copy`: keep copies, for a compiled model (its rows are graph intermediates whose buffers the compiled
+    graph may reuse after this layer's op); eager rows stay alive by reference."""
+
+    def __init__(self, base_impl, copy: bool):
+        self.base, self.copy = base_impl, copy
+        self.rows: tuple | None = None  # (metadata, key [T, H_kv, D], value [T, H_kv, D])
+
+    def __getattr__(self, name):  # backend attributes and methods (do_kv_cache_update, scale, ...)
+        return getattr(self.base, name)
+
+    def step_rows(self, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(key, value) rows of the step whose metadata is `meta`, None if this layer did not keep that step's."""
+        return self.rows[1:] if self.rows is not None and self.rows[0] is meta else None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        self.rows = None
+        if attn_metadata is not None and attn_metadata.max_query_len >= PREFILL_ROWS:  # decode steps keep nothing
+            t = attn_metadata.num_actual_tokens
+            k, v = key[:t], value[:t]
+            self.rows = (attn_metadata, k.clone() if self.copy else k, v.clone() if self.copy else v)
+        return self.base.forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                 output_block_scale)
+
+
 class CrossLayerAttention:
     """Stands in for a reconstruction layer's backend `impl` (see the module docstring).
 
@@ -374,6 +446,7 @@ class CrossLayerAttention:
         self.path: str | None = None  # one of fusedkv.engine.selection.PAGED_PATHS, once selected
         self.layout: tuple = (None, None)  # the CPU backend's key / value block layouts (`block_layout`)
         self.kernel_layout: int | None = None  # the native kernel's name for them (`kernel_layout`)
+        self.step_rows = False  # its sources keep their rows of a step (`StorageAttention`), read by prefill
         self._attend = self._unselected
 
     def __getattr__(self, name):  # backend attributes the runner reads (sliding_window, scale, ...)
@@ -382,9 +455,11 @@ class CrossLayerAttention:
     def process_weights_after_loading(self, act_dtype):
         self.base.process_weights_after_loading(act_dtype)
 
-    def use(self, path: str, layout: tuple = (None, None)) -> None:
-        """Attend by `path` from now on (the engine's choice); `layout`: the CPU cache's block layouts."""
+    def use(self, path: str, layout: tuple = (None, None), step_rows: bool = False) -> None:
+        """Attend by `path` from now on (the engine's choice); `layout`: the CPU cache's block layouts; `step_rows`:
+        every source layer is a `StorageAttention` (the native path's prefill chunks then read its rows)."""
         self.path, self.layout, self.kernel_layout = path, layout, kernel_layout(layout)
+        self.step_rows = step_rows
         if self.on_gpu:  # both GPU paths share the batch handling: decode rows in the kernel or gathered
             self._attend = functools.partial(self._on_gpu, use_kernel=path == "triton")
         else:
@@ -488,17 +563,17 @@ class CrossLayerAttention:
 
     def _native(self, layer, layers, q, meta, out):
         keys, values, k_weights, v_weights = self._cpu_sources(layers)
-        if meta.max_query_len < GATHER_PREFILL_ROWS:  # decode steps: every row in the kernel
+        if meta.max_query_len < PREFILL_ROWS:  # decode steps: every row in the kernel
             native_paged_attention(q, keys, k_weights, values, v_weights, self._rows(meta, q.shape[0]),
                                    meta.block_table, self.base.scale, self.kernel_layout, out, self.window,
                                    self.softcap)
             return
-        # Long prefill chunks as matrix products over their gathered blocks (the kernel works row by row, and
-        # a chunk of t rows re-reads the sequence t times); the other rows in the kernel.
+        # Long prefill chunks over their fused K/V with SDPA (the kernel works row by row, and a chunk of t rows
+        # re-reads the sequence t times); the other rows in the kernel.
         starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens[:len(starts) - 1].tolist()
-        long = [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] >= GATHER_PREFILL_ROWS]
-        self._gathered_chunks(q, meta, out, keys, k_weights, values, v_weights, long, starts, seq_lens)
+        long = [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] >= PREFILL_ROWS]
+        self._prefill_chunks(layers, q, meta, out, keys, k_weights, values, v_weights, long, starts, seq_lens)
         in_kernel = torch.ones(q.shape[0], dtype=torch.bool)
         for r in long:
             in_kernel[starts[r]:starts[r + 1]] = False
@@ -510,6 +585,32 @@ class CrossLayerAttention:
                                        self.base.scale, self.kernel_layout, torch.empty_like(q[tokens]), self.window,
                                        self.softcap)
             out[tokens] = o.to(out.dtype)
+
+    def _prefill_chunks(self, layers, q, meta, out, keys, k_weights, values, v_weights, requests, starts, seq_lens):
+        """Each listed request's prefill chunk in `fused_chunk_attention`: a chunk that is its whole sequence over
+        the storage layers' rows of this step (`StorageAttention.rows`), a chunk that starts mid-sequence over its
+        gathered blocks."""
+        # The source layers' rows of this step, where they kept this step's (fast prefill gives the upper layers
+        # metadata of their own: then every chunk gathers).
+        kept = [layers[n].impl.step_rows(meta) for n in self.k_layers + self.v_layers] if self.step_rows else [None]
+        step = None
+        if all(rows is not None for rows in kept):
+            step = [rows[0] for rows in kept[:len(keys)]], [rows[1] for rows in kept[len(keys):]]
+        block_size = keys[0].shape[2]
+        key_layout, value_layout = self.layout
+        for r in requests:
+            a, b, s = starts[r], starts[r + 1], seq_lens[r]
+            if step is not None and s == b - a:  # starts at 0: its sources are the storage layers' rows of this step
+                k_src, v_src = [x[a:b] for x in step[0]], [x[a:b] for x in step[1]]
+            else:
+                blocks = meta.block_table[r:r + 1, : -(-s // block_size)]
+                k_src = [gather_blocks(c, blocks, key_layout)[0, :, :s].transpose(0, 1) for c in keys]
+                v_src = [gather_blocks(c, blocks, value_layout)[0, :, :s].transpose(0, 1) for c in values]
+            # Rounded as the cache stores them, so that a chunk reads what a later step would read back.
+            k_src = [x.to(keys[0].dtype) for x in k_src]
+            v_src = [x.to(values[0].dtype) for x in v_src]
+            out[a:b] = fused_chunk_attention(q[a:b], k_src, k_weights, v_src, v_weights, self.base.scale, self.window,
+                                             self.softcap).to(out.dtype)
 
     @staticmethod
     def _rows(meta, num_tokens: int):
@@ -589,11 +690,16 @@ def cpu_cache_layout(model_dtype: torch.dtype, cache_dtype: torch.dtype, kv_cach
 
 
 def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, device: torch.device,
-                 block_size: int) -> None:
+                 block_size: int, storage: dict | None = None, compiled: bool = False) -> None:
     """Give each reconstruction layer its attention path, once, from the engine's selection (serving's
-    weight loading calls this: the model's dtype, device and the cache's block size are known then)."""
+    weight loading calls this: the model's dtype, device and the cache's block size are known then).
+
+    `storage`: the storage layers' vLLM `Attention` modules by layer name. The source layers of a layer on the
+    native path get a `StorageAttention` impl (copying its rows where the model is `compiled`), so that its
+    whole-sequence prefill chunks read this step's rows instead of the cache."""
     from ..engine.selection import select_paged_attention
 
+    storage = storage or {}
     for impl in layers:
         dtype = model_dtype if impl.kv_cache_dtype == "auto" else getattr(torch, impl.kv_cache_dtype)
         layout = (None, None)
@@ -602,4 +708,10 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
         path = select_paged_attention(impl.k_layers, impl.v_layers, gpu=impl.on_gpu, head_dim=impl.head_size,
                                       device=device, dtype=dtype, query_dtype=model_dtype,
                                       native_layout=kernel_layout(layout))
-        impl.use(path, layout)
+        sources = impl.k_layers + impl.v_layers
+        step_rows = path == "native" and all(n in storage for n in sources)
+        if step_rows:
+            for n in sources:
+                if not isinstance(storage[n].impl, StorageAttention):
+                    storage[n].impl = StorageAttention(storage[n].impl, copy=compiled)
+        impl.use(path, layout, step_rows)

@@ -344,6 +344,7 @@ class FusedKVForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model_dtype, self.block_size = vllm_config.model_config.dtype, vllm_config.cache_config.block_size
+        self.compiled = vllm_config.compilation_config.mode != CompilationMode.NONE
         self.model = FusedKVModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
         if config.tie_word_embeddings:
@@ -402,10 +403,13 @@ class FusedKVForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the FusedKV model of this config; the "
                                  "checkpoint and its config.json disagree (re-save it with save_pretrained)")
         self._serve_fusion_weights()
-        # How every reconstruction layer attends, decided here once (the engine's selection).
-        impls = [getattr(getattr(d.self_attn, "attn", None), "impl", None) for d in self.model.layers]
-        select_paths([impl for impl in impls if isinstance(impl, CrossLayerAttention)], self.model_dtype,
-                     self.model.embed_tokens.weight.device, self.block_size)
+        # How every reconstruction layer attends, decided here once (the engine's selection); the storage layers'
+        # attention modules by name, whose rows of a step the native path's prefill chunks may read.
+        attns = [getattr(d.self_attn, "attn", None) for d in self.model.layers]
+        storage = {a.layer_name: a for d, a in zip(self.model.layers, attns)
+                   if a is not None and d.self_attn.layer.stores}
+        select_paths([a.impl for a in attns if isinstance(getattr(a, "impl", None), CrossLayerAttention)],
+                     self.model_dtype, self.model.embed_tokens.weight.device, self.block_size, storage, self.compiled)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
