@@ -631,7 +631,7 @@ class CrossLayerAttention:
         num_reqs = len(starts) - 1
         seq_lens = meta.seq_lens[:num_reqs].tolist()
         decodes = [r for r in range(num_reqs) if starts[r + 1] - starts[r] == 1]
-        window = self.base.sliding_window or -1  # the CPU backend's -1: no window
+        window = self.window  # W, or None (`layer_window`)
         if decodes:
             # One-token steps, batched: pad to the longest sequence and mask the tail.
             rows = torch.tensor(decodes)
@@ -647,12 +647,12 @@ class CrossLayerAttention:
             # (never the cache itself) are zeroed.
             for v in v_src:
                 v.masked_fill_(~mask[:, None, :, None], 0)
-            if window > 0:  # a window layer's query at position s - 1 sees keys s - W .. s - 1
+            if window:  # a window layer's query at position s - 1 sees keys s - W .. s - 1
                 mask &= key_pos >= lens[:, None] - window
             token_rows = torch.tensor([starts[r] for r in decodes])
             o = factored_attention(q[token_rows].unsqueeze(2), k_src, k_weights, v_src, v_weights,  # [R, H, 1, D]
                                    mask=mask[:, None, None, :], scale=self.base.scale,
-                                   softcap=self.base.logits_soft_cap)
+                                   softcap=self.softcap)
             out[token_rows] = o[:, :, 0].to(out.dtype)
         chunks = [r for r in range(num_reqs) if starts[r + 1] - starts[r] > 1]
         self._gathered_chunks(q, meta, out, keys, k_weights, values, v_weights, chunks, starts, seq_lens)
@@ -661,7 +661,7 @@ class CrossLayerAttention:
         """Each listed request's query rows (a prefill chunk) over its gathered blocks, causal (and windowed)."""
         block_size = keys[0].shape[2]
         key_layout, value_layout = self.layout
-        window = self.base.sliding_window or -1
+        window = self.window
         for r in requests:
             t = starts[r + 1] - starts[r]
             s = seq_lens[r]
@@ -671,11 +671,11 @@ class CrossLayerAttention:
             # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i.
             q_pos, key_pos = torch.arange(s - t, s)[:, None], torch.arange(s)[None, :]
             mask = key_pos <= q_pos
-            if window > 0:
+            if window:
                 mask &= q_pos - key_pos < window
             qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
             o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask, scale=self.base.scale,
-                                   softcap=self.base.logits_soft_cap)
+                                   softcap=self.softcap)
             out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
 
 
