@@ -33,21 +33,17 @@ The ways to evaluate it, chosen once per layer by the engine's selection
     it does not read): the blocks of each sequence are gathered into contiguous tensors and
     `fusedkv.kernels.reference.factored_attention` runs on them. Correct and simple; it copies.
 
-The CPU backend stores blocks in its own layout (the "vec" ISA keeps each key block transposed,
-[head_dim, block]; the "amx" ISA, bf16 caches on processors with AMX, packs keys and values in pairs:
-`AMX_PACKED_KEYS`, `AMX_PACKED_VALUES`); `block_layout` learns the layout from the backend's own cache-write
-op instead of assuming it, so the gather is right for every ISA the op has, and the layouts the native
-kernel reads are recognised by name (`KERNEL_LAYOUTS`).
-
-On a GPU backend (vLLM's FlashAttention or Triton backend: caches [num_blocks, block_size, H_kv, D], the
-view those backends take of their [num_blocks, H_kv, block_size, 2 * D] tensor) every plan that reads
-other layers goes through `paged_cross_layer_attention`: decode rows in one launch of the paged Triton
-kernel (`fusedkv.kernels.triton_paged_decode`, which reads the source blocks in place through the block
+On a GPU backend (vLLM's FlashAttention or Triton backend: caches [num_blocks, block_size, H_kv, D]) every
+plan that reads other layers goes through `paged_cross_layer_attention`: decode rows in one launch of the paged
+Triton kernel (`fusedkv.kernels.triton_paged_decode`, which reads the source blocks in place through the block
 table), prefill chunks gathered per sequence into `factored_attention` with the causal mask.
 
 Every path, CPU and GPU, takes the layer's sliding window (a query at p sees keys p - W < k <= p; the kernels
 read no block left of it) and Gemma 2's soft cap (c tanh(s / c) on the fused scores, which the factored form of
 Sec. 3.3 forms before the softmax); on GPU, ALiBi and attention sinks are refused.
+
+How each backend lays out its cache blocks (on CPU, learned from vLLM's own cache-write op), how the caches are
+split into keys and values and how a sequence's blocks are gathered: `fusedkv.serving.paged_blocks`.
 """
 
 from __future__ import annotations
@@ -59,112 +55,21 @@ import torch.nn.functional as F
 
 from ..kernels import native
 from ..kernels.reference import factored_attention, fuse_sources, merge_duplicate_sources
-
-
-def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[blocks, kv_heads, block, 2*D] -> key cache, value cache, each [blocks, kv_heads, block, D] (views),
-    exactly as vLLM's CPU backend splits it."""
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    return kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
-
-
-@functools.lru_cache(maxsize=16)
-def block_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> tuple[torch.Tensor | None, ...]:
-    """Where the CPU backend puts element (token t, channel d) of one (block, head) of the key and of
-    the value cache: index tensors `idx` with plain[t * D + d] = raw[idx[t * D + d]] (None = plain).
-
-    Learned by writing position codes through vLLM's `cpu_attn_reshape_and_cache` into a scratch cache
-    of one block and one head. Codes are written in base-64 digits, exact in every cache dtype."""
-    from vllm import _custom_ops as ops
-
-    n = block_size * head_dim
-    base, digits = 64, 1
-    while base**digits < n:
-        digits += 1
-    codes = torch.arange(n)
-    found = [torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)]
-    for k in range(digits):
-        digit = (codes // base**k) % base
-        tokens = digit.view(block_size, 1, head_dim).to(dtype)  # [T, H=1, D], token t = slot t
-        kv = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
-        key_cache, value_cache = split_cpu_kv_cache(kv)
-        ops.cpu_attn_reshape_and_cache(tokens, tokens.clone(), key_cache, value_cache,
-                                       torch.arange(block_size), isa)
-        for side, cache in enumerate((key_cache, value_cache)):
-            found[side] += cache[0, 0].reshape(-1).to(torch.long) * base**k
-    layout = []
-    for raw_codes in found:
-        # raw position p holds code raw_codes[p]; invert to: code c sits at position idx[c].
-        if not torch.equal(torch.sort(raw_codes).values, codes):
-            raise RuntimeError(f"vLLM's CPU cache layout for isa={isa!r} is not a permutation of one block; "
-                               "the gathered attention path cannot read it")
-        idx = torch.empty(n, dtype=torch.long)
-        idx[raw_codes] = torch.arange(n)
-        named = [name for name in (TRANSPOSED, AMX_PACKED_KEYS, AMX_PACKED_VALUES)
-                 if torch.equal(idx, layout_index(name, block_size, head_dim))]
-        layout.append(None if torch.equal(idx, codes) else named[0] if named else idx)
-    return tuple(layout)
-
-
-# The block layouts with names (`block_layout`); where (token t, channel d) of one (block, head) of bs tokens
-# and D channels sits in it: `layout_index`.
-TRANSPOSED = "transposed"  # [D, bs]: the "vec" ISA's key layout
-AMX_PACKED_KEYS = "amx-packed keys"  # [bs/16][D/2][16 tokens][2 channels]: the "amx" ISA's keys (AMX B tiles)
-AMX_PACKED_VALUES = "amx-packed values"  # [D/16][bs/2][16 channels][2 tokens]: the "amx" ISA's values
-# The (key, value) layouts the native kernel reads, by its names for them.
-KERNEL_LAYOUTS = {(None, None): native.PAGED_ROWS, (TRANSPOSED, None): native.PAGED_KEYS_TRANSPOSED,
-                  (AMX_PACKED_KEYS, AMX_PACKED_VALUES): native.PAGED_AMX}
-
-
-def layout_index(name: str, block_size: int, head_dim: int) -> torch.Tensor | None:
-    """A named layout as `block_layout`'s index (raw position of element t * D + d), or None where the name has
-    no such layout at this shape (the AMX packings take blocks and heads of multiples of 16)."""
-    t = torch.arange(block_size)[:, None]
-    d = torch.arange(head_dim)[None, :]
-    if name == TRANSPOSED:
-        return (d * block_size + t).reshape(-1)
-    if block_size % 16 or head_dim % 16:
-        return None
-    if name == AMX_PACKED_KEYS:
-        return ((t // 16) * (16 * head_dim) + (d // 2) * 32 + (t % 16) * 2 + d % 2).reshape(-1)
-    if name == AMX_PACKED_VALUES:
-        return ((d // 16) * (16 * block_size) + (t // 2) * 32 + (d % 16) * 2 + t % 2).reshape(-1)
-    raise ValueError(f"no block layout named {name!r}")
-
-
-def kernel_layout(layout: tuple) -> int | None:
-    """The native kernel's name (`native.PAGED_LAYOUTS`) for a (key, value) layout from `block_layout`, None where
-    the kernel does not read it."""
-    if any(isinstance(side, torch.Tensor) for side in layout):  # a general index: not one the kernel has
-        return None
-    return KERNEL_LAYOUTS.get(tuple(layout))
-
+from .paged_blocks import (
+    GPU_PAGED_IMPLS,
+    cpu_cache_layout,
+    gather_blocks,
+    gather_paged,
+    kernel_layout,
+    split_cpu_kv_cache,
+    split_gpu_kv_cache,
+)
 
 # Prefill chunks of at least this many rows attend over their fused K/V with SDPA (`fused_chunk_attention`) instead
 # of in the native kernel, which works one query row at a time and re-reads the sequence for every row; from about
 # this many rows on, materialising is also faster than the factored form (the engine's threshold,
 # `fusedkv.model.attention.SHORT_QUERY`). Figures: docs/serving.md, "FusedKV's prefill as a normal layer's".
 PREFILL_ROWS = 16
-
-
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor:
-    """Blocks [R, n] of a [num_blocks, H, bs, D] cache -> [R, H, n * bs, D] in token order (a strided
-    view of one copy for the plain and transposed layouts)."""
-    r, n = blocks.shape
-    num_blocks, h, bs, d = cache.shape
-    if layout is None:  # [H, R, n, bs, D]: one copy; the result is a view of it
-        return cache.transpose(0, 1)[:, blocks].view(h, r, n * bs, d).transpose(0, 1)
-    if layout == TRANSPOSED:  # [H, R, n, D, bs] copy, then tokens to the front
-        x = cache.view(num_blocks, h, d, bs).transpose(0, 1)[:, blocks]
-        return x.permute(1, 0, 2, 4, 3).reshape(r, h, n * bs, d)
-    if layout == AMX_PACKED_KEYS:  # raw [bs/16, D/2, 16, 2] holds (t // 16, d // 2, t % 16, d % 2)
-        x = cache[blocks.reshape(-1)].view(r, n, h, bs // 16, d // 2, 16, 2)
-        return x.permute(0, 2, 1, 3, 5, 4, 6).reshape(r, h, n * bs, d)
-    if layout == AMX_PACKED_VALUES:  # raw [D/16, bs/2, 16, 2] holds (d // 16, t // 2, d % 16, t % 2)
-        x = cache[blocks.reshape(-1)].view(r, n, h, d // 16, bs // 2, 16, 2)
-        return x.permute(0, 2, 1, 4, 6, 3, 5).reshape(r, h, n * bs, d)
-    x = cache[blocks.reshape(-1)].reshape(r * n, h, bs * d).index_select(-1, layout)
-    return x.view(r, n, h, bs, d).permute(0, 2, 1, 3, 4).reshape(r, h, n * bs, d)
 
 
 def fused_chunk_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: list, values: list[torch.Tensor],
@@ -265,24 +170,6 @@ def native_paged_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights:
 
 
 # ---- GPU backends: caches [num_blocks, block_size, H_kv, D] --------------------------------------------
-GPU_PAGED_IMPLS = ("FlashAttentionImpl", "TritonAttentionImpl")  # backends whose caches split as below
-
-
-def split_gpu_kv_cache(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's FlashAttention / Triton backend cache [num_blocks, H_kv, block_size, 2*D] -> key cache, value
-    cache, each [num_blocks, block_size, H_kv, D] (strided views), exactly as those backends split it."""
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
-    return key_cache, value_cache
-
-
-def gather_paged(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks [R, n] of a [num_blocks, block_size, H_kv, D] cache -> [R, H_kv, n * block_size, D] in token
-    order (one copy)."""
-    r, n = blocks.shape
-    _, bs, h, d = cache.shape
-    return cache[blocks.reshape(-1)].reshape(r, n * bs, h, d).transpose(1, 2)
-
-
 def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor], k_weights: list,
                                 value_caches: list[torch.Tensor], v_weights: list, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, *,
@@ -444,7 +331,7 @@ class CrossLayerAttention:
         self.k_layers, self.v_layers = list(k_layers), list(v_layers)
         self.weights = weights
         self.path: str | None = None  # one of fusedkv.engine.selection.PAGED_PATHS, once selected
-        self.layout: tuple = (None, None)  # the CPU backend's key / value block layouts (`block_layout`)
+        self.layout: tuple = (None, None)  # the CPU backend's key / value block layouts (`paged_blocks.block_layout`)
         self.kernel_layout: int | None = None  # the native kernel's name for them (`kernel_layout`)
         self.step_rows = False  # its sources keep their rows of a step (`StorageAttention`), read by prefill
         self._attend = self._unselected
@@ -677,16 +564,6 @@ class CrossLayerAttention:
             o = factored_attention(qr, k_src, k_weights, v_src, v_weights, mask=mask, scale=self.base.scale,
                                    softcap=self.softcap)
             out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
-
-
-def cpu_cache_layout(model_dtype: torch.dtype, cache_dtype: torch.dtype, kv_cache_dtype: str, block_size: int,
-                     head_dim: int) -> tuple:
-    """The CPU backend's key and value block layouts for these caches, from the ISA its metadata builder will
-    pick (the same vLLM function, on the same configuration)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return block_layout(_get_attn_isa(model_dtype, block_size, head_dim, kv_cache_dtype), cache_dtype, block_size,
-                        head_dim)
 
 
 def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, device: torch.device,
