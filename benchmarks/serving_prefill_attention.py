@@ -48,7 +48,8 @@ def main() -> None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from fusedkv.kernels.reference import factored_attention
-    from fusedkv.serving.paged import block_layout, fused_chunk_attention, gather_blocks, split_cpu_kv_cache
+    from fusedkv.serving.paged import fused_chunk_attention
+    from fusedkv.serving.paged_blocks import block_layout, gather_blocks, split_cpu_kv_cache
 
     torch.manual_seed(0)
     # A bf16 product first: oneDNN asks the kernel for the AMX tile state, which vLLM's "amx" op assumes was

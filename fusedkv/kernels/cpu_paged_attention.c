@@ -10,7 +10,7 @@
  *     out_h = sum_v b_v[g] (.) (sum_t p_t V_v[t])
  * Token t of a sequence is slot t % bs of block block_table[row, t / bs]. vLLM's CPU backend keeps each
  * (block, kv head) of bs tokens in one of three layouts (`layout`; the caller learns which from the backend's
- * own cache-write op, fusedkv.serving.paged.block_layout):
+ * own cache-write op, fusedkv.serving.paged_blocks.block_layout):
  *   PAGED_ROWS        keys and values as [bs, D] rows;
  *   PAGED_KEYS_T      keys transposed, [D, bs] (its "vec" ISAs), values as rows;
  *   PAGED_AMX         its "amx" ISA (bf16): keys as AMX B tiles [bs/16][D/2][16 tokens][2 channels] (VNNI pairs

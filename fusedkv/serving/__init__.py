@@ -12,6 +12,8 @@ vLLM lives in its own environment (it pins an older transformers than the projec
     (`fusedkv/kernels/cpu_paged_attention.c`) for two, both over the blocks in place; the paged Triton
     kernel on GPU backends. Each layer's path is chosen once, by the engine's selection, when the
     model loads its weights (`paged.select_paths`).
+  * `paged_blocks`: how vLLM's cache blocks are laid out and read: each backend's cache split into keys and
+    values, the CPU backend's block layout (learned from its own cache-write op), blocks gathered in token order.
   * `command`: `fusedkv serve`, run from the project's environment; it checks the checkpoint and starts
     vLLM's OpenAI-compatible server with the vLLM environment's Python.
   * `preflight`: what `fusedkv serve` refuses before vLLM starts (head/block sizes, address, options).

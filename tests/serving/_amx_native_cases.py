@@ -14,15 +14,14 @@ from vllm import _custom_ops as ops
 from fusedkv.engine.selection import select_paged_attention
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import (
+from fusedkv.serving.paged import native_paged_attention, query_rows
+from fusedkv.serving.paged_blocks import (
     AMX_PACKED_KEYS,
     AMX_PACKED_VALUES,
     block_layout,
     cpu_cache_layout,
     kernel_layout,
     layout_index,
-    native_paged_attention,
-    query_rows,
     split_cpu_kv_cache,
 )
 
@@ -34,8 +33,9 @@ def named(layout) -> list:
     return [side if side is None or isinstance(side, str) else "a general index" for side in layout]
 
 
-# 1. The packing, written out here independently of paged.py: vLLM's layout must be it (block_layout names it only
-#    when the index it learned from vLLM's write op equals paged.layout_index, checked against these formulas).
+# 1. The packing, written out here independently of paged_blocks.py: vLLM's layout must be it (block_layout names it
+#    only when the index it learned from vLLM's write op equals paged_blocks.layout_index, checked against these
+#    formulas).
 for bs in (32, 64):
     for head_dim in (32, 64, 128):
         learned = named(block_layout("amx", BF16, bs, head_dim))

@@ -17,7 +17,8 @@ from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
 
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import CrossLayerAttention, StorageAttention, select_paths, split_cpu_kv_cache
+from fusedkv.serving.paged import CrossLayerAttention, StorageAttention, select_paths
+from fusedkv.serving.paged_blocks import split_cpu_kv_cache
 
 H_KV, H_Q, D, BS = 2, 4, 64, 32
 # (tokens already in the cache, query tokens this step), per request

@@ -6,7 +6,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from fusedkv.serving.paged import block_layout, gather_blocks, split_cpu_kv_cache
+from fusedkv.serving.paged_blocks import block_layout, gather_blocks, split_cpu_kv_cache
 
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):

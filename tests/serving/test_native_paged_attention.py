@@ -19,7 +19,8 @@ import torch
 
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import kernel_layout, native_paged_attention, query_rows, split_cpu_kv_cache
+from fusedkv.serving.paged import native_paged_attention, query_rows
+from fusedkv.serving.paged_blocks import kernel_layout, split_cpu_kv_cache
 from tests.conftest import tiered
 from tests.serving.test_paged_kernel_shapes import AMX, KEYS_TRANSPOSED, ROWS, write_blocks
 

@@ -13,21 +13,20 @@ import torch
 
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import (
+from fusedkv.serving.paged import native_paged_attention, query_rows
+from fusedkv.serving.paged_blocks import (
     AMX_PACKED_KEYS,
     AMX_PACKED_VALUES,
     TRANSPOSED,
     kernel_layout,
     layout_index,
-    native_paged_attention,
-    query_rows,
     split_cpu_kv_cache,
 )
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native CPU kernels are not built here")
 
 
-# (key, value) block layouts as vLLM's CPU backend keeps them (`fusedkv.serving.paged.block_layout`; None: rows).
+# (key, value) block layouts as vLLM's CPU backend keeps them (`fusedkv.serving.paged_blocks.block_layout`; None: rows).
 ROWS, KEYS_TRANSPOSED, AMX = (None, None), (TRANSPOSED, None), (AMX_PACKED_KEYS, AMX_PACKED_VALUES)
 
 
