@@ -8,6 +8,8 @@ documents (the built-in corpus: `BUILTIN_VAL_DOCS`). The on-disk layout and its 
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -140,6 +142,22 @@ def _val_selector(val_docs, val_fraction: float, seed: int):
 
 
 # ----------------------------------------------------------------------------- the whole pipeline
+def _one_at_a_time(prepare):
+    """Two processes asked for the same dataset at once (two `fusedkv compare` started together, one per core):
+    the second waits on an exclusive `flock` in the output folder, then finds the first one's output finished
+    and reuses it, instead of both writing the same files. The kernel releases the lock when its process ends."""
+
+    @functools.wraps(prepare)
+    def locked(source_spec, out_dir, *args, **kwargs):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(out_dir) / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return prepare(source_spec, out_dir, *args, **kwargs)
+
+    return locked
+
+
+@_one_at_a_time
 def prepare_dataset(
     source_spec: str | Path | Source,
     out_dir: str | Path,

@@ -18,7 +18,8 @@ def register(sub) -> None:
         "gqa, swa (window hybrids +W/+WF), moe, mla, quant (checkpoints for KIVI/Wanda); and the evidence runs: "
         "retrieval (Table 16 at toy scale), passkey (its needle tasks), long (Table 2 at 10x tokens), uptrain "
         "(convert + distil). Finished runs are reused and a run killed part-way continues from its last "
-        "checkpoint, so an interrupted comparison resumes.")
+        "checkpoint, so an interrupted comparison resumes. To use several cores, start the same command once per "
+        "core (one thread per run: `threads: 1`): each trains the next run no other process is training.")
     p.add_argument("experiment", nargs="?", default="main", type=argtypes.non_empty,
                    help="shipped experiment name (main, gqa, swa, moe, mla, quant, long, ...) or YAML path")
     p.add_argument("--out", default=None, type=argtypes.non_empty,
@@ -29,6 +30,8 @@ def register(sub) -> None:
                    help="replace the file's small base with a training preset (e.g. 332m on a GPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a training field for every run, e.g. --set max_steps=50 (repeatable)")
+    p.add_argument("--runs", default=None, type=argtypes.name_list(), metavar="NAME[,NAME...]",
+                   help="only these runs of the file (and the runs they start from); the tables cover them alone")
     p.add_argument("--finished-only", action="store_true",
                    help="train nothing: write the tables from the runs already finished and list the others")
     p.add_argument("--task-limit", type=argtypes.non_negative_int, default=40,
@@ -50,7 +53,7 @@ def run(args) -> None:
     name = spec.get("name", Path(args.experiment).stem)
     out = Path(args.out or f"runs/compare-{name}")
     results = run_experiment(spec, out, seeds, args.preset, overrides, args.task_limit,
-                             finished_only=args.finished_only)
+                             finished_only=args.finished_only, only=args.runs)
     if not results:
         raise UsageError(f"no run of {name!r} has finished yet; run it without --finished-only")
     table = summary_table(results)

@@ -24,10 +24,13 @@ freedom.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
 import os
+import socket
+import time
 from pathlib import Path
 
 import yaml
@@ -107,17 +110,20 @@ def _slug(name: str) -> str:
 
 def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: str | None = None,
                    overrides: dict | None = None, task_limit: int | None = 40, progress: bool = True,
-                   cache_dir=None, finished_only: bool = False) -> list[dict]:
-    """Train and evaluate every (run, seed); returns one result dict per pair. `finished_only`: train
-    nothing, return the pairs already finished (a chained run counts only when its ancestors do).
+                   cache_dir=None, finished_only: bool = False, only: list[str] | None = None) -> list[dict]:
+    """Train and evaluate every (run, seed); returns one result dict per pair, in the file's order.
+    `finished_only`: train nothing, return the pairs already finished (a chained run counts only when its
+    ancestors do). `only`: these runs and the runs they start from (`from:` / `distill:`), not the others.
 
     Finished runs are kept twice: under `out_dir/RUN/seedN/result.json` (this experiment's record) and
     in a cache keyed by the complete training configuration (`cache_dir`, default
     `$FUSEDKV_COMPARE_CACHE` or `runs/compare-cache`). Experiments that share a configuration (the
     ablations' Lite and FusedKV rows are the main table's) therefore train it once.
-    """
-    from ..train import TrainConfig, train
 
+    Several processes may run the same comparison at once (one per core): a run being trained holds a lock
+    in its cache directory, and the others take the next free run and come back to the locked one (or to a
+    chained run whose ancestor is locked) when it is free, reusing its result.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir or os.environ.get("FUSEDKV_COMPARE_CACHE", "runs/compare-cache"))
@@ -125,9 +131,6 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
     overrides = overrides or {}  # --set: over the base and over each run's own values ("for every run")
     seeds = seeds if seeds is not None else list(spec.get("seeds", [0]))
     evaluate = spec.get("evaluate") or {}
-    results = []
-    finished: dict[tuple[str, int], tuple[str, dict]] = {}  # (run name, seed) -> (cache key, result)
-    total = len(spec["runs"]) * len(seeds)
     check_run_names([run["name"] for run in spec["runs"]], "the experiment")
     listed = set()
     for run in spec["runs"]:
@@ -135,11 +138,12 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
             if what in run and run[what] not in listed:
                 raise ValueError(f"run {run['name']!r}: {what}: {run[what]!r} must name a run listed before it")
         listed.add(run["name"])
+    runs = selected_runs(spec["runs"], only)
     # Every (run, seed)'s settings are resolved and keyed before anything trains, so a bad one is reported
     # at once; the key is the complete resolved TrainConfig (preset values filled in) plus the ancestors'
     # keys and the evaluation, so any change to what a run computes makes it another run.
     keys: dict[tuple[str, int], str] = {}
-    for run in spec["runs"]:
+    for run in runs:
         for seed in seeds:
             own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
             fields = {**_merge(_merge(base, own), overrides), "seed": seed}
@@ -149,35 +153,101 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                         **({"evaluate": evaluate} if evaluate else {})}
             keys[run["name"], seed] = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str)
                                                      .encode()).hexdigest()[:16]
-    for run in spec["runs"]:
-        for seed in seeds:
-            run_dir = out_dir / _slug(run["name"]) / f"seed{seed}"
-            done = run_dir / "result.json"
-            own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
-            fields = {**_merge(_merge(base, own), overrides), "seed": seed}
-            if "data" in fields:  # the MQAR format is part of the key: runs of a withdrawn format are not reused
-                fields["data"] = versioned_spec(fields["data"])
-            if finished_only and any((run[k], seed) not in finished for k in ("from", "distill") if k in run):
-                if progress:  # an ancestor has not finished, so neither has this run
-                    print(f"not finished: {run['name']} seed {seed}", flush=True)
+    finished: dict[tuple[str, int], tuple[str, dict]] = {}  # (run name, seed) -> (cache key, result)
+    jobs = [(run, seed) for run in runs for seed in seeds]
+    count = {"started": 0, "total": len(jobs)}
+    waiting: set = set()  # jobs reported as waiting for another process (said once each)
+    while jobs:
+        # One pass in the file's order; a job held by another process (or whose ancestor is) waits for the
+        # next pass. Ancestors come first in the file, so a pass that finishes nothing is all waiting.
+        deferred = []
+        for run, seed in jobs:
+            ancestors = [(run[k], seed) for k in ("from", "distill") if k in run]
+            if any(a not in finished for a in ancestors):
+                if finished_only:  # an ancestor has not finished, so neither has this run
+                    if progress:
+                        print(f"not finished: {run['name']} seed {seed}", flush=True)
+                    continue
+                deferred.append((run, seed))
                 continue
             parents = {k: finished[run[k], seed] for k in ("from", "distill") if k in run}
-            key = keys[run["name"], seed]
-            cached = cache_dir / key / "result.json"
-            # This experiment's own record counts only when it is of these very settings (a re-run into the
-            # same --out with a changed setting is another run).
-            record = json.loads(done.read_text()) if done.exists() else {}
-            if record.get("key") == key or cached.exists():
-                result = {**(record if record.get("key") == key else json.loads(cached.read_text())),
-                          "name": run["name"]}
-                result = _with_task_limit(result, task_limit, cached)
-            elif finished_only:
+            result = _run_one(run, seed, keys[run["name"], seed], parents, base, overrides, evaluate, out_dir,
+                              cache_dir, task_limit, finished_only, progress, count)
+            if result is _HELD:
+                if progress and (run["name"], seed) not in waiting:
+                    print(f"  {run['name']} seed {seed} is being trained by another process; coming back to it",
+                          flush=True)
+                    waiting.add((run["name"], seed))
+                deferred.append((run, seed))
+            elif result is not None:
+                finished[run["name"], seed] = (keys[run["name"], seed], result)
+        if len(deferred) == len(jobs):  # nothing could move: wait for the other process
+            time.sleep(LOCK_POLL_S)
+        jobs = deferred
+    order = {(run["name"], seed): i for i, (run, seed) in enumerate((r, s) for r in runs for s in seeds)}
+    return [result for _, (_, result) in sorted(finished.items(), key=lambda item: order[item[0]])]
+
+
+def selected_runs(runs: list[dict], only: list[str] | None) -> list[dict]:
+    """The runs named in `only` and, transitively, the runs they start from, in the file's order."""
+    if not only:
+        return runs
+    by_name = {run["name"]: run for run in runs}
+    unknown = [name for name in only if name not in by_name]
+    if unknown:
+        raise ValueError(f"--runs: no run named {', '.join(map(repr, unknown))} in the experiment; its runs: "
+                         f"{', '.join(by_name)}")
+    wanted, todo = set(), list(only)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo += [by_name[name][k] for k in ("from", "distill") if k in by_name[name]]
+    return [run for run in runs if run["name"] in wanted]
+
+
+_HELD = object()  # _run_one's answer for a run another process is training
+LOCK_POLL_S = 30.0  # how often a process that can do nothing else looks at the other process's lock again
+
+
+def _run_one(run: dict, seed: int, key: str, parents: dict, base: dict, overrides: dict, evaluate: dict,
+             out_dir: Path, cache_dir: Path, task_limit, finished_only: bool, progress: bool, count: dict):
+    """One (run, seed): its cached or recorded result, else trained and evaluated now. None when
+    `finished_only` and it has not finished; `_HELD` when another process holds its lock."""
+    from ..train import TrainConfig, train
+
+    run_dir = out_dir / _slug(run["name"]) / f"seed{seed}"
+    done = run_dir / "result.json"
+    own = {k: v for k, v in run.items() if k not in _CHAIN_KEYS}
+    fields = {**_merge(_merge(base, own), overrides), "seed": seed}
+    if "data" in fields:  # the MQAR format is part of the key: runs of a withdrawn format are not reused
+        fields["data"] = versioned_spec(fields["data"])
+    cached = cache_dir / key / "result.json"
+
+    def recorded() -> dict | None:
+        # This experiment's own record counts only when it is of these very settings (a re-run into the
+        # same --out with a changed setting is another run).
+        record = json.loads(done.read_text()) if done.exists() else {}
+        if record.get("key") == key or cached.exists():
+            result = {**(record if record.get("key") == key else json.loads(cached.read_text())),
+                      "name": run["name"]}
+            return _with_task_limit(result, task_limit, cached)
+        return None
+
+    result = recorded()
+    if result is None and finished_only:
+        if progress:
+            print(f"not finished: {run['name']} seed {seed}", flush=True)
+        return None
+    if result is None:
+        with RunLock(cache_dir / key) as lock:
+            if not lock.held:
+                return _HELD
+            result = recorded()  # another process may have finished it while this one waited
+            if result is None:
+                count["started"] += 1
                 if progress:
-                    print(f"not finished: {run['name']} seed {seed}", flush=True)
-                continue
-            else:
-                if progress:
-                    print(f"[{len(results) + 1}/{total}] {run['name']} seed {seed}", flush=True)
+                    print(f"[{count['started']}/{count['total']}] {run['name']} seed {seed}", flush=True)
                 # No result means the run did not finish: continue from its newest checkpoint (the key is
                 # the whole config, so the checkpoint is this run's), or train it again from the start.
                 train_dir = cache_dir / key / "train"
@@ -201,12 +271,39 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                 result["config"] = fields
                 result["key"] = key
                 write_json_atomic(cached, result)  # a killed run never leaves a half result
-            result["key"] = key
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(done, result)
-            results.append(result)
-            finished[(run["name"], seed)] = (key, result)
-    return results
+    result["key"] = key
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(done, result)
+    return result
+
+
+class RunLock:
+    """An exclusive `flock` on a file in a run's cache directory while one process trains it. The kernel
+    releases it when the process ends however it ends, so a killed run never leaves a stale lock."""
+
+    def __init__(self, run_cache: Path):
+        self.path = Path(run_cache) / "lock"
+        self.held = False
+        self._file = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            return self
+        self._file.truncate(0)  # who holds it, for a person looking (the lock itself is the flock)
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._file.flush()
+        self.held = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.held:
+            self._file.close()  # closing releases the flock
+            self.held = False
 
 
 def _with_task_limit(result: dict, task_limit: int | None, cached: Path) -> dict:
