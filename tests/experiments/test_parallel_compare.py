@@ -76,7 +76,7 @@ def test_two_processes_share_one_comparison(tmp_path):
     procs = [cli_process.start_module("fusedkv.cli", "compare", str(spec), "--out", str(tmp_path / f"out{i}"),
                                       "--seeds", "0", "--task-limit", "0", cwd=REPO, env=env) for i in (0, 1)]
     outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outputs, strict=True):
+    for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err
     started = [m for out, _ in outputs for m in re.findall(r"^\[\d/3\] (\S+) seed 0$", out, re.M)]
     assert sorted(started) == ["lite", "lite-kd", "teacher"]  # each trained once, by one of the two
