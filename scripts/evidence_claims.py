@@ -8,11 +8,18 @@ per-seed differences (docs/results.md section 10, `fusedkv compare gqa|moe|mla|s
 docs/kivi_wanda_main.json (each checkpoint against its own full-precision loss). The paper's values are
 its reported differences (valid loss, or WikiText perplexity where it reports no loss): only their sign is
 the claim. Retrieval and passkey claims measured on MQAR format 1 are recorded as not testable.
+
+Retrieval on MQAR format 2 (`fusedkv compare retrieval`): the claims of `fusedkv/experiments/retrieval.yaml`,
+judged by `fusedkv.experiments.verdicts.experiment_claims` (the same function as the command's results.md) on
+docs/compare/retrieval_format2.json, every finished (run, seed)'s MQAR scores. `--retrieval DIR` first
+refreshes that file from a comparison's output folder (`runs/compare-retrieval`; runs/ is not committed).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +31,7 @@ TABLE2 = {"fusedkv-lite": -0.016, "fusedkv": -0.020, "cla": +0.017, "yoco": +0.0
 UPTRAIN = {"lite-lm": [4.2179, 4.2249, 4.2084], "lite-distill": [4.1864, 4.1858, 4.1662],
            "fusedkv-lm": [4.2236, 4.2228, 4.2081], "fusedkv-distill": [4.1915, 4.1853, 4.1673],
            "lite-scratch": [4.1111, 4.1196, 4.1413], "fusedkv-scratch": [4.1159, 4.1170, 4.1094]}
+RETRIEVAL = ROOT / "docs" / "compare" / "retrieval_format2.json"
 FORMAT1 = ("MQAR format 1: values drawn with replacement and earlier answers visible (elimination floor "
            "46-54%); vanilla learned the lookup in 1 seed of 3")
 
@@ -71,10 +79,41 @@ def claims() -> list[dict]:
     out.append({"label": "passkeys (format-1 models): Lite − vanilla at 512", "paper": round(42.31 - 49.11, 2),
                 "source": "App. A.7, Table 16", "diffs": [], "digits": 1,
                 "not_testable": "vanilla retrieves 0-6% of the passkeys in every seed: the comparison has not started"})
-    return out
+    return out + format2_claims()
+
+
+def format2_claims() -> list[dict]:
+    """The retrieval experiment's claims on MQAR format 2, from the committed per-run scores."""
+    if not RETRIEVAL.is_file():
+        return []
+    sys.path.insert(0, str(ROOT))
+    from fusedkv.experiments import load_experiment
+    from fusedkv.experiments.verdicts import experiment_claims
+
+    results = json.loads(RETRIEVAL.read_text())
+    return [{**vars(c), "label": f"retrieval, format 2: {c.label} at 512", "diffs": [round(d, 2) for d in c.diffs]}
+            for c in experiment_claims(load_experiment("retrieval"), results)]
+
+
+def collect_retrieval(out_dir: Path) -> None:
+    """docs/compare/retrieval_format2.json from a `fusedkv compare retrieval` output folder: per finished
+    (run, seed), its cache key, validation loss and retrieval scores (curves and configs left out)."""
+    rows = []
+    for path in sorted(out_dir.glob("*/seed*/result.json")):
+        r = json.loads(path.read_text())
+        rows.append({k: r[k] for k in ("name", "seed", "key", "val_loss", "retrieval") if k in r})
+    if not rows:
+        raise SystemExit(f"no finished run in {out_dir}: run `fusedkv compare retrieval --finished-only` first")
+    RETRIEVAL.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {RETRIEVAL} ({len(rows)} runs)")
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--retrieval", type=Path, help="refresh the format-2 scores from this compare output folder")
+    args = parser.parse_args()
+    if args.retrieval:
+        collect_retrieval(args.retrieval)
     path = ROOT / "docs" / "compare" / "claims.json"
     path.write_text(json.dumps(claims(), indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {path}")

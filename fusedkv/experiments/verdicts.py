@@ -183,11 +183,14 @@ def check_claims(spec: dict) -> None:
         where = f"claims entry {i + 1} ({entry!r})"
         if not isinstance(entry, dict) or not (isinstance(entry.get("pair"), list) and len(entry["pair"]) == 2):
             raise ValueError(f"{where}: needs pair: [RUN, REFERENCE]")
-        unknown = set(entry) - {"pair", "metric", "paper", "source", "not_testable", "gate"}
+        unknown = set(entry) - {"pair", "metric", "paper", "source", "not_testable", "gate", "length"}
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}")
         if entry.get("metric", "val_loss") not in ("val_loss", "mqar"):
             raise ValueError(f"{where}: metric must be val_loss or mqar")
+        if "length" in entry and (entry.get("metric") != "mqar" or isinstance(entry["length"], bool)
+                                  or not isinstance(entry["length"], int) or entry["length"] < 1):
+            raise ValueError(f"{where}: length (tokens) is for metric: mqar, a positive integer")
         paper = entry.get("paper")
         if paper is not None and (isinstance(paper, bool) or not isinstance(paper, (int, float)) or paper == 0):
             raise ValueError(f"{where}: paper must be the paper's nonzero difference (its sign is the claim), "
@@ -197,10 +200,11 @@ def check_claims(spec: dict) -> None:
 def experiment_claims(spec: dict, results: list[dict]) -> list[Claim]:
     """The `claims:` of an experiment file, measured on `results` (a claim whose runs did not finish is
     left out). Each entry: `{pair: [RUN, REFERENCE], metric: val_loss | mqar, paper: VALUE (or null: no
-    claim), source: "Table 2", not_testable: REASON, gate: RUN}`. `metric: mqar` is the MQAR score at the
-    longest length both runs were scored at; such a claim is not testable while any seed of `gate` (default
-    the reference) is not above the random-copy floor at its shortest length (`fusedkv.eval.retrieval.learned`):
-    the baseline must have learned the lookup before plans are compared on it."""
+    claim), source: "Table 2", not_testable: REASON, gate: RUN, length: TOKENS}`. `metric: mqar` is the MQAR
+    score at `length` (default: the longest length both runs were scored at); such a claim is not testable
+    while any seed of `gate` (default the reference) is not above the random-copy floor at that length
+    (`fusedkv.eval.retrieval.learned`): the baseline must retrieve at the length compared, or there is no
+    retrieval for a plan to lose (Table 16 compares plans where vanilla scores 49%)."""
     from ..eval.retrieval import mqar_score
 
     names = {r["name"] for r in results}
@@ -222,17 +226,22 @@ def experiment_claims(spec: dict, results: list[dict]) -> list[Claim]:
             scored = [s for s in seeds if by_seed[run, s].get("retrieval") and by_seed[ref, s].get("retrieval")]
             common = [set(map(int, by_seed[run, s]["retrieval"]["lengths"]))
                       & set(map(int, by_seed[ref, s]["retrieval"]["lengths"])) for s in scored]
-            length = max(set.intersection(*common)) if common and set.intersection(*common) else None
+            both = set.intersection(*common) if common else set()
+            length = entry.get("length", max(both) if both else None)
+            if length is not None and length not in both:
+                continue  # not scored at that length in every seed (a run of a shorter context)
             diffs = [] if length is None else [mqar_score(by_seed[run, s]["retrieval"], length)
                                                - mqar_score(by_seed[ref, s]["retrieval"], length) for s in scored]
             gate = entry.get("gate", ref)  # the run every seed of which must have learned the lookup
             gated = [by_seed[gate, s]["retrieval"] for s in scored if (gate, s) in by_seed]
-            if not reason and not (len(gated) == len(scored) and all(map(learned, gated))):
-                reason = f"{gate} has not learned the lookup in every seed (not above the random-copy floor)"
+            learnt = sum(learned(r, length) for r in gated) if length is not None else 0
+            if not reason and not (len(gated) == len(scored) and learnt == len(gated)):
+                reason = (f"{gate} has not learned the lookup at {length} tokens in every seed ({learnt} of "
+                          f"{len(gated)} above the random-copy floor)")
             digits = 1
         else:
             raise ValueError(f"claims: metric {metric!r}: choose val_loss or mqar")
-        label = f"{run} − {ref}" + (" (MQAR score)" if metric == "mqar" else "")
+        label = f"{run} − {ref}" + (f" (MQAR score at {length})" if metric == "mqar" else "")
         out.append(Claim(label, entry.get("paper"), entry.get("source", ""), diffs, reason, digits))
     return out
 

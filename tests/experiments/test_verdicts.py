@@ -100,15 +100,25 @@ def test_experiment_claims_measure_loss_and_mqar_with_the_floor_rule():
                        {"pair": ["yoco", "vanilla"], "paper": 0.003}]}  # yoco did not run: left out
     loss, mqar = v.experiment_claims(spec, results)
     assert loss.diffs == pytest.approx([-0.1, -0.099, -0.1]) and loss.not_testable is None
-    assert mqar.diffs == pytest.approx([-7.5, -7.0, -6.5]) and mqar.not_testable is None  # at 128 tokens
+    # At 128 tokens (the longest both were scored at) vanilla is at its floor (47.5 for 2 pairs, floor 50):
+    # no retrieval there to lose, so not testable; at 64, where every vanilla seed retrieves, it is.
+    assert mqar.diffs == pytest.approx([-7.5, -7.0, -6.5]) and mqar.label == "lite − vanilla (MQAR score at 128)"
+    assert mqar.not_testable == ("vanilla has not learned the lookup at 128 tokens in every seed (0 of 3 above "
+                                 "the random-copy floor)")
+    spec["claims"][1]["length"] = 64
+    _, mqar = v.experiment_claims(spec, results)
+    assert mqar.diffs == pytest.approx([-15.0, -14.0, -13.0]) and mqar.not_testable is None
     assert v.verdict_rows([mqar])[0]["verdict"] == v.REPRODUCED
     # A vanilla seed at its random-copy floor (50% for 2 pairs, 25% for 4 at 64 tokens): not testable.
     results[2]["retrieval"]["mqar"] = {2: {64: 50.0, 128: 50.0}, 4: {64: 25.0, 128: 25.0}}
     _, mqar = v.experiment_claims(spec, results)
-    assert "vanilla has not learned the lookup" in mqar.not_testable
+    assert "vanilla has not learned the lookup at 64 tokens in every seed (2 of 3" in mqar.not_testable
     assert v.verdict_rows([mqar])[0]["verdict"] == v.NOT_TESTABLE
+    spec["claims"][1]["length"] = 256  # a length nobody was scored at: the claim is left out
+    assert len(v.experiment_claims(spec, results)) == 1
     # A claim between two plans is gated on the baseline named by `gate`, not on its reference.
-    gated = {"claims": [{"pair": ["lite", "yoco"], "metric": "mqar", "paper": 25.0, "gate": "vanilla"}]}
+    gated = {"claims": [{"pair": ["lite", "yoco"], "metric": "mqar", "paper": 25.0, "gate": "vanilla",
+                         "length": 64}]}
     results += [res("yoco", s, 4.0, 60.0) for s in range(3)]
     (claim,) = v.experiment_claims(gated, results)
     assert "vanilla has not learned" in claim.not_testable
@@ -141,6 +151,8 @@ def test_claims_from_a_json_record(tmp_path):
     ({"pair": ["a", "b"], "paper": 0}, "nonzero"),
     ({"pair": ["a", "b"], "paper": "lower"}, "nonzero"),
     ({"pair": ["a", "b"], "papr": -1}, "unknown key"),
+    ({"pair": ["a", "b"], "paper": -1, "length": 64}, "length \\(tokens\\) is for metric: mqar"),
+    ({"pair": ["a", "b"], "paper": -1, "metric": "mqar", "length": "512"}, "a positive integer"),
 ])
 def test_claims_are_checked_when_the_file_is_read(entry, msg):
     with pytest.raises(ValueError, match=msg):
