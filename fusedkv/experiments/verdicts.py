@@ -35,6 +35,7 @@ NOT_TESTABLE = "not testable here"
 BEYOND = "beyond the paper"
 VERDICTS = (REPRODUCED, SAME_INCONCLUSIVE, OPPOSITE_INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTABLE, BEYOND)
 ALPHA = 0.05
+LONGEST_LEARNED = "longest learned"  # a claim's `length:` the longest at which its baseline learned the lookup
 
 
 def t_two_sided_p(t: float, df: int) -> float:
@@ -188,9 +189,11 @@ def check_claims(spec: dict) -> None:
             raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}")
         if entry.get("metric", "val_loss") not in ("val_loss", "mqar"):
             raise ValueError(f"{where}: metric must be val_loss or mqar")
-        if "length" in entry and (entry.get("metric") != "mqar" or isinstance(entry["length"], bool)
-                                  or not isinstance(entry["length"], int) or entry["length"] < 1):
-            raise ValueError(f"{where}: length (tokens) is for metric: mqar, a positive integer")
+        length = entry.get("length")
+        if "length" in entry and (entry.get("metric") != "mqar" or (length != LONGEST_LEARNED and (
+                isinstance(length, bool) or not isinstance(length, int) or length < 1))):
+            raise ValueError(f"{where}: length is for metric: mqar, a positive number of tokens or "
+                             f"{LONGEST_LEARNED!r}")
         paper = entry.get("paper")
         if paper is not None and (isinstance(paper, bool) or not isinstance(paper, (int, float)) or paper == 0):
             raise ValueError(f"{where}: paper must be the paper's nonzero difference (its sign is the claim), "
@@ -200,9 +203,12 @@ def check_claims(spec: dict) -> None:
 def experiment_claims(spec: dict, results: list[dict]) -> list[Claim]:
     """The `claims:` of an experiment file, measured on `results` (a claim whose runs did not finish is
     left out). Each entry: `{pair: [RUN, REFERENCE], metric: val_loss | mqar, paper: VALUE (or null: no
-    claim), source: "Table 2", not_testable: REASON, gate: RUN, length: TOKENS}`. `metric: mqar` is the MQAR
-    score at `length` (default: the longest length both runs were scored at); such a claim is not testable
-    while any seed of `gate` (default the reference) is not above the random-copy floor at that length
+    claim), source: "Table 2", not_testable: REASON, gate: RUN, length: TOKENS}`.
+
+    `metric: mqar` is the MQAR score at `length`: by default the longest length both runs were scored at;
+    `longest learned` is the longest at which every seed of `gate` learned the lookup, chosen from the
+    baseline alone, never from the plans' scores. Such a claim is not testable while any seed of `gate`
+    (default the reference) is not above the random-copy floor at that length
     (`fusedkv.eval.retrieval.learned`): the baseline must retrieve at the length compared, or there is no
     retrieval for a plan to lose (Table 16 compares plans where vanilla scores 49%)."""
     from ..eval.retrieval import mqar_score
@@ -227,13 +233,16 @@ def experiment_claims(spec: dict, results: list[dict]) -> list[Claim]:
             common = [set(map(int, by_seed[run, s]["retrieval"]["lengths"]))
                       & set(map(int, by_seed[ref, s]["retrieval"]["lengths"])) for s in scored]
             both = set.intersection(*common) if common else set()
+            gate = entry.get("gate", ref)  # the run every seed of which must have learned the lookup
+            gated = [by_seed[gate, s]["retrieval"] for s in scored if (gate, s) in by_seed]
             length = entry.get("length", max(both) if both else None)
+            if length == LONGEST_LEARNED:
+                where = [L for L in both if len(gated) == len(scored) and all(learned(r, L) for r in gated)]
+                length = max(where) if where else min(both) if both else None
             if length is not None and length not in both:
                 continue  # not scored at that length in every seed (a run of a shorter context)
             diffs = [] if length is None else [mqar_score(by_seed[run, s]["retrieval"], length)
                                                - mqar_score(by_seed[ref, s]["retrieval"], length) for s in scored]
-            gate = entry.get("gate", ref)  # the run every seed of which must have learned the lookup
-            gated = [by_seed[gate, s]["retrieval"] for s in scored if (gate, s) in by_seed]
             learnt = sum(learned(r, length) for r in gated) if length is not None else 0
             if not reason and not (len(gated) == len(scored) and learnt == len(gated)):
                 reason = (f"{gate} has not learned the lookup at {length} tokens in every seed ({learnt} of "
@@ -241,7 +250,10 @@ def experiment_claims(spec: dict, results: list[dict]) -> list[Claim]:
             digits = 1
         else:
             raise ValueError(f"claims: metric {metric!r}: choose val_loss or mqar")
-        label = f"{run} − {ref}" + (f" (MQAR score at {length})" if metric == "mqar" else "")
+        label = f"{run} − {ref}"
+        if metric == "mqar":
+            label += f" (MQAR score at {length}" + (", the longest length the baseline learned" if
+                                                     entry.get("length") == LONGEST_LEARNED else "") + ")"
         out.append(Claim(label, entry.get("paper"), entry.get("source", ""), diffs, reason, digits))
     return out
 

@@ -109,6 +109,15 @@ def test_experiment_claims_measure_loss_and_mqar_with_the_floor_rule():
     _, mqar = v.experiment_claims(spec, results)
     assert mqar.diffs == pytest.approx([-15.0, -14.0, -13.0]) and mqar.not_testable is None
     assert v.verdict_rows([mqar])[0]["verdict"] == v.REPRODUCED
+    spec["claims"][1]["length"] = v.LONGEST_LEARNED  # the rule picks 64, where every vanilla seed learned
+    _, longest = v.experiment_claims(spec, results)
+    assert longest.diffs == mqar.diffs and longest.not_testable is None
+    assert longest.label == "lite − vanilla (MQAR score at 64, the longest length the baseline learned)"
+    for r in results[:3]:  # now vanilla retrieves at 128 too (every pair count above its floor)
+        r["retrieval"]["mqar"] = {2: {64: 95.0, 128: 90.0}, 4: {64: 95.0, 128: 90.0}}
+    _, longest = v.experiment_claims(spec, results)
+    assert "at 128, the longest" in longest.label and longest.not_testable is None
+    spec["claims"][1]["length"] = 64
     # A vanilla seed at its random-copy floor (50% for 2 pairs, 25% for 4 at 64 tokens): not testable.
     results[2]["retrieval"]["mqar"] = {2: {64: 50.0, 128: 50.0}, 4: {64: 25.0, 128: 25.0}}
     _, mqar = v.experiment_claims(spec, results)
@@ -151,8 +160,9 @@ def test_claims_from_a_json_record(tmp_path):
     ({"pair": ["a", "b"], "paper": 0}, "nonzero"),
     ({"pair": ["a", "b"], "paper": "lower"}, "nonzero"),
     ({"pair": ["a", "b"], "papr": -1}, "unknown key"),
-    ({"pair": ["a", "b"], "paper": -1, "length": 64}, "length \\(tokens\\) is for metric: mqar"),
-    ({"pair": ["a", "b"], "paper": -1, "metric": "mqar", "length": "512"}, "a positive integer"),
+    ({"pair": ["a", "b"], "paper": -1, "length": 64}, "length is for metric: mqar"),
+    ({"pair": ["a", "b"], "paper": -1, "metric": "mqar", "length": "longest"}, "or 'longest learned'"),
+    ({"pair": ["a", "b"], "paper": -1, "metric": "mqar", "length": "512"}, "a positive number of tokens"),
 ])
 def test_claims_are_checked_when_the_file_is_read(entry, msg):
     with pytest.raises(ValueError, match=msg):
