@@ -91,7 +91,8 @@ def format2_claims() -> list[dict]:
     from fusedkv.experiments.verdicts import experiment_claims
 
     results = json.loads(RETRIEVAL.read_text())
-    return [{**vars(c), "label": f"retrieval, format 2: {c.label} at 512", "diffs": [round(d, 2) for d in c.diffs]}
+    return [{**vars(c), "label": f"retrieval, format 2: {c.label}", "diffs": [round(d, 2) for d in c.diffs],
+             "source": f"App. A.7, {c.source}" if c.source else ""}
             for c in experiment_claims(load_experiment("retrieval"), results)]
 
 
