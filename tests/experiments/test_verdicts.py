@@ -177,3 +177,22 @@ def test_the_shipped_claims_are_well_formed():
         v.check_claims(spec)
         runs = {r["name"] for r in spec["runs"]}
         assert all(set(c["pair"]) <= runs and c.get("gate", c["pair"][1]) in runs for c in spec["claims"]), name
+
+
+def test_the_committed_record_is_what_its_script_writes():
+    """docs/compare/claims.json (every verdict in docs/evidence.md and docs/results.md) is regenerated from
+    the committed tables and per-run scores by scripts/evidence_claims.py, not edited by hand: the retrieval
+    rows go through the same `experiment_claims` as `fusedkv compare retrieval`."""
+    import importlib.util
+    import json
+
+    from tests.train.train_helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("evidence_claims", REPO / "scripts" / "evidence_claims.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    written = json.loads(json.dumps(script.claims(), ensure_ascii=False))
+    assert written == json.loads((REPO / "docs" / "compare" / "claims.json").read_text())
+    labels = [c["label"] for c in written]
+    assert any(label.startswith("retrieval, format 2: fusedkv @512 − vanilla @512 (MQAR score at 512)")
+               for label in labels)
