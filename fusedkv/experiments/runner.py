@@ -207,7 +207,7 @@ def selected_runs(runs: list[dict], only: list[str] | None) -> list[dict]:
 
 
 _HELD = object()  # _run_one's answer for a run another process is training
-LOCK_POLL_S = 30.0  # how often a process that can do nothing else looks at the other process's lock again
+LOCK_POLL_S = 10.0  # how often a process that can do nothing else looks at the other process's lock again
 
 
 def _run_one(run: dict, seed: int, key: str, parents: dict, base: dict, overrides: dict, evaluate: dict,
