@@ -11,8 +11,10 @@ the claim. Retrieval and passkey claims measured on MQAR format 1 are recorded a
 
 Retrieval on MQAR format 2 (`fusedkv compare retrieval`): the claims of `fusedkv/experiments/retrieval.yaml`,
 judged by `fusedkv.experiments.verdicts.experiment_claims` (the same function as the command's results.md) on
-docs/compare/retrieval_format2.json, every finished (run, seed)'s MQAR scores. `--retrieval DIR` first
-refreshes that file from a comparison's output folder (`runs/compare-retrieval`; runs/ is not committed).
+docs/compare/retrieval_format2.json, the comparison's record (every finished (run, seed)'s cache key, loss and
+MQAR scores; `fusedkv compare retrieval --finished-only --record` writes its tables from it). `--retrieval DIR`
+first refreshes that file from a comparison's output folder (`runs/compare-retrieval`; runs/ is not committed),
+keeping the rows of runs that folder does not have.
 """
 
 from __future__ import annotations
@@ -97,16 +99,19 @@ def format2_claims() -> list[dict]:
 
 
 def collect_retrieval(out_dir: Path) -> None:
-    """docs/compare/retrieval_format2.json from a `fusedkv compare retrieval` output folder: per finished
-    (run, seed), its cache key, validation loss and retrieval scores (curves and configs left out)."""
-    rows = []
-    for path in sorted(out_dir.glob("*/seed*/result.json")):
-        r = json.loads(path.read_text())
-        rows.append({k: r[k] for k in ("name", "seed", "key", "val_loss", "retrieval") if k in r})
-    if not rows:
+    """Refresh docs/compare/retrieval_format2.json (a record, `fusedkv.experiments.record`) from a
+    `fusedkv compare retrieval` output folder: each finished (run, seed) there replaces its row; rows of runs
+    this machine did not train are kept."""
+    sys.path.insert(0, str(ROOT))
+    from fusedkv.experiments import record
+
+    found = [json.loads(path.read_text()) for path in sorted(out_dir.glob("*/seed*/result.json"))]
+    if not found:
         raise SystemExit(f"no finished run in {out_dir}: run `fusedkv compare retrieval --finished-only` first")
-    RETRIEVAL.write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"wrote {RETRIEVAL} ({len(rows)} runs)")
+    old = json.loads(RETRIEVAL.read_text()) if RETRIEVAL.is_file() else []
+    rows = record.merged(old, record.rows(found))
+    record.write(RETRIEVAL, rows)
+    print(f"wrote {RETRIEVAL} ({len(found)} runs from {out_dir}, {len(rows)} in all)")
 
 
 if __name__ == "__main__":

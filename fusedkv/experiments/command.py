@@ -34,6 +34,10 @@ def register(sub) -> None:
                    help="only these runs of the file (and the runs they start from); the tables cover them alone")
     p.add_argument("--finished-only", action="store_true",
                    help="train nothing: write the tables from the runs already finished and list the others")
+    p.add_argument("--record", default=None, type=argtypes.non_empty, metavar="FILE",
+                   help="a committed record of finished runs (JSON, e.g. docs/compare/retrieval_format2.json): a "
+                   "row whose cache key is a run's counts as that run finished, so the tables can be written on "
+                   "a machine without runs/")
     p.add_argument("--task-limit", type=argtypes.non_negative_int, default=40,
                    help="items per local lm-eval task (0: skip tasks; default 40)")
     p.set_defaults(func=run)
@@ -41,6 +45,7 @@ def register(sub) -> None:
 
 def run(args) -> None:
     from ..train.config import parse_overrides
+    from .record import load as load_record
     from .report import paired_table, plot_curves, retrieval_report, summary_table
     from .runner import load_experiment, run_experiment
     from .verdicts import check_claims, experiment_claims, verdict_table
@@ -52,8 +57,9 @@ def run(args) -> None:
     seeds = args.seeds
     name = spec.get("name", Path(args.experiment).stem)
     out = Path(args.out or f"runs/compare-{name}")
+    recorded = load_record(args.record) if args.record else None
     results = run_experiment(spec, out, seeds, args.preset, overrides, args.task_limit,
-                             finished_only=args.finished_only, only=args.runs)
+                             finished_only=args.finished_only, only=args.runs, record=recorded)
     if not results:
         raise UsageError(f"no run of {name!r} has finished yet; run it without --finished-only")
     table = summary_table(results)

@@ -167,9 +167,11 @@ def plot_curves(results: list[dict], path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    unrecorded = []  # runs known only from a record made before records kept curves
     for name in dict.fromkeys(r["name"] for r in results):
-        curves = [dict(r["curve"]) for r in results if r["name"] == name and r["curve"]]
+        curves = [dict(r["curve"]) for r in results if r["name"] == name and r.get("curve")]
         if not curves:
+            unrecorded.append(name)
             continue
         xs = sorted(set.intersection(*(set(c) for c in curves)))
         ys = [[c[x] for c in curves] for x in xs]
@@ -181,10 +183,14 @@ def plot_curves(results: list[dict], path, title: str) -> None:
     ax.set_ylabel("validation loss")
     ax.set_title(textwrap.fill(title, 70), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    lo = min((v for r in results for _, v in r["curve"][len(r["curve"]) // 3:]), default=None)
+    if unrecorded:
+        ax.text(0.01, 0.01, "no curve recorded: " + ", ".join(unrecorded), transform=ax.transAxes, fontsize=7)
+    if len(unrecorded) < len(dict.fromkeys(r["name"] for r in results)):
+        ax.legend(fontsize=8)
+    tails = [v for r in results for _, v in (r.get("curve") or [])[len(r.get("curve") or []) // 3:]]
+    lo = min(tails, default=None)
     if lo is not None:  # zoom on the part of the curves where plans differ
-        hi = max(v for r in results for _, v in r["curve"][len(r["curve"]) // 3:])
+        hi = max(tails)
         ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

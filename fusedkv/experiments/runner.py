@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from ..data.synthetic import versioned_spec
-from ..errors import Stopped
+from ..errors import Stopped, UsageError
 from ..plan import resolve_plan_choice
 from ..utils import slug, write_json_atomic
 
@@ -110,10 +110,13 @@ def _slug(name: str) -> str:
 
 def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: str | None = None,
                    overrides: dict | None = None, task_limit: int | None = 40, progress: bool = True,
-                   cache_dir=None, finished_only: bool = False, only: list[str] | None = None) -> list[dict]:
+                   cache_dir=None, finished_only: bool = False, only: list[str] | None = None,
+                   record: dict[str, dict] | None = None) -> list[dict]:
     """Train and evaluate every (run, seed); returns one result dict per pair, in the file's order.
     `finished_only`: train nothing, return the pairs already finished (a chained run counts only when its
     ancestors do). `only`: these runs and the runs they start from (`from:` / `distill:`), not the others.
+    `record`: rows of a committed record by cache key (`record.load`): a row whose key is a run's counts
+    as that run finished.
 
     Finished runs are kept twice: under `out_dir/RUN/seedN/result.json` (this experiment's record) and
     in a cache keyed by the complete training configuration (`cache_dir`, default
@@ -172,7 +175,7 @@ def run_experiment(spec: dict, out_dir, seeds: list[int] | None = None, preset: 
                 continue
             parents = {k: finished[run[k], seed] for k in ("from", "distill") if k in run}
             result = _run_one(run, seed, keys[run["name"], seed], parents, base, overrides, evaluate, out_dir,
-                              cache_dir, task_limit, finished_only, progress, count)
+                              cache_dir, task_limit, finished_only, progress, count, record or {})
             if result is _HELD:
                 if progress and (run["name"], seed) not in waiting:
                     print(f"  {run['name']} seed {seed} is being trained by another process; coming back to it",
@@ -211,7 +214,8 @@ LOCK_POLL_S = 10.0  # how often a process that can do nothing else looks at the 
 
 
 def _run_one(run: dict, seed: int, key: str, parents: dict, base: dict, overrides: dict, evaluate: dict,
-             out_dir: Path, cache_dir: Path, task_limit, finished_only: bool, progress: bool, count: dict):
+             out_dir: Path, cache_dir: Path, task_limit, finished_only: bool, progress: bool, count: dict,
+             record: dict[str, dict]):
     """One (run, seed): its cached or recorded result, else trained and evaluated now. None when
     `finished_only` and it has not finished; `_HELD` when another process holds its lock."""
     from ..train import TrainConfig, train
@@ -235,11 +239,21 @@ def _run_one(run: dict, seed: int, key: str, parents: dict, base: dict, override
         return None
 
     result = recorded()
+    row = record.get(key)
+    if result is None and row is not None and row.get("task_limit") == task_limit:
+        # Only in the committed record: used as it is (no model here to score again), and not copied into
+        # out_dir, whose records are of runs this machine has.
+        return {**row, "name": run["name"], "recorded": True}
     if result is None and finished_only:
         if progress:
             print(f"not finished: {run['name']} seed {seed}", flush=True)
         return None
     if result is None:
+        for what, (_, parent) in parents.items():
+            if parent.get("recorded"):
+                raise UsageError(f"run {run['name']!r} seed {seed} starts from {parent['name']!r} ({what}:), whose "
+                                 f"result is only in the --record file: its model is not on this machine. Train "
+                                 f"{parent['name']!r} here first (without --record), or add --finished-only")
         with RunLock(cache_dir / key) as lock:
             if not lock.held:
                 return _HELD

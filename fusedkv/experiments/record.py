@@ -1,0 +1,57 @@
+"""A committed record of a comparison's results, so its tables outlive the machine that trained it.
+
+`runs/` (checkpoints, the run cache) is not committed and a fresh checkout has none of it. A record is a
+JSON list with one row per finished (run, seed): its cache key (the hash of its complete training
+configuration, `runner.run_experiment`) and what the tables need (loss, curve, scores), not its model.
+`fusedkv compare NAME --record FILE` counts a row as a finished run when its key is the key that run
+has now; any change to a run's settings gives it another key, so a stale row is never used. A run that
+must train from a recorded run (`from:` / `distill:`) needs that run's model, which a record does not
+hold: that is an error naming both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UsageError
+
+# What a row keeps of a result: everything the tables and verdicts read, nothing that names a local file.
+FIELDS = ("name", "seed", "key", "plan", "cache", "val_loss", "val_ppl", "curve", "tokens_seen", "tokens_offset",
+          "init_val_loss", "task_limit", "tasks", "retrieval")
+REQUIRED = ("name", "seed", "key", "val_loss")
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """The record's rows for finished results (as `run_experiment` returns them)."""
+    return [{k: r[k] for k in FIELDS if k in r} for r in results]
+
+
+def merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """`old` with every (run, seed) of `new` replacing its row there, sorted by run and seed: refreshing a
+    record from a machine that trained only some runs keeps the others."""
+    by_run = {(r["name"], r["seed"]): r for r in old} | {(r["name"], r["seed"]): r for r in new}
+    return [by_run[k] for k in sorted(by_run)]
+
+
+def load(path) -> dict[str, dict]:
+    """A record file's rows by cache key; a UsageError saying what is wrong with a file that is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--record {path}: no such file (a record is written by scripts/evidence_claims.py)")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--record {path} is not a JSON file: {e}") from None
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise UsageError(f"--record {path}: a record is a JSON list of result rows, one per (run, seed)")
+    for i, row in enumerate(data):
+        missing = [k for k in REQUIRED if k not in row]
+        if missing:
+            raise UsageError(f"--record {path}: row {i} has no {', '.join(missing)}; every row needs "
+                             f"{', '.join(REQUIRED)}")
+    return {row["key"]: row for row in data}
+
+
+def write(path, rows_: list[dict]) -> None:
+    Path(path).write_text(json.dumps(rows_, indent=1) + "\n")
