@@ -40,6 +40,9 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
     text = f"# {title}: retrieval accuracy (%), {seeds} seed(s)\n\n"
     text += "## MQAR score: accuracy averaged over the pair counts, mean ± std over seeds\n\n"
     text += _mqar_score_table(results)
+    if seeds > 1:
+        text += ("\n\nPer seed (`†`: the lookup is learned at that length, every pair count significantly above its "
+                 "random-copy floor):\n\n" + _mqar_seed_table(results))
     text += "\n\n" + retrieval_floors(results)  # the floors beside the scores, and who learned the lookup
     paired = _mqar_paired_table(results, pairs)
     if paired:
@@ -67,6 +70,22 @@ def _mqar_score_table(results: list[dict]) -> str:
         rows = [row for (n, _), row in scores.items() if n == name]
         cells = [_mean_std([row[L] for row in rows if L in row], digits=1) or "-" for L in lengths]
         lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mqar_seed_table(results: list[dict]) -> str:
+    from ..eval.retrieval import learned
+
+    scores = _scores(results)
+    lengths = sorted({L for row in scores.values() for L in row})
+    lines = ["| run | seed | valid loss | " + " | ".join(str(L) for L in lengths) + " |",
+             "|---|---|---|" + "---:|" * len(lengths)]
+    for r in results:
+        if r.get("retrieval"):
+            row = scores[r["name"], r["seed"]]
+            cells = [f"{row[L]:.1f}" + ("†" if learned(r["retrieval"], L) else "") if L in row else "-"
+                     for L in lengths]
+            lines.append(f"| {r['name']} | {r['seed']} | {r['val_loss']:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -109,6 +109,9 @@ def test_retrieval_report_marks_significance_only_on_one_seeds_table(tmp_path):
     assert "binomial test over the 50 x P answers" in one
     assert "| MQAR 2 pairs | 50.0 | 100.0 |" in two and "*" not in two.split("Floors")[0]
     assert "A mean over 2 seeds: no significance marks" in two
+    # Who learned, seed by seed, beside the means: `†` where every pair count is above its floor.
+    per_seed = text.split("Per seed (")[1].split("| floor of the MQAR score")[0]
+    assert "| one | 0 | 1.0000 | 65.0 |" in per_seed and "| two | 1 | 1.0000 | 99.0† |" in per_seed
 
 
 def retrieval_path() -> str:
