@@ -120,7 +120,12 @@ def test_round_trip_and_fusedkv_plan(checkpoint, tmp_path):
     width = 14
     with torch.no_grad():
         a = vanilla(ids, attention_mask=mask, use_cache=False).logits
-        assert torch.equal(a, loaded(ids, attention_mask=mask, use_cache=False).logits)
+        # The checkpoint round-trips bit for bit; the logits to float32 rounding, since the memory alignment of
+        # tensors loaded from safetensors can change a CPU kernel's summation order (seen on an AMD EPYC).
+        state = loaded.state_dict()
+        assert all(torch.equal(t, state[k]) for k, t in vanilla.state_dict().items()) and len(state) == len(
+            vanilla.state_dict())
+        torch.testing.assert_close(loaded(ids, attention_mask=mask, use_cache=False).logits, a, rtol=0, atol=1e-5)
         full = fused(ids, attention_mask=mask, use_cache=False).logits
         steps, cache = incremental_logits(fused, ids, mask, width)
         _, vanilla_cache = incremental_logits(vanilla, ids, mask, width)
