@@ -104,13 +104,14 @@ def collect_retrieval(out_dir: Path) -> None:
     this machine did not train are kept."""
     sys.path.insert(0, str(ROOT))
     from fusedkv.experiments import record
+    from fusedkv.utils import write_json_atomic
 
     found = [json.loads(path.read_text()) for path in sorted(out_dir.glob("*/seed*/result.json"))]
     if not found:
         raise SystemExit(f"no finished run in {out_dir}: run `fusedkv compare retrieval --finished-only` first")
     old = json.loads(RETRIEVAL.read_text()) if RETRIEVAL.is_file() else []
     rows = record.merged(old, record.rows(found))
-    record.write(RETRIEVAL, rows)
+    write_json_atomic(RETRIEVAL, rows)  # the committed record: never left half-written
     print(f"wrote {RETRIEVAL} ({len(found)} runs from {out_dir}, {len(rows)} in all)")
 
 

@@ -51,7 +51,3 @@ def load(path) -> dict[str, dict]:
             raise UsageError(f"--record {path}: row {i} has no {', '.join(missing)}; every row needs "
                              f"{', '.join(REQUIRED)}")
     return {row["key"]: row for row in data}
-
-
-def write(path, rows_: list[dict]) -> None:
-    Path(path).write_text(json.dumps(rows_, indent=1) + "\n")

@@ -246,7 +246,8 @@ def _run_one(run: dict, seed: int, key: str, parents: dict, base: dict, override
         return {**row, "name": run["name"], "recorded": True}
     if result is None and finished_only:
         if progress:
-            print(f"not finished: {run['name']} seed {seed}", flush=True)
+            other = f" (recorded under --task-limit {row.get('task_limit')})" if row is not None else ""
+            print(f"not finished: {run['name']} seed {seed}{other}", flush=True)
         return None
     if result is None:
         for what, (_, parent) in parents.items():

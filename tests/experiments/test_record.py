@@ -10,6 +10,7 @@ import pytest
 from fusedkv.cli import main
 from fusedkv.errors import UsageError
 from fusedkv.experiments import record
+from fusedkv.utils import write_json_atomic
 from tests.experiments.nano_experiments import nano_experiment
 
 
@@ -48,7 +49,7 @@ def test_tables_are_written_from_the_record_on_a_machine_without_the_runs(tmp_pa
     results = [json.loads(p.read_text()) for p in sorted(trained.glob("*/seed*/result.json"))]
     assert len(results) == 6
     rec = tmp_path / "record.json"
-    record.write(rec, record.rows(results))
+    write_json_atomic(rec, record.rows(results))
     assert "checkpoint" not in rec.read_text() and "/tmp" not in rec.read_text()
 
     # Another machine: no run cache, no output folder. Without the record nothing has finished.
@@ -69,7 +70,9 @@ def test_tables_are_written_from_the_record_on_a_machine_without_the_runs(tmp_pa
         capsys.readouterr()
         assert main(["compare", str(spec), "--out", str(tmp_path / "other"), "--finished-only", "--record", str(rec),
                      *(["--task-limit", "0"] if other[0] == "--set" else []), *other]) == 2
-        assert "has finished yet" in capsys.readouterr().err
+        printed = capsys.readouterr()
+        assert "has finished yet" in printed.err
+        assert ("(recorded under --task-limit 0)" in printed.out) == (other[0] == "--task-limit")  # says why
 
     # A new run that would train from a recorded run: its model is not here.
     spec.write_text(spec.read_text() + "  - {name: lite-longer, from: lite, plan: fusedkv-lite, max_steps: 2}\n")
