@@ -163,7 +163,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.exchanges.clear()
-        self.cache, self.cached = None, []
+        self.cached = []  # the cache's memory is kept for the next turn
 
     def messages(self, user: str) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -188,13 +188,15 @@ class ChatSession:
         return ids, min(room, self.sampling.max_new_tokens), dropped
 
     def _cache_for(self, ids: list[int], new: int) -> StaticKVCache:
-        """The kept cache when it holds a prefix of `ids` and has room, else a fresh one (see the module
-        docstring: a re-prefill costs one forward over the history, rare next to reusing it)."""
-        c = self.cache
-        n = len(self.cached)
-        if c is not None and n < len(ids) and ids[:n] == self.cached and len(ids) + new <= c.max_len:
+        """The kept cache, continuing from what it holds when that is a prefix of `ids`, else emptied to be
+        prefilled again (see the module docstring: one forward over the history, rare next to reusing it); a
+        larger one when it has no room for `ids` and `new` more."""
+        c, n, need = self.cache, len(self.cached), len(ids) + new
+        if c is not None and need <= c.max_len:
+            if not (n == c.get_seq_length() and n < len(ids) and ids[:n] == self.cached):
+                c.reset()
+                self.cached = []
             return c
-        need = len(ids) + new
         size = max(need, 2 * c.max_len if c is not None else 0)
         size = min(self.context, -(-size // CACHE_BLOCK) * CACHE_BLOCK)
         self.cache, self.cached = StaticKVCache(self.model.config, 1, size, self.kv_dtype, self.device), []
@@ -233,7 +235,7 @@ class ChatSession:
             self.cached = result.tokens[0, :cache.get_seq_length()].tolist()
         except KeyboardInterrupt:
             interrupted, seconds = True, float("nan")
-            self.cache, self.cached = None, []  # stopped inside a forward: some layers may have written, others not
+            self.cached = []  # stopped inside a forward, some layers may have written: the next turn empties it
         rest = stream.flush()
         if rest:
             write(rest)

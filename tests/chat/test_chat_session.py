@@ -138,7 +138,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_ckpt):
         written.append(piece)
 
     turn = s.reply("hello there", write=write)
-    assert turn.interrupted and s.cache is None and turn.text.startswith("".join(written))
+    assert turn.interrupted and s.cached == [] and turn.text.startswith("".join(written))
     assert s.exchanges == [("hello there", turn.text)]
     ids = template_ids(s.tokenizer, s.messages("and the fox?"))
     after = s.reply("and the fox?")  # the history prefilled again into a fresh cache
