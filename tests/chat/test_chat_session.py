@@ -34,9 +34,10 @@ def template_ids(tok, messages):
 
 def reference(model, ids, n, penalty):
     """transformers' own greedy generate on the same ids (from scratch, its own cache)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, repetition_penalty=penalty,
-                             eos_token_id=None, pad_token_id=0)
+    prompt = torch.tensor([ids])
+    with torch.no_grad():  # an explicit mask: no token of the prompt is taken for padding
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
+                             repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 

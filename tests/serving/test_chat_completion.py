@@ -66,8 +66,9 @@ def test_a_converted_llama_checkpoint_answers_a_chat_completion_as_transformers(
     assert reply["prompt_token_ids"] == ids
     source = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = source.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                   pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        prompt = torch.tensor([ids])  # an explicit mask: transformers would take the prompt's <|im_end|> for padding
+        expected = source.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=None, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
     choice = reply["choices"][0]
     assert choice["token_ids"] == expected  # the source model's greedy tokens, in float32
     content = choice["message"]["content"]  # vLLM holds back a trailing incomplete UTF-8 sequence
@@ -88,14 +89,16 @@ def test_the_converted_checkpoint_chats_in_fusedkv_as_the_source_model(tmp_path)
     tok = AutoTokenizer.from_pretrained(dst)
     assert tok.chat_template == CHATML
     model = FusedKVForCausalLM.from_pretrained(dst).eval()
-    session = ChatSession(model, tok, Sampling(0.0, None, 1.0, 1.0, 8), stop_ids(model, tok, dst), system="Be brief.")
+    session = ChatSession(model, tok, Sampling(0.0, None, 1.0, 1.0, 12), stop_ids(model, tok, dst), system="Be brief.")
     assert tok.convert_tokens_to_ids("<|im_end|>") in session.stops
     source = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     for user in ("Who is there?", "And then?"):  # the second turn from the cache the first one left
         ids = tok.apply_chat_template(session.messages(user), add_generation_prompt=True, tokenize=True,
                                       return_dict=True)["input_ids"]
         turn = session.reply(user)
-        with torch.no_grad():
-            expected = source.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
-                                       eos_token_id=session.stops, pad_token_id=tok.eos_token_id)[0, len(ids):]
+        prompt = torch.tensor([ids])
+        with torch.no_grad():  # an explicit mask: transformers would take the prompt's <|im_end|> (= pad) for padding
+            expected = source.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                       do_sample=False, eos_token_id=session.stops,
+                                       pad_token_id=tok.eos_token_id)[0, len(ids):]
         assert turn.text == tok.decode(expected, skip_special_tokens=True)
