@@ -18,7 +18,7 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from ..config import FusedKVConfig
-from .family import Family, UnsupportedField
+from .family import COMMON, METADATA, Family, UnsupportedField, unknown_field
 from .qwen3 import fuse_experts
 
 V3, V2 = "deepseek_v3", "deepseek_v2"
@@ -51,7 +51,6 @@ FIELDS: dict[str, str] = {
     "head_dim": "derived: qk_rope_head_dim",
     "qk_head_dim": "derived: qk_nope_head_dim + qk_rope_head_dim",
     "moe_layer_freq": "DeepSeek's config.json only: must be 1 (transformers ignores it)",
-    "quantization_config": "refused: dequantize the (fp8) weights first",
     "num_mtp_layers": "ignored: multi-token-prediction layers do not take part in the logits; dropped",
     "num_nextn_predict_layers": "ignored: as num_mtp_layers",
     "pretraining_tp": "ignored: transformers' DeepSeek classes do not read it",
@@ -76,11 +75,19 @@ def _must(field: str, value, ok: bool, why: str) -> None:
         raise UnsupportedField(field, value, why)
 
 
+def _classify(hf: dict, tc) -> None:
+    """Every field of the config as transformers reads it is in FIELDS, METADATA or COMMON (checked)."""
+    for name, value in tc.to_dict().items():
+        if name in COMMON:
+            COMMON[name].check(name, value)
+        elif name not in FIELDS and name not in METADATA:
+            raise unknown_field(name, value, "DeepSeek")
+
+
 def deepseek_config_fields(hf: dict) -> dict:
     v3 = hf["model_type"] == V3
-    _must("quantization_config", (hf.get("quantization_config") or {}).get("quant_method"),
-          "quantization_config" not in hf, FIELDS["quantization_config"])
     tc = _read(hf)
+    _classify(hf, tc)
     fields = {name: getattr(tc, name) for name, how in FIELDS.items() if how == COPY}
     fields["attention_dropout"] = tc.attention_dropout or 0.0  # V2 allows None
     _must("num_experts_per_tok", tc.num_experts_per_tok, tc.num_experts_per_tok is not None,
