@@ -25,8 +25,8 @@ V3, V2 = "deepseek_v3", "deepseek_v2"
 
 # What every field becomes. "copy": the FusedKVConfig field of the same name and meaning. "ignored": has no
 # effect on the logits in transformers (the reason given). Anything else: the handling, done in
-# `deepseek_config_fields` below; the test checks that this table covers every field of transformers'
-# DeepseekV3Config and DeepseekV2Config.
+# `deepseek_config_fields` below; the test checks that this table (with family.METADATA and family.COMMON,
+# which every family shares) covers every field of transformers' DeepseekV3Config and DeepseekV2Config.
 COPY = "copy"
 FIELDS: dict[str, str] = {
     **{name: COPY for name in (
@@ -34,7 +34,7 @@ FIELDS: dict[str, str] = {
         "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         "n_shared_experts", "num_experts_per_tok", "routed_scaling_factor", "max_position_embeddings",
         "initializer_range", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "attention_dropout",
-        "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits", "use_cache")},
+        "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits")},
     "n_routed_experts": "num_experts",
     "first_k_dense_replace": "mlp_only_layers = the first first_k_dense_replace layers (dense MLP)",
     "n_group": "n_group (V2: only with topk_method group_limited_greedy, which reads it)",

@@ -241,7 +241,7 @@ def _float_weights(value) -> bool:
 COMMON = {
     "use_mrope": Require(no, "multimodal RoPE (sections per position axis) is not computed by fusedkv",
                          "import the text model of a checkpoint without it"),
-    "is_decoder": Require(no, "is_decoder makes an encoder model causal; fusedkv imports decoder-only causal LMs",
+    "is_decoder": Require(no, "is_decoder belongs to encoder(-decoder) models, fusedkv imports decoder-only LMs",
                           "set is_decoder to false if the checkpoint is a causal LM"),
     "add_cross_attention": Require(no, "cross-attention layers are not built by fusedkv",
                                    "import a decoder-only checkpoint"),
