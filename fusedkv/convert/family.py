@@ -92,7 +92,7 @@ METADATA = frozenset({
     "begin_suppress_tokens", "diversity_penalty", "early_stopping", "encoder_no_repeat_ngram_size",
     "exponential_decay_length_penalty", "forced_bos_token_id", "forced_eos_token_id", "length_penalty",
     "no_repeat_ngram_size", "num_beam_groups", "num_return_sequences", "output_scores", "remove_invalid_values",
-    "return_dict_in_generate", "suppress_tokens", "typical_p",
+    "return_dict_in_generate", "suppress_tokens", "typical_p", "transformers.js_config",
 })
 
 
