@@ -195,7 +195,8 @@ def convert_checkpoint(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype |
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, source=src)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with open_source(src, workdir=dst.parent, say=say) as checkpoint:
+    # a GGUF file is imported beside dst, named as write_directory_atomically names its temporary directories
+    with open_source(src, workdir=dst.parent, say=say, prefix=f".{dst.name}.tmp-gguf-") as checkpoint:
         return _convert_directory(checkpoint, dst, kv_sharing, dtype, overwrite, **overrides)
 
 

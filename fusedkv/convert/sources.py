@@ -114,14 +114,14 @@ def _drop_null_quantization(cfg_file: Path) -> None:
 
 
 @contextlib.contextmanager
-def open_source(path, workdir=None, say=print) -> Iterator[Path]:
+def open_source(path, workdir=None, say=print, prefix: str = "fusedkv-gguf-") -> Iterator[Path]:
     """The checkpoint directory for a source path: a directory as it is; a `.gguf` file imported (see the
-    module docstring) into a temporary directory in `workdir` (default: the system's), removed on exit."""
+    module docstring) into a temporary directory `prefix*` in `workdir` (default: the system's), removed on exit."""
     path = Path(path)
     if not is_gguf(path):
         yield path
         return
-    with tempfile.TemporaryDirectory(prefix="fusedkv-gguf-", dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=workdir) as tmp:
         yield write_gguf_checkpoint(path, Path(tmp) / "checkpoint", say)
 
 
