@@ -80,12 +80,9 @@ def source_checkpoint(source: str, out: Path) -> Path:
     if not path.is_file():
         raise UsageError(f"source {source}: no such file or directory; pass --source PATH (a checkpoint directory "
                          "or a GGUF file; README, 'A real model')")
-    target = out / "source"
-    if not (target / "config.json").is_file():
-        from ..convert import gguf_to_checkpoint
+    from ..convert.sources import source_directory
 
-        gguf_to_checkpoint(path, target)
-    return target
+    return source_directory(path, out / "source")
 
 
 def teacher_dir(src: Path, out: Path) -> Path:
