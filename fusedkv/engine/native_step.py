@@ -41,6 +41,7 @@ from ..model.attention import Attention
 from ..model.layers import RMSNorm, SwiGLU, rope_inv_freq, rope_tables
 from ..model.mla import MLA
 from ..model.moe import SparseMoE
+from .backends import LayerFacts
 from .packing import decode_products
 from .precision import ReducedLinear
 
@@ -143,7 +144,7 @@ def _experts_unsupported(moe: SparseMoE) -> str | None:
     experts = moe.experts
     for w in (experts.gate_up_proj, experts.down_proj):
         if w.dtype != torch.float32 or w.stride()[1:] != (1, w.shape[1]) or w.stride(0) != w.shape[1] * w.shape[2]:
-            return "the MoE experts are not f32 in the decode layout (fusedkv.engine.packing.pack_for_decode)"
+            return "the MoE experts are not f32 in the decode layout (fusedkv.engine.selection.set_decode_layout)"
     if moe.n_group > 256 or moe.topk_method == "noaux_tc" and moe.experts.num_experts // moe.n_group < 2:
         return "MoE routing over more than 256 groups or groups of one expert"
     return None
@@ -225,7 +226,7 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
         kv = attn.layer
         if isinstance(attn, MLA):
             if (cache_dtype != torch.float32 or attn.kv_b_proj.weight.dtype != torch.float32
-                    or not attn.kv_b_proj.weight.is_contiguous() or "scalar" in (kv.k_fusion, kv.v_fusion)
+                    or not attn.kv_b_proj.weight.is_contiguous() or kv.scalar_weighted
                     or max(len(kv.k_sources), len(kv.v_sources)) > 2):
                 return (f"layer {kv.index + 1}: MLA runs natively over an f32 cache, kv_b_proj f32 row-major, "
                         "1-2 sources with per-channel weights")
@@ -234,14 +235,13 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             continue
         sources = [kv.index] if kv.stores else [*kv.k_sources, *kv.v_sources]
         windows = {_window_capacity(model, i) for i in sources}
-        counts = (1, 1) if kv.stores else (len(kv.k_sources), len(kv.v_sources))
-        if "scalar" in (kv.k_fusion, kv.v_fusion) or not cpu_attention.supports(
-                attn.head_dim, attn.num_heads, attn.num_kv_heads, *counts):
-            return f"layer {kv.index + 1}: scalar weights or more than two sources"
+        if not LayerFacts.of(attn, config.plan).native_fits:  # what the selection reads too
+            return (f"layer {kv.index + 1}: scalar weights, more than two sources, or sources from two kinds of "
+                    "cache")
         if len(windows) > 1 or windows != {attn.window - 1 if attn.window else 0} or attn.window == 1:
             return f"layer {kv.index + 1}: its window differs from its sources' caches"
         if _products(layer) is None:
-            return ("the weights are not f32 in the packed decode layout (fusedkv.engine.packing.set_decode_layout) "
+            return ("the weights are not f32 in the packed decode layout (fusedkv.engine.selection.set_decode_layout) "
                     "or bf16 / int8 blocks or int4 blocks of fusedkv.engine.precision")
     return None
 

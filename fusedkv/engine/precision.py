@@ -165,9 +165,9 @@ class ReducedLinear(nn.Module):
     shared buffer (`ReducedGroup`).
 
     Which kernel runs depends on the number of input rows (measured by `benchmarks/cpu_decode.py
-    --kernels`): up to `GEMV_MAX_ROWS[fmt]` the reduced-precision GEMV kernel; above it bf16 weights
-    run oneDNN's bf16 GEMM (native bf16 processors only) and the others are dequantised for the GEMM
-    of the activation dtype, so prefill is no slower than in f32."""
+    --kernels`): up to `GEMV_MAX_ROWS[fmt]` the reduced-precision GEMV kernel; above it, as the runtime
+    selected (`gemm_dtype`), bf16 weights run oneDNN's bf16 GEMM (native bf16 processors only) and the
+    others are dequantised for the GEMM of the activation dtype, so prefill is no slower than in f32."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str,
                  in_features: int | None = None, out_features: int | None = None):
@@ -185,9 +185,12 @@ class ReducedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.kernel_dtype = scale.dtype if fmt == "int8" else weight.dtype
         self.gemv_max_rows = cpu_gemv.BLOCK_MAX_ROWS if self.blocked else GEMV_MAX_ROWS[fmt]
-        # Many rows: bf16 and int8 (on a bf16 processor) run oneDNN's bf16 GEMM; others dequantise.
-        bf16_gemm = native_bf16() and (self.blocked or self.kernel_dtype == torch.bfloat16)
-        self.gemm_dtype = torch.bfloat16 if bf16_gemm else None
+        # The runtime's product kernels (`fusedkv.engine.selection.select_products` sets them, once): many rows
+        # run the GEMM in `gemm_dtype` (bf16 on a bf16 processor: oneDNN's bf16 GEMM) or, None, dequantised
+        # to the activation dtype; a bf16 GEMV of a row or two runs ATen's kernel with oneDNN off
+        # (`aten_bf16_gemv`). Unselected, the portable products.
+        self.gemm_dtype: torch.dtype | None = None
+        self.aten_bf16_gemv = False
 
     @classmethod
     def from_linears(cls, linears: list[nn.Linear], fmt: str, int4_rule: str | None = None) -> ReducedLinear:
@@ -276,7 +279,7 @@ class ReducedLinear(nn.Module):
         x = x.to(self.kernel_dtype)
         if self.fmt == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
-        if self.kernel_dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if not self.aten_bf16_gemv:
             return F.linear(x, self.weight)
         # bf16 at a row or two: ATen's vectorised GEMV, not oneDNN (slower there, faster above).
         enabled = torch._C._get_mkldnn_enabled()
