@@ -55,11 +55,11 @@ one, labelled as such.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import argtypes
 from ..config import FusedKVConfig
 from .config import TrainConfig
 from .memory_counts import (
@@ -79,22 +79,10 @@ __all__ = ["MemoryEstimate", "ParamCount", "RunPlan", "Teacher", "activation_byt
 
 GB = 1e9
 MODES = ("ddp", "fsdp")
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_bytes(text: str) -> float:
-    """'80GB', '80 GiB', '141e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory size {text!r}: expected a number with an optional unit, e.g. 80GB or 141GiB")
-    try:
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    except ValueError:
-        raise ValueError(f"memory size {text!r}: {m.group(1)!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"memory size {text!r}: must be positive")
-    return value
+    """'80GB', '80 GiB', '141e9' -> bytes, by the package's one unit rule (`fusedkv.argtypes.parse_bytes`:
+    G = 1e9, GiB = 2**30)."""
+    return float(argtypes.parse_bytes(text))
 
 
 # ---- the plan ----------------------------------------------------------------------------------------

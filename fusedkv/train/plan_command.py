@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from .. import argtypes
-from ..flags import add_plan_flag
+from ..flags import add_dtype_flag, add_plan_flag
 from .config import PRESET_NAMES, resolve_config
 from .memory_plan import format_plan, parse_bytes, plan_run
 
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=argtypes.int_range(2), help="training sequence length (default: the preset's)")
     p.add_argument("--micro-batch", type=argtypes.int_range(1, 1_000_000),
                    help="sequences per forward per GPU (default: the preset's)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    add_dtype_flag(p, "bfloat16", ("bfloat16", "float32"),
                    help="bfloat16 autocast (GPU default) or float32 (CPU default)")
     p.add_argument("--activation-checkpointing", choices=("both", "on", "off"), default="both",
                    help="which columns to show (default both)")
