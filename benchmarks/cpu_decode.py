@@ -649,7 +649,7 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
 
             def call(kv=kv):
                 for k, v in kv:
-                    cpu_attention.decode_attention(q, [k], [None], [v], [None], None, d**-0.5)
+                    cpu_attention.one_token_attention(q, [k], [None], [v], [None], None, d**-0.5)
 
             def read(words=words):
                 for w in words:

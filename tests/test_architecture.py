@@ -163,7 +163,7 @@ def test_import_layers_hold():
 SELECTION_MODULE = "fusedkv/engine/selection.py"
 PER_CALL_ROOTS = {("fusedkv/generation.py", "generate")}
 FACT_CALLS = {"available", "is_available", "library", "triton_runs_on", "native_bf16", "half_dtype", "cpu_flags",
-              "device_count", "get_device_capability", "is_bf16_supported", "supports", "paged_supports"}
+              "device_count", "get_device_capability", "is_bf16_supported", "fits", "paged_fits", "triton_decode_fits"}
 DTYPES = {"float32", "float16", "bfloat16", "float64", "half", "float", "double", "int8", "uint8"}
 # Known per-call branches on a fact, each with its reason (file, function).
 ALLOWED_BRANCHES = {

@@ -69,7 +69,7 @@ class LayerFacts:
             mixed = len({plan.layers[i].attention_type for i in kv.sources}) > 1
         return cls(kv.weighted,
                    not kv.scalar_weighted and triton_decode_fits(attn.head_dim, k_count, v_count),
-                   not kv.scalar_weighted and not mixed and cpu_attention.supports(
+                   not kv.scalar_weighted and not mixed and cpu_attention.fits(
                        attn.head_dim, attn.num_heads, attn.num_kv_heads, k_count, v_count))
 
 
@@ -125,7 +125,7 @@ class NativeOneToken:
     def __call__(self, q, sources: KVSources, mask, causal: bool, kv_start) -> torch.Tensor:
         if q.shape[2] != 1:
             return self.blocks(q, sources, mask, causal, kv_start)
-        return cpu_attention.decode_attention(q, sources.keys, sources.key_weights, sources.values,
+        return cpu_attention.one_token_attention(q, sources.keys, sources.key_weights, sources.values,
                                               sources.value_weights, kv_start(), self.scale)
 
 

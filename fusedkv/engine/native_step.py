@@ -174,7 +174,7 @@ def _kivi_unsupported(model, cache) -> str | None:
         return "sliding-window layers over a KIVI cache run module by module"
     if any(getattr(attn, "softcap", None) for attn in attns):
         return "attention soft-capping over a KIVI cache runs module by module"
-    return cpu_kivi.supports(cache.bits, cache.group_size, cache.residual_length, config.head_dim,
+    return cpu_kivi.fits(cache.bits, cache.group_size, cache.residual_length, config.head_dim,
                              config.num_attention_heads, config.num_key_value_heads)
 
 

@@ -268,6 +268,6 @@ def select_paged_attention(k_sources: Sequence, v_sources: Sequence, *, gpu: boo
         return "triton" if kernel else "gathered"
     if len(k_sources) == 1:
         return "vllm_op"
-    if native.available() and native.paged_supports(dtype, len(k_sources), len(v_sources), native_layout):
+    if native.available() and native.paged_fits(dtype, len(k_sources), len(v_sources), native_layout):
         return "native"
     return "gathered"

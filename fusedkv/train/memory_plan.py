@@ -82,7 +82,10 @@ MODES = ("ddp", "fsdp")
 def parse_bytes(text: str) -> float:
     """'80GB', '80 GiB', '141e9' -> bytes, by the package's one unit rule (`fusedkv.argtypes.parse_bytes`:
     G = 1e9, GiB = 2**30)."""
-    return float(argtypes.parse_bytes(text))
+    try:
+        return float(argtypes.parse_bytes(text))
+    except ValueError as e:
+        raise ValueError(f"memory {e}") from None
 
 
 # ---- the plan ----------------------------------------------------------------------------------------
