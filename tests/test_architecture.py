@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fusedkv.plan import CUSTOM, GQA, PLAN_CHOICES, PLAN_NAMES
+from fusedkv.plan import CUSTOM, FUSION_MODES, GQA, PLAN_CHOICES, PLAN_NAMES
 from tests._runtime_choices import per_call_choices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,30 @@ def test_the_check_finds_a_plan_literal(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text('if plan == "gqa":\n    kv = heads // 2\n')
     assert _plan_literals(bad) == [(1, "gqa")]
+
+
+# Fusion modes are properties of `LayerKV` (`weighted`, `scalar_weighted`, `channel_weighted`, `weight_shape`):
+# nothing outside the plan module compares their names. Known exceptions, each with its reason:
+FUSION_MODE_EXCEPTIONS = {
+    ("fusedkv/quant/kivi.py", "channel"),  # KIVI's quantisation axis (per channel), another concept
+    ("fusedkv/serving/vllm_model.py", "reuse"),  # serving: issue 40.2, helper serving (use `not layer.weighted`)
+    ("fusedkv/serving/preflight.py", "reuse"),  # serving: issue 40.2, helper serving (use `not layer.weighted`)
+    ("fusedkv/train/memory_counts.py", "reuse"),  # helper reliab's file this session (lead: `layer.weight_shape`)
+}
+
+
+def test_fusion_modes_are_asked_of_the_plan():
+    modes = set(FUSION_MODES)
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "fusedkv/plan.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            if (isinstance(node, ast.Constant) and node.value in modes
+                    and (rel, node.value) not in FUSION_MODE_EXCEPTIONS):
+                offenders.append(f"{rel}:{node.lineno}: {node.value!r}")
+    assert not offenders, "fusion-mode names outside fusedkv/plan.py (ask the LayerKV):\n" + "\n".join(offenders)
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
