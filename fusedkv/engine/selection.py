@@ -128,6 +128,8 @@ def select_runtime(model, implementation: str = "auto", cache=None, batch: int |
         raise ValueError(f"attention implementation {implementation!r}: choose one of {IMPLEMENTATIONS}")
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={weight_layout!r}: choose one of {WEIGHT_LAYOUTS}")
+    if (weight_layout == "auto" or native_step) and batch is None:
+        raise ValueError("weight_layout='auto' and the native step are chosen for a batch: give batch=")
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     cpu = device.type == "cpu"
