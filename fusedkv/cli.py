@@ -50,7 +50,7 @@ def _from_module(module: str):
 COMMANDS = (
     "fusedkv.commands.plans",
     "fusedkv.train.command",
-    "fusedkv.train.plan_command",
+    "fusedkv.train.memory_command",
     "fusedkv.commands.generate",
     "fusedkv.commands.convert",
     "fusedkv.uptrain.command",

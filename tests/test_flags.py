@@ -8,7 +8,7 @@ import pytest
 
 from fusedkv import argtypes, flags
 from fusedkv.config import FUSION_INITS
-from fusedkv.train.memory_plan import parse_bytes as memory_bytes
+from fusedkv.train.memory_estimate import parse_bytes as memory_bytes
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fusedkv"
 SHARED = {"--device", "--dtype", "--seed", "--fusion-init"}
