@@ -111,7 +111,7 @@ PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX = 0, 1, 2
 PAGED_LAYOUTS = (PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX)
 
 
-def paged_supports(dtype: torch.dtype, k_count: int, v_count: int, layout: int | None) -> bool:
+def paged_fits(dtype: torch.dtype, k_count: int, v_count: int, layout: int | None) -> bool:
     """Whether the paged kernel takes a layer with this cache dtype, these sources and this block layout (one of
     `PAGED_LAYOUTS`, None: one it does not read), asked once per layer by the engine's selection. (The AMX packing
     exists, and is recognised, only for blocks and heads of multiples of 16: what the kernel needs.)"""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusedkv.engine.native_step import MAX_ROWS, NativeDecodeStep, unsupported
-from fusedkv.engine.packing import set_decode_layout
+from fusedkv.engine.selection import set_decode_layout
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_kivi, native
 from fusedkv.plan import FULL, SLIDING

@@ -20,7 +20,7 @@ CHECK = textwrap.dedent("""
     from fusedkv.generation import generate
     from fusedkv.kernels import native
     from fusedkv.engine.native_step import NativeDecodeStep
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
     from tests.conftest import tiny_model
 
     lib = native.library()
