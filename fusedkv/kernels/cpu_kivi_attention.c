@@ -309,6 +309,9 @@ static inline __attribute__((always_inline)) void value_acc_q(const float* restr
 
 /* Full-precision residual: s[t] (+)= qw . K_t; acc [D] += sum_t p_t V_t. */
 static void key_scores_f(const float* qw, const float* k, long n, int D, float* s, int add) {
+#ifdef KIVI_AVX2
+    if (D % 8 == 0) { k2_key_residual(qw, k, n, D, s, add); return; }
+#endif
     for (long t = 0; t < n; t++) {
         float a = 0.f;
 #pragma omp simd reduction(+:a)
@@ -318,6 +321,9 @@ static void key_scores_f(const float* qw, const float* k, long n, int D, float* 
 }
 
 static void value_acc_f(const float* p, const float* v, long n, int D, float* acc) {
+#ifdef KIVI_AVX2
+    if (D % 8 == 0) { k2_value_residual(p, v, n, D, acc); return; }
+#endif
     for (long t = 0; t < n; t++) {
         const float pt = p[t];
 #pragma omp simd

@@ -235,3 +235,37 @@ static inline __attribute__((always_inline)) long k2_values(const float* scores,
             }
     return 2 * (nq / 2);
 }
+
+/* The full-precision residual (D % 8 == 0), as key_scores_f / value_acc_f: four keys at a time (independent
+ * sums), and the value sums kept in registers across the tokens (not loaded and stored once per token). */
+static inline void k2_key_residual(const float* qw, const float* k, long n, int D, float* s, int add) {
+    long t = 0;
+    for (; t + 4 <= n; t += 4) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int d = 0; d < D; d += 8) {
+            const __m256 x = _mm256_loadu_ps(qw + d);
+            for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + (t + r) * D + d), a[r]);
+        }
+        float dots[4];
+        v_sum4(a[0], a[1], a[2], a[3], dots);
+        for (int r = 0; r < 4; r++) s[t + r] = (add ? s[t + r] : 0.f) + dots[r];
+    }
+    for (; t < n; t++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qw + d), _mm256_loadu_ps(k + t * D + d), a);
+        s[t] = (add ? s[t] : 0.f) + V_SUM(a);
+    }
+}
+
+static inline void k2_value_residual(const float* p, const float* v, long n, int D, float* acc) {
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        const int w = D - d0 < 32 ? (D - d0) / 8 : 4;
+        __m256 a[4];
+        for (int i = 0; i < w; i++) a[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
+        for (long t = 0; t < n; t++) {
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            for (int i = 0; i < w; i++) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * D + d0 + 8 * i), a[i]);
+        }
+        for (int i = 0; i < w; i++) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
+    }
+}
