@@ -15,6 +15,8 @@
  * contiguous bytes meets one contiguous part of the query (keys) or of the accumulator (values). The loops
  * are written once over AVX-512 or AVX2 vectors (whichever the compiler targets, -march=native, as for the
  * other kernels), with portable loops for other processors and shapes (a part not a whole number of vectors).
+ * AVX2 takes its own loops first where rows are whole 16-byte units (`cpu_kivi_avx2.h`: it has no float table
+ * lookup, so it converts each bit field where it lies instead of widening bytes).
  *
  * Layout of one row of one KIVI storage layer (`KiviRow`, fusedkv.kernels.cpu_kivi.row_table), per kv head:
  *   key codes [k_cap, D/pb] u8, key scale / zero [k_cap/G, D] f16, key residual [R, D] f32,
