@@ -29,7 +29,7 @@ from ..utils import cache_dir, cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_decode_step.c",
                                                        "cpu_paged_attention.c", "cpu_kivi_attention.c")]
-HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_kivi_avx2.h")]
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
     "gemv_f32": ([P, I, I, P, L, P, P, I, I], None),
