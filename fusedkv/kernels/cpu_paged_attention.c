@@ -15,7 +15,9 @@
  *   PAGED_KEYS_T      keys transposed, [D, bs] (its "vec" ISAs), values as rows;
  *   PAGED_AMX         its "amx" ISA (bf16): keys as AMX B tiles [bs/16][D/2][16 tokens][2 channels] (VNNI pairs
  *                     of channels), values as [D/16][bs/2][16 channels][2 tokens] (pairs of tokens).
- * Elements are f32 or bf16 (widened as read), arithmetic f32. One task per (row, kv head) covers the query
+ * Elements are f32 or bf16 (widened as read), or the 8-bit codes of vLLM's fp8 caches (`--kv-cache-dtype fp8`:
+ * e4m3fn or e5m2, decoded as read through a 256-entry table; vLLM's per-layer scales are folded into the fusion
+ * weights by the caller), arithmetic f32. One task per (row, kv head) covers the query
  * heads sharing it (GQA); tasks are split across threads.
  *
  * With AVX-512, f32 caches (what vLLM's "vec" ISA keeps) and D a multiple of 16 take register-blocked loops
@@ -204,6 +206,25 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
 
 #define EL_F32(p, i) ((p)[i])
 #define EL_BF16(p, i) bf16_to_f32((p)[i])
+#define EL_CODE8(p, i) (code8[(p)[i]])
+
+enum { KV_E4M3 = 3, KV_E5M2 = 4 };  /* 8-bit float codes (fusedkv.kernels.native.PAGED_KINDS) */
+
+/* The value of every 8-bit code of OCP fp8 e4m3fn (bias 7, no infinities, S.1111.111 NaN) or e5m2 (bias 15, the
+ * top byte of an IEEE half), as torch's float8_e4m3fn / float8_e5m2 define them. */
+static void code8_table(int kind, float* table) {
+    for (int c = 0; c < 256; c++) {
+        const int sign = c >> 7, e = kind == KV_E4M3 ? (c >> 3) & 15 : (c >> 2) & 31;
+        const int m = kind == KV_E4M3 ? c & 7 : c & 3, mbits = kind == KV_E4M3 ? 3 : 2;
+        const int bias = kind == KV_E4M3 ? 7 : 15, emax = kind == KV_E4M3 ? 15 : 31;
+        float v;
+        if (kind == KV_E4M3 && e == 15 && m == 7) v = NAN;
+        else if (kind == KV_E5M2 && e == emax) v = m ? NAN : INFINITY;
+        else if (e == 0) v = ldexpf((float)m, 1 - bias - mbits);
+        else v = ldexpf((float)((1 << mbits) + m), e - bias - mbits);
+        table[c] = sign ? -v : v;
+    }
+}
 
 /* scores[j * S + t - first] for the query heads j of one kv head, over the blocks from key `first` on. */
 #define SCORES(T, EL)                                                                                     \
@@ -285,7 +306,9 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
     if (H_kv < 1 || H_q % H_kv || n_k < 1 || n_k > 2 || n_v < 1 || n_v > 2 || bs < 1)
         return 1;
     if (window < 0 || !(softcap >= 0.f)) return 1;
-    if (kind != KV_F32 && kind != KV_BF16) return 1;
+    if (kind != KV_F32 && kind != KV_BF16 && kind != KV_E4M3 && kind != KV_E5M2) return 1;
+    float code8[256];
+    if (kind == KV_E4M3 || kind == KV_E5M2) code8_table(kind, code8);
     if (layout != PAGED_ROWS && layout != PAGED_KEYS_T && layout != PAGED_AMX) return 1;
     if (layout == PAGED_AMX && (bs % 16 || D % 16)) return 1;
     const int group = H_q / H_kv;
@@ -325,7 +348,9 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
         else if (fast_amx) { FAST_SCORES(uint16_t, scores_amx_bf16, 1) }
         else
 #endif
-        if (kind == KV_F32) { SCORES(float, EL_F32) } else { SCORES(uint16_t, EL_BF16) }
+        if (kind == KV_F32) { SCORES(float, EL_F32) }
+        else if (kind == KV_BF16) { SCORES(uint16_t, EL_BF16) }
+        else { SCORES(uint8_t, EL_CODE8) }
         for (int j = 0; j < group; j++) {  /* softmax over keys [lo, L): s[skip, S) */
             float* s = scores + (long)j * S;
             float m = -INFINITY, sum = 0.f;
@@ -349,7 +374,9 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
         else if (fast_amx) { FAST_VALUES(uint16_t, values_amx_bf16, 1) }
         else
 #endif
-        if (kind == KV_F32) { VALUES(float, EL_F32) } else { VALUES(uint16_t, EL_BF16) }
+        if (kind == KV_F32) { VALUES(float, EL_F32) }
+        else if (kind == KV_BF16) { VALUES(uint16_t, EL_BF16) }
+        else { VALUES(uint8_t, EL_CODE8) }
         for (int j = 0; j < group; j++)
             for (int d = 0; d < D; d++) {
                 float y = 0.f;

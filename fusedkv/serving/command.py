@@ -206,14 +206,15 @@ def run(args) -> int:
     python = find_vllm_python(args.vllm_python)
     cpu_build = check_vllm_environment(python)
     vllm_args = list(args.vllm_args or [])
-    if cpu_build:
-        preflight.check_cpu_backend(config, args.block_size)
     preflight.check_vllm_args(vllm_args, config, cpu_build)
     implied = preflight.implied_vllm_args(config, vllm_args, cpu_build)
     if args.skip_prefill:
         preflight.check_prefill_skipping(config)
     dtype, warning = preflight.resolve_dtype(args.dtype, config)
     preflight.check_address(args.host, args.port)
+    if cpu_build:  # last: it imports vLLM (seconds)
+        preflight.check_cpu_backend(config, args.block_size, python, server_env(), dtype,
+                                    preflight.option_value(vllm_args, ("--kv-cache-dtype",)))
     chat_template = None
     if not preflight.has_chat_template(Path(args.checkpoint)) and not preflight.has_option(vllm_args,
                                                                                            "--chat-template"):
