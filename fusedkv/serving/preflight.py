@@ -29,6 +29,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import UsageError
+from .parallel import rank_heads
 
 # vLLM 0.32 CPUAttentionBackend.get_supported_kernel_block_sizes() (tests/serving check it against the installed vLLM).
 CPU_BLOCK_MULTIPLE = 32
@@ -113,10 +114,12 @@ def check_tensor_parallel(config, value: str) -> None:
         tp = int(value)
     except ValueError:
         raise UsageError(f"--tensor-parallel-size {value!r}: expected a whole number") from None
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if tp < 1 or heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-        raise UsageError(f"--tensor-parallel-size {tp}: it must divide the model's {heads} query heads and its "
-                         f"{kv_heads} KV heads (or be a multiple of the KV heads)")
+    if tp < 1:
+        raise UsageError(f"--tensor-parallel-size {tp}: expected 1 or more")
+    try:
+        rank_heads(config.num_attention_heads, config.num_key_value_heads, tp, 0)
+    except ValueError as e:
+        raise UsageError(f"--tensor-parallel-size {tp}: {e}") from None
     if getattr(config, "kv_lora_rank", None) is not None or getattr(config, "num_experts", 0):
         raise UsageError(f"--tensor-parallel-size {tp}: the fusedkv plugin's tensor parallel runs multi-head attention "
                          "models with dense MLPs; serve MLA and mixture-of-experts models with size 1")

@@ -59,6 +59,7 @@ from ..model.fusion import KVFusion
 from ..model.layers import apply_rope, rope_inv_freq, rope_tables
 from ..plan import SLIDING, LayerKV
 from .paged import CrossLayerAttention, select_paths
+from .parallel import rank_heads
 from .plugin import check_servable
 from .vllm_mla import make_mla
 from .vllm_moe import FusedSparseMoE, choose_moe_path, make_moe_mlp
@@ -133,27 +134,14 @@ class Rotary(nn.Module):
                      for x in xs)
 
 
-def rank_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, slice]:
-    """Tensor parallel: this rank's query heads, KV heads and which of the model's KV heads they are, by vLLM's
-    rule (`QKVParallelLinear`): heads split evenly; with fewer KV heads than ranks each rank holds one, replicated
-    on tp / H_kv consecutive ranks. A reconstruction layer fuses only its rank's KV heads: its fusion weights are
-    the rows of those heads, and its sources' caches on this rank hold exactly those heads."""
-    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-    if num_heads % tp or (num_kv_heads % tp if num_kv_heads >= tp else tp % num_kv_heads):
-        raise ValueError(f"tensor parallel size {tp} does not divide the model's {num_heads} query heads and "
-                         f"{num_kv_heads} KV heads (nor is a multiple of the KV heads); choose another size")
-    per_rank_kv = max(num_kv_heads // tp, 1)
-    replicas = max(tp // num_kv_heads, 1)
-    first = rank // replicas * per_rank_kv
-    return num_heads // tp, per_rank_kv, slice(first, first + per_rank_kv)
-
-
 class FusedKVAttention(nn.Module):
     def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
         super().__init__()
         self.layer = layer
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.num_heads, self.num_kv_heads, self.kv_heads = rank_heads(total_heads, total_kv_heads)
+        # Tensor parallel: this rank's heads; a reconstruction layer fuses only its KV heads (`parallel`).
+        self.num_heads, self.num_kv_heads, self.kv_heads = rank_heads(
+            total_heads, total_kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.attention_bias

@@ -124,7 +124,8 @@ def test_skip_prefill_on_a_plan_without_skippable_layers_is_refused(checkpoints)
     refused(serve(str(checkpoints["vanilla"]), "--skip-prefill"), "--skip-prefill", "vanilla", "no layer to skip")
 
 
-@pytest.mark.parametrize("extra,words", [(["-tp", "2"], ("--tensor-parallel-size 2",))])
+@pytest.mark.parametrize("extra,words", [(["-tp", "3"], ("--tensor-parallel-size 3", "does not divide")),
+                                         (["-pp", "2"], ("--pipeline-parallel-size 2", "pipeline parallel size 1"))])
 def test_options_the_plugin_cannot_run_are_refused(ckpt, extra, words):
     refused(serve(ckpt, "--", *extra), *words)
 
