@@ -95,6 +95,11 @@ def check_servable_checkpoint(checkpoint: str):
     from .plugin import check_servable
 
     path = Path(checkpoint)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        # TODO(lead): serve a GGUF source directly: call the GGUF import of `fusedkv convert` (the "convert" helper's
+        # function) here, into a checkpoint directory next to the file, and continue with that directory as `path`.
+        raise UsageError(f"{checkpoint} is a GGUF file; `fusedkv serve` serves checkpoint directories: convert it "
+                         "first with `fusedkv convert`, then serve the directory it writes")
     if not path.exists():  # a hub id would be downloaded at run time; only local checkpoints are served
         raise UsageError(f"checkpoint directory {checkpoint!r} does not exist")
     check_checkpoint_dir(path)  # also refuses NaN/Inf weights (every tensor, once per file)
