@@ -178,6 +178,17 @@ def server_command(args, python: str, dtype: str, chat_template: str | None) -> 
     return cmd + list(args.vllm_args)
 
 
+def cpu_binding(ranks: int) -> str:
+    """vLLM's CPU build needs each tensor-parallel rank's cores (`VLLM_CPU_OMP_THREADS_BIND`, ranks separated by
+    '|'); without it its NUMA check stops on a machine of one NUMA node. This process's cores, split evenly."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise UsageError(f"--tensor-parallel-size {ranks}: vLLM's CPU build binds each rank to its own cores, and "
+                         f"this process has {len(cores)}")
+    per = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(ranks))
+
+
 def server_env() -> dict:
     """vLLM's processes import the fusedkv this command runs from (a source tree: the plugin installed in
     the vLLM environment may be another checkout's editable install)."""
@@ -248,5 +259,10 @@ def run(args) -> int:
               "('Role: text' paragraphs, then 'Assistant:'; docs/serving.md); `-- --chat-template FILE` sets another",
               file=sys.stderr, flush=True)
     env = server_env()
+    tp = preflight.option_value(vllm_args, ("--tensor-parallel-size", "-tp"))
+    if cpu_build and tp is not None and int(tp) > 1 and not env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(int(tp))
+        print(f"fusedkv serve: tensor parallel on CPU: VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
+              "(one set of this process's cores per rank; set it yourself to choose)", file=sys.stderr, flush=True)
     api_key = preflight.option_value(vllm_args, ("--api-key",)) or env.get("VLLM_API_KEY")
     return Server(cmd, env, poll_url, ready_line(poll_url, plan_text, dtype), api_key).run()

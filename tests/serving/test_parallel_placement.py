@@ -47,3 +47,20 @@ def test_pipeline_stages_keep_every_source_on_its_readers_stage():
         plan = build_plan(name, 8)
         assert pipeline_splits(plan) == [] and pipeline_stages(plan, 2) is None, name
     assert pipeline_stages(build_plan("fusedkv", 8), 1) == [range(0, 8)]
+
+
+def test_cpu_tensor_parallel_binds_each_rank_to_its_own_cores(monkeypatch):
+    """`fusedkv serve -- -tp N` on vLLM's CPU build sets VLLM_CPU_OMP_THREADS_BIND (vLLM's NUMA check stops without
+    it on one NUMA node): this process's cores split evenly, ranks separated by '|'."""
+    import os
+
+    from fusedkv.errors import UsageError
+    from fusedkv.serving.command import cpu_binding
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert cpu_binding(2) == "0,1|2,3"
+    assert cpu_binding(1) == "0,1,2,3,4"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert cpu_binding(2) == "0|1"
+    with pytest.raises(UsageError, match="its own cores"):
+        cpu_binding(3)
