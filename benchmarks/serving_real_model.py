@@ -49,7 +49,12 @@ def main() -> int:
     p.add_argument("checkpoint")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
+    p.add_argument("--port", type=int, default=None,
+                   help="use a server already started by `fusedkv serve CHECKPOINT --served-model-name m` on this port")
     args = p.parse_args()
+    if args.port is not None:
+        replies = chat(args.port, args.max_tokens)
+        return compare(args, replies, f"(already running on port {args.port})", None)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "fusedkv.cli", "serve", args.checkpoint, "--port", str(port), "--enforce-eager",
@@ -65,17 +70,26 @@ def main() -> int:
         if ready_line is None:
             raise SystemExit(f"the server stopped before it was ready (exit {server.wait()})")
         ready_s = time.monotonic() - start
-        for messages in CONVERSATIONS:
-            r = post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                     {"model": "m", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0.0,
-                      "logprobs": True, "return_token_ids": True})
-            choice = r["choices"][0]
-            replies.append({"text": choice["message"]["content"], "token_ids": choice.get("token_ids"),
-                            "prompt_token_ids": r.get("prompt_token_ids")})
+        replies = chat(port, args.max_tokens)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
+    return compare(args, replies, ready_line, ready_s)
 
+
+def chat(port: int, max_tokens: int) -> list[dict]:
+    replies = []
+    for messages in CONVERSATIONS:
+        r = post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                 {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                  "return_token_ids": True})
+        choice = r["choices"][0]
+        replies.append({"text": choice["message"]["content"], "token_ids": choice.get("token_ids"),
+                        "prompt_token_ids": r.get("prompt_token_ids")})
+    return replies
+
+
+def compare(args, replies: list[dict], ready_line: str, ready_s: float | None) -> int:
     import torch
     from transformers import AutoTokenizer
 
