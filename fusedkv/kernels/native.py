@@ -104,8 +104,9 @@ def redecide() -> None:
 
 # cpu_paged_attention.c: the cache element types it reads (its `kind` argument), its source bound, and the block
 # layouts it reads (its `layout` argument): key and value rows; keys transposed (vLLM's "vec" ISA); vLLM's "amx"
-# ISA packing (keys as AMX B tiles of 16 tokens x channel pairs, values as 16 channels x token pairs).
-PAGED_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+# ISA packing (keys as AMX B tiles of 16 tokens x channel pairs, values as 16 channels x token pairs). The fp8
+# kinds are vLLM's 8-bit caches (`--kv-cache-dtype fp8`, uint8 tensors viewed as these dtypes).
+PAGED_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 PAGED_MAX_SOURCES = 2
 PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX = 0, 1, 2
 PAGED_LAYOUTS = (PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX)

@@ -95,6 +95,11 @@ def check_servable_checkpoint(checkpoint: str):
     from .plugin import check_servable
 
     path = Path(checkpoint)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        # TODO(lead): serve a GGUF source directly: call the GGUF import of `fusedkv convert` (the "convert" helper's
+        # function) here, into a checkpoint directory next to the file, and continue with that directory as `path`.
+        raise UsageError(f"{checkpoint} is a GGUF file; `fusedkv serve` serves checkpoint directories: convert it "
+                         "first with `fusedkv convert`, then serve the directory it writes")
     if not path.exists():  # a hub id would be downloaded at run time; only local checkpoints are served
         raise UsageError(f"checkpoint directory {checkpoint!r} does not exist")
     check_checkpoint_dir(path)  # also refuses NaN/Inf weights (every tensor, once per file)
@@ -173,6 +178,17 @@ def server_command(args, python: str, dtype: str, chat_template: str | None) -> 
     return cmd + list(args.vllm_args)
 
 
+def cpu_binding(ranks: int) -> str:
+    """vLLM's CPU build needs each tensor-parallel rank's cores (`VLLM_CPU_OMP_THREADS_BIND`, ranks separated by
+    '|'); without it its NUMA check stops on a machine of one NUMA node. This process's cores, split evenly."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise UsageError(f"--tensor-parallel-size {ranks}: vLLM's CPU build binds each rank to its own cores, and "
+                         f"this process has {len(cores)}")
+    per = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(ranks))
+
+
 def server_env() -> dict:
     """vLLM's processes import the fusedkv this command runs from (a source tree: the plugin installed in
     the vLLM environment may be another checkout's editable install)."""
@@ -206,14 +222,15 @@ def run(args) -> int:
     python = find_vllm_python(args.vllm_python)
     cpu_build = check_vllm_environment(python)
     vllm_args = list(args.vllm_args or [])
-    if cpu_build:
-        preflight.check_cpu_backend(config, args.block_size)
     preflight.check_vllm_args(vllm_args, config, cpu_build)
     implied = preflight.implied_vllm_args(config, vllm_args, cpu_build)
     if args.skip_prefill:
         preflight.check_prefill_skipping(config)
     dtype, warning = preflight.resolve_dtype(args.dtype, config)
     preflight.check_address(args.host, args.port)
+    if cpu_build:  # last: it imports vLLM (seconds)
+        preflight.check_cpu_backend(config, args.block_size, python, server_env(), dtype,
+                                    preflight.option_value(vllm_args, ("--kv-cache-dtype",)))
     chat_template = None
     if not preflight.has_chat_template(Path(args.checkpoint)) and not preflight.has_option(vllm_args,
                                                                                            "--chat-template"):
@@ -242,5 +259,10 @@ def run(args) -> int:
               "('Role: text' paragraphs, then 'Assistant:'; docs/serving.md); `-- --chat-template FILE` sets another",
               file=sys.stderr, flush=True)
     env = server_env()
+    tp = preflight.option_value(vllm_args, ("--tensor-parallel-size", "-tp"))
+    if cpu_build and tp is not None and int(tp) > 1 and not env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(int(tp))
+        print(f"fusedkv serve: tensor parallel on CPU: VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
+              "(one set of this process's cores per rank; set it yourself to choose)", file=sys.stderr, flush=True)
     api_key = preflight.option_value(vllm_args, ("--api-key",)) or env.get("VLLM_API_KEY")
     return Server(cmd, env, poll_url, ready_line(poll_url, plan_text, dtype), api_key).run()
