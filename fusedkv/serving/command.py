@@ -95,11 +95,6 @@ def check_servable_checkpoint(checkpoint: str):
     from .plugin import check_servable
 
     path = Path(checkpoint)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        # TODO(lead): serve a GGUF source directly: call the GGUF import of `fusedkv convert` (the "convert" helper's
-        # function) here, into a checkpoint directory next to the file, and continue with that directory as `path`.
-        raise UsageError(f"{checkpoint} is a GGUF file; `fusedkv serve` serves checkpoint directories: convert it "
-                         "first with `fusedkv convert`, then serve the directory it writes")
     if not path.exists():  # a hub id would be downloaded at run time; only local checkpoints are served
         raise UsageError(f"checkpoint directory {checkpoint!r} does not exist")
     check_checkpoint_dir(path)  # also refuses NaN/Inf weights (every tensor, once per file)
@@ -214,7 +209,28 @@ def ready_line(poll_url: str, plan_text: str, dtype: str):
     return describe
 
 
+def gguf_import(path: Path) -> Path:
+    """A GGUF file as a servable checkpoint: imported once (`fusedkv convert FILE --plan vanilla`) into
+    ~/.cache/fusedkv/serve/NAME and reused while the file is the same (name, size, modification time)."""
+    from ..convert import convert_checkpoint
+    from ..convert.sources import source_directory
+
+    root = Path(os.environ.get("FUSEDKV_CACHE", "~/.cache/fusedkv")).expanduser() / "serve" / path.stem
+    source = source_directory(path, root / "source")
+    stamp = (source / "fusedkv_gguf_source.json").read_text()
+    target = root / "vanilla"
+    if not (target / "config.json").is_file() or (root / "imported-from.json").read_text() != stamp:
+        convert_checkpoint(source, target, overwrite=True)
+        (root / "imported-from.json").write_text(stamp)
+    print(f"fusedkv serve: serving {path.name} as imported into {target}", flush=True)
+    return target
+
+
 def run(args) -> int:
+    from ..convert.sources import is_gguf
+
+    if is_gguf(Path(args.checkpoint)):  # a GGUF file (e.g. the file a model was shipped in) serves as its import
+        args.checkpoint = str(gguf_import(Path(args.checkpoint)))
     config = check_servable_checkpoint(args.checkpoint)
     if args.max_model_len is not None and args.max_model_len > config.max_position_embeddings:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings="
