@@ -5,6 +5,7 @@
   alias.
 * `--kv-bits`, `--kv-group`, `--kv-residual`: the KIVI cache (`fusedkv.quant`), with the library's defaults
   (`kv_group` resolves a group left unset against the model's head dimension).
+* `--fusion-init` and the calibration flags (`--calib-data`, `--calib-tokens`, `--sources`) of a conversion.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from . import argtypes
+from .config import FUSION_INITS
 from .plan import CUSTOM, GQA, PLAN_CHOICES, resolve_plan_choice
 from .quant import DEFAULT_GROUP_SIZE, DEFAULT_RESIDUAL_LENGTH, default_group_size
 
@@ -59,3 +61,31 @@ def add_kivi_flags(parser, bits_help: str, many_bits: bool = False) -> None:
 def kv_group(args, head_dim: int) -> int:
     """The KIVI group size the flags ask for: --kv-group, or the default that fits `head_dim`."""
     return default_group_size(head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
+
+
+# ---- the fusion initialisation of a conversion (`fusedkv convert`, `fusedkv uptrain`) ----------------------
+CALIBRATED = "calibrated"  # fitted to the original model on calibration text (`fusedkv.calibrate`)
+FUSION_INIT_CHOICES = (*FUSION_INITS, CALIBRATED)
+
+
+def add_fusion_init_flags(parser) -> None:
+    """`--fusion-init`, and the calibration flags that `--fusion-init calibrated` reads."""
+    parser.add_argument("--fusion-init", default="equivalent", choices=FUSION_INIT_CHOICES,
+                        help="initial fusion weights: equivalent (default; the unrolled iterative recurrence, paper "
+                        "App. A.3), normal, iterative, or calibrated (fitted to the original model on --calib-data, "
+                        "with each reconstruction layer's output and MLP projections refitted layer by layer)")
+    parser.add_argument("--calib-data", default="builtin", metavar="SPEC",
+                        help="calibration text for --fusion-init calibrated, as `fusedkv train --data` (default "
+                        "builtin); keep it apart from the text you evaluate on")
+    parser.add_argument("--calib-tokens", type=argtypes.int_range(2), default=8192, metavar="N",
+                        help="calibration tokens (default 8192)")
+    parser.add_argument("--sources", choices=("plan", "calibrated"), default="plan",
+                        help="with --fusion-init calibrated: keep the plan's source layers (default) or choose each "
+                        "reconstruction layer's own by least residual (written as a custom source map)")
+
+
+def calibration_settings(args) -> dict | None:
+    """The `fusedkv.calibrate.Calibration` fields the flags ask for; None unless --fusion-init calibrated."""
+    if args.fusion_init != CALIBRATED:
+        return None
+    return dict(data=args.calib_data, tokens=args.calib_tokens, sources=args.sources)
