@@ -201,7 +201,7 @@ def _refit_layer(t_layer, s_layer, rope, x_t, x_s, kv_t, kv_s, stages, ridge: fl
     simple = _simple(s_layer)
     o_proj = s_layer.self_attn.o_proj
     o_stats = RidgeStats(o_proj.in_features, o_proj.out_features)
-    t_next, t_attn, s_feats = [], [], []
+    t_next, s_feats = [], []
     for b in range(len(x_t)):
         y_t = t_layer.self_attn(t_layer.input_layernorm(x_t[b]), cos, sin, None, kv_t[b])
         kv_t[b].layers.clear()
@@ -216,29 +216,33 @@ def _refit_layer(t_layer, s_layer, rope, x_t, x_s, kv_t, kv_s, stages, ridge: fl
         # Simple layers: the attention output that puts the residual stream back on the teacher's.
         target = y_t + (x_t[b] - x_s[b]) if simple else y_t
         o_stats.add(a[0], target - (o_proj.bias if o_proj.bias is not None else 0.0))
-        t_attn.append(target)
         s_feats.append(a[0])
     errors["o_proj_before"] = o_stats.error(o_proj.weight)
     if "o_proj" in stages:
         o_proj.weight.copy_(o_stats.solve(o_proj.weight, ridge).to(o_proj.weight.dtype))
         errors["o_proj_after"] = o_stats.error(o_proj.weight)
-    if simple and "mlp" in stages:
+    if simple:  # the rest of the layer from the captured features: no second attention or MLP input pass
         down = s_layer.mlp.down_proj
-        m_stats = RidgeStats(down.in_features, down.out_features)
-        mids = []
+        m_stats = RidgeStats(down.in_features, down.out_features) if "mlp" in stages else None
+        mids, feats = [], []
         for b in range(len(x_t)):
             mid = x_s[b] + o_proj(s_feats[b])
             with _inputs(down) as f:
                 s_layer.mlp(s_layer.post_attention_layernorm(mid))
-            m_stats.add(f[0], t_next[b] - mid - (down.bias if down.bias is not None else 0.0))
+            if m_stats is not None:
+                m_stats.add(f[0], t_next[b] - mid - (down.bias if down.bias is not None else 0.0))
             mids.append(mid)
-        errors["mlp_before"] = m_stats.error(down.weight)
-        down.weight.copy_(m_stats.solve(down.weight, ridge).to(down.weight.dtype))
-        errors["mlp_after"] = m_stats.error(down.weight)
+            feats.append(f[0])
+        if m_stats is not None:
+            errors["mlp_before"] = m_stats.error(down.weight)
+            down.weight.copy_(m_stats.solve(down.weight, ridge).to(down.weight.dtype))
+            errors["mlp_after"] = m_stats.error(down.weight)
+        nexts = [mid + down(f) for mid, f in zip(mids, feats)]
+    else:
+        nexts = [s_layer(x_s[b], cos, sin, None, kv_s[b]) for b in range(len(x_t))]
     err = ref = 0.0
     for b in range(len(x_t)):
-        x_s[b] = s_layer(x_s[b], cos, sin, None, kv_s[b])
-        x_t[b] = t_next[b]
+        x_s[b], x_t[b] = nexts[b], t_next[b]
         err += float((x_s[b] - x_t[b]).double().square().sum())
         ref += float(x_t[b].double().square().sum())
     errors["stream_error"] = err / max(ref, 1e-300)  # relative squared error of the residual stream after it
