@@ -95,7 +95,7 @@ def convert_calibrated(src, dst, kv_sharing: str, calibration: Calibration = Cal
     started = time.perf_counter()
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.original-") as tmp:
-        original = Path(tmp) / "vanilla"
+        original = Path(tmp) / "original"
         teacher = convert_checkpoint(src, original, kv_sharing=VANILLA).eval()
         if teacher.config.kv_lora_rank is not None:
             raise UsageError(f"--fusion-init calibrated: {src} uses multi-head latent attention (MLA), which "
