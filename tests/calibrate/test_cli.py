@@ -104,3 +104,13 @@ def test_uptrain_carries_the_calibration_flags(tmp_path):
     assert settings["calibration"] == {"data": "builtin", "tokens": 512, "sources": "calibrated"}
     plain = build(parser.parse_args([str(tmp_path / "src"), str(tmp_path / "out")])).settings()
     assert "calibration" not in plain  # the settings of runs without calibration are what they were
+
+
+def test_training_starts_from_a_custom_plan_checkpoint():
+    """`--sources calibrated` writes a custom source map; training from that checkpoint (uptrain's stage 3, `fusedkv
+    train --init-from`) takes the checkpoint's map, while a fresh custom model still needs one."""
+    from fusedkv.train import TrainConfig
+
+    TrainConfig(init_from="converted", kv_sharing="custom", max_steps=1).validate()
+    with pytest.raises(ValueError, match="kv_source_map"):
+        TrainConfig(kv_sharing="custom", max_steps=1, vocab_size=10).validate()
