@@ -75,7 +75,6 @@ def test_convert_calibrated_end_to_end(tmp_path, llama):
         assert not torch.equal(layer.self_attn.fusion.k_weight, plain.model.layers[2].self_attn.fusion.k_weight)
 
 
-@pytest.mark.slow  # a second and third conversion; the fast tier runs the first
 def test_convert_calibrated_sources_and_bad_data(tmp_path, llama):
     dst = tmp_path / "sources"
     r = _convert(tmp_path, llama, dst, "--plan", "fusedkv-lite", "--fusion-init", "calibrated", "--calib-tokens", 128,
