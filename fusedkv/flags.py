@@ -8,6 +8,8 @@
 * `--device` (cpu, cuda, cuda:N or auto; whether it exists is `fusedkv.errors.check_device`'s, when the command
   runs), `--dtype` (`DTYPES`, a command narrowing or extending them), `--seed` (`argtypes.seed`) and
   `--fusion-init` (`fusedkv.config.FUSION_INITS`): one definition each, the default and help per command.
+* The calibration flags of a conversion (`--fusion-init calibrated`, `--calib-data`, `--calib-tokens`,
+  `--sources`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,35 @@ def add_seed_flag(parser, default: int | None = 0, help: str = "seed") -> None:
                         help=f"{help} (default {0 if default is None else default})")
 
 
-def add_fusion_init_flag(parser, default: str = "equivalent", help: str = "initial fusion weights") -> None:
-    """`--fusion-init`, one of the config's `FUSION_INITS`."""
-    parser.add_argument("--fusion-init", default=default, choices=FUSION_INITS, help=f"{help} (default {default})")
+def add_fusion_init_flag(parser, default: str = "equivalent", help: str = "initial fusion weights",
+                         choices: tuple[str, ...] = FUSION_INITS) -> None:
+    """`--fusion-init`, one of the config's `FUSION_INITS` (a conversion adds `calibrated`)."""
+    parser.add_argument("--fusion-init", default=default, choices=choices, help=f"{help} (default {default})")
+
+
+# ---- the fusion initialisation of a conversion (`fusedkv convert`, `fusedkv uptrain`) ----------------------
+CALIBRATED = "calibrated"  # fitted to the original model on calibration text (`fusedkv.calibrate`)
+FUSION_INIT_CHOICES = (*FUSION_INITS, CALIBRATED)
+
+
+def add_fusion_init_flags(parser) -> None:
+    """`--fusion-init`, and the calibration flags that `--fusion-init calibrated` reads."""
+    add_fusion_init_flag(parser, choices=FUSION_INIT_CHOICES,
+                         help="initial fusion weights: equivalent (the unrolled iterative recurrence, paper App. A.3), "
+                         "normal, iterative, or calibrated (fitted to the original model on --calib-data, with each "
+                         "reconstruction layer's output and MLP projections refitted layer by layer)")
+    parser.add_argument("--calib-data", default="builtin", metavar="SPEC",
+                        help="calibration text for --fusion-init calibrated, as `fusedkv train --data` (default "
+                        "builtin); keep it apart from the text you evaluate on")
+    parser.add_argument("--calib-tokens", type=argtypes.int_range(2), default=8192, metavar="N",
+                        help="calibration tokens (default 8192)")
+    parser.add_argument("--sources", choices=("plan", "calibrated"), default="plan",
+                        help="with --fusion-init calibrated: keep the plan's source layers (default) or choose each "
+                        "reconstruction layer's own by least residual (written as a custom source map)")
+
+
+def calibration_settings(args) -> dict | None:
+    """The `fusedkv.calibrate.Calibration` fields the flags ask for; None unless --fusion-init calibrated."""
+    if args.fusion_init != CALIBRATED:
+        return None
+    return dict(data=args.calib_data, tokens=args.calib_tokens, sources=args.sources)

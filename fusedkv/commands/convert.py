@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .. import argtypes
 from ..convert import FAMILIES, convert_checkpoint
-from ..flags import add_fusion_init_flag, add_plan_flag
+from ..flags import add_fusion_init_flags, add_plan_flag, calibration_settings
 from ..plan import VANILLA
 
 
@@ -26,14 +26,20 @@ def register(sub) -> None:
     p.add_argument("dst", type=argtypes.non_empty, help="output directory (new or empty)")
     add_plan_flag(p, default=VANILLA, help="the plan of the converted model (default vanilla; +W / +WF for "
                   "models with sliding-window layers)")
-    add_fusion_init_flag(p)
+    add_fusion_init_flags(p)
     p.add_argument("--overwrite", action="store_true", help="replace DST if it already holds files")
     p.set_defaults(func=run)
 
 
 def run(args) -> None:
-    model = convert_checkpoint(args.src, args.dst, kv_sharing=args.plan, fusion_init=args.fusion_init,
-                               overwrite=args.overwrite)
+    calibration = calibration_settings(args)
+    if calibration is not None:
+        from ..calibrate import Calibration, convert_calibrated
+
+        model, _ = convert_calibrated(args.src, args.dst, args.plan, Calibration(**calibration), args.overwrite)
+    else:
+        model = convert_checkpoint(args.src, args.dst, kv_sharing=args.plan, fusion_init=args.fusion_init,
+                                   overwrite=args.overwrite)
     plan = model.plan
     print(f"wrote {args.dst}: plan {args.plan}, storage layers {[i + 1 for i in plan.storage_layers]}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters")

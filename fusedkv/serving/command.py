@@ -214,11 +214,12 @@ def gguf_import(path: Path) -> Path:
     ~/.cache/fusedkv/serve/NAME and reused while the file is the same (name, size, modification time)."""
     from ..convert import convert_checkpoint
     from ..convert.sources import source_directory
+    from ..plan import VANILLA
 
     root = Path(os.environ.get("FUSEDKV_CACHE", "~/.cache/fusedkv")).expanduser() / "serve" / path.stem
     source = source_directory(path, root / "source")
     stamp = (source / "fusedkv_gguf_source.json").read_text()
-    target = root / "vanilla"
+    target = root / VANILLA
     if not (target / "config.json").is_file() or (root / "imported-from.json").read_text() != stamp:
         convert_checkpoint(source, target, overwrite=True)
         (root / "imported-from.json").write_text(stamp)

@@ -164,8 +164,8 @@ class TrainConfig:
                 _ = self.plan_choice
             except ValueError as e:
                 need(False, "kv_sharing", str(e))
-        need(
-            self.kv_sharing != CUSTOM or "kv_source_map" in self.model,
+        need(  # a checkpoint to start from carries its own source map
+            self.kv_sharing != CUSTOM or "kv_source_map" in self.model or self.init_from is not None,
             "kv_sharing",
             "a custom plan needs model.kv_source_map (see FusedKVConfig)",
         )

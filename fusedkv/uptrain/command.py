@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .. import argtypes
-from ..flags import add_plan_flag
+from ..flags import add_fusion_init_flags, add_plan_flag, calibration_settings
 from ..plan import DEFAULT_PLAN
 from ..train.config import DISTRIBUTED_MODES, PRESET_NAMES, resolve_config
 
@@ -53,8 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "into OUT.source)")
     p.add_argument("out", type=argtypes.non_empty, help="output directory (new, or an uptraining run to continue)")
     add_plan_flag(p, default=DEFAULT_PLAN, help=f"the KV-sharing plan to convert to (default {DEFAULT_PLAN})")
-    p.add_argument("--fusion-init", default="equivalent", choices=["equivalent", "normal", "iterative"],
-                   help="initial fusion weights (default equivalent: the converted model starts from the source's K/V)")
+    add_fusion_init_flags(p)
     p.add_argument("--data", metavar="SPEC",
                    help="training and held-out text, as `fusedkv train --data` (default builtin)")
     p.add_argument("--preset", choices=PRESET_NAMES,
@@ -101,7 +100,8 @@ def build(args: argparse.Namespace, command: str = ""):
         distill_hidden_weight=args.distill_hidden_weight, out_dir=str(out / "train"),
         distributed=args.distributed, device=args.device, grad_checkpointing=args.grad_checkpointing,
         progress=False if args.quiet else None)
-    return Uptrain(src=src, out=out, plan=args.plan, fusion_init=args.fusion_init, cfg=cfg, command=command)
+    return Uptrain(src=src, out=out, plan=args.plan, fusion_init=args.fusion_init, cfg=cfg, command=command,
+                   calibration=calibration_settings(args))
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -59,6 +59,7 @@ class Uptrain:
     fusion_init: str
     cfg: TrainConfig
     command: str = ""  # as typed, for the report
+    calibration: dict | None = None  # `fusedkv.calibrate.Calibration` fields, with --fusion-init calibrated
 
     @property
     def converted(self) -> Path:
@@ -74,7 +75,9 @@ class Uptrain:
     def settings(self) -> dict:
         """What defines the run: a re-run may change only what a resumed `fusedkv train` may change."""
         cfg = {k: v for k, v in self.cfg.to_dict().items() if k not in RESUME_MAY_CHANGE}
-        return {"src": str(self.src.resolve()), "plan": self.plan, "fusion_init": self.fusion_init, "train": cfg}
+        calib = {"calibration": self.calibration} if self.calibration is not None else {}
+        return {"src": str(self.src.resolve()), "plan": self.plan, "fusion_init": self.fusion_init, "train": cfg,
+                **calib}
 
 
 def source_config(src: Path, plan: str) -> tuple[FusedKVConfig, FusedKVConfig]:
@@ -199,7 +202,12 @@ def _prepare(run: Uptrain, overwrite: bool, say, device, progress: bool) -> None
         say(f"uptrain [1/5] convert: done ({run.converted})")
     else:
         say(f"uptrain [1/5] convert {run.src} -> {run.converted} (plan {run.plan})")
-        convert_qwen3(run.src, run.converted, kv_sharing=run.plan, fusion_init=run.fusion_init)
+        if run.calibration is not None:
+            from ..calibrate import Calibration, convert_calibrated
+
+            convert_calibrated(run.src, run.converted, run.plan, Calibration(**run.calibration), progress=progress)
+        else:
+            convert_qwen3(run.src, run.converted, kv_sharing=run.plan, fusion_init=run.fusion_init)
     _evaluate(run, "teacher", run.src, device, progress, say)
     _evaluate(run, "before", run.converted, device, progress, say)
 
