@@ -88,13 +88,15 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def build(args: argparse.Namespace, command: str = ""):
-    """The `Uptrain` the flags ask for (no file is read but the YAML config)."""
+    """The `Uptrain` the flags ask for (no file is read but the YAML config). Paths are made absolute, so the
+    settings a re-run compares name files, not how they were typed."""
     from .pipeline import Uptrain
 
-    src, out = Path(args.src), Path(args.out)
+    src, out = Path(args.src).absolute(), Path(args.out).absolute()
+    data = str(Path(args.data).absolute()) if args.data and Path(args.data).exists() else args.data
     cfg = resolve_config(
         args.config, [f"{k}={v}" for k, v in DEFAULTS.items()] + list(args.sets),
-        preset=args.preset, data=args.data, max_steps=args.max_steps, seed=args.seed,
+        preset=args.preset, data=data, max_steps=args.max_steps, seed=args.seed,
         init_from=str(out / "converted"), distill_from=str(src), tokenizer=str(src),
         distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature,
         distill_hidden_weight=args.distill_hidden_weight, out_dir=str(out / "train"),
