@@ -50,7 +50,7 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("src", type=argtypes.non_empty, help="the pretrained model: a Hugging Face checkpoint directory "
                    "(config.json, safetensors, tokenizer) or a vanilla fusedkv model")
-    p.add_argument("out", type=argtypes.non_empty, help="output directory (new, or an uptraining run to continue)")
+    p.add_argument("out", type=argtypes.output_dir, help="output directory (new, or an uptraining run to continue)")
     add_plan_flag(p, default=DEFAULT_PLAN, help=f"the KV-sharing plan to convert to (default {DEFAULT_PLAN})")
     p.add_argument("--fusion-init", default="equivalent", choices=["equivalent", "normal", "iterative"],
                    help="initial fusion weights (default equivalent: the converted model starts from the source's K/V)")
