@@ -77,6 +77,10 @@ def run(args) -> None:
     if args.gpu_suite:
         from .gpu_suite import main as gpu_main
 
+        if not torch.cuda.is_available():  # bench has no --dry-run: name the suite's own entry point, which has
+            raise UsageError("--gpu-suite needs CUDA, and no CUDA GPU is visible; to run its code paths at tiny "
+                             "sizes on CPU: python -m fusedkv.speed.gpu_suite --dry-run")
+
         return gpu_main([])
     from .inference import BenchShape, format_table, plot, run_inference_bench, shape_config
 
