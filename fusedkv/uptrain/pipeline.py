@@ -244,7 +244,8 @@ def _prepare(run: Uptrain, overwrite: bool, say, device, progress: bool) -> None
         clear_previous_run(run.out, (SETTINGS,))  # the settings of a run that made nothing: start afresh
     write_json_atomic(run.out / SETTINGS, run.settings())
     if (run.converted / "config.json").is_file():
-        say(f"uptrain [1/5] convert: done ({run.converted})")
+        if not overwrite:
+            say(f"uptrain [1/5] convert: done ({run.converted})")
     else:
         say(f"uptrain [1/5] convert {run.src} -> {run.converted} (plan {run.plan})")
         _convert(run, run.converted)
