@@ -65,7 +65,8 @@ WRITES = re.compile(r"\.savefig\(|\.write_text\(|\.write_bytes\(|json\.dump\(|\b
 # Raw writes that are not a command's output file, each with why it is safe: (module, count).
 ALLOWED = {
     "fusedkv/utils.py": (2, "the atomic writer itself"),
-    "fusedkv/model_dirs.py": (1, "the manifest: a temporary file, fsynced, then os.replace"),
+    "fusedkv/model_dirs.py": (2, "the manifest (a temporary file, fsynced, then os.replace); a lock file opened "
+                                 "to test whether a temporary's writer is alive (nothing written)"),
     "fusedkv/model/modeling.py": (1, "save_pretrained's helper module, inside a model directory that callers "
                                       "write whole (write_directory_atomically, replace_dir)"),
     "fusedkv/train/full_checkpoint.py": (2, "inside the checkpoint's temporary directory, renamed when complete"),
