@@ -6,7 +6,7 @@ H = 8 heads (MHA), D = 64, FusedKV sources (2 weighted K + 2 weighted V), B in {
 2048, 4096}, fp32; median of repeats. The materialized path writes two fused [B, H, S, D] tensors per
 call before attending; the factored path only reads the four caches, so its advantage grows with S*B
 (memory traffic). This is the measurement behind `FACTORED_MAX_QUERY` in `fusedkv/engine/backends.py`;
-the figures are in docs/results.md.
+the figures are in docs/history/results-record.md.
 """
 
 from __future__ import annotations

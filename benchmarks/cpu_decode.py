@@ -16,6 +16,8 @@ bandwidth next to the streaming ceiling. Also the kernel table and the quality t
     python benchmarks/cpu_decode.py --kivi --plans vanilla,fusedkv --threads 1 --prompt-lens 2048,32768 \\
         --steps 8 --repeats 5                          # native step over KIVI-4 / KIVI-2 vs the bf16 cache
     python benchmarks/cpu_decode.py --prefill --plans vanilla --weights float32,int4   # where prefill time goes
+    python benchmarks/cpu_decode.py --model HF_DIR_OR_GGUF --gguf FILE.gguf --text a.txt,b.txt --llama-rows \\
+        f16/f16,q8_0/f16,q4_0/f16,q4_k_m/f16 --weights float32,half,int8,int4 --json out.json   # a real model
 
 Rows: `PLAN w=WEIGHTS kv=KV` for fusedkv (f32, bf16/f16, int8, int4 weights; f32 or 16-bit cache), and
 `llama.cpp w=TYPE kv=TYPE` (f32, f16, q8_0 GGUF converted by llama.cpp's own converter, q4_0 / q4_k_m from
@@ -875,7 +877,26 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="print where a prefill's time goes instead (1 thread; "
                     "--plans, --weights, --prompt-lens, --repeats)")
     ap.add_argument("--steps", type=int, default=64, help="--overhead: decode steps per cell")
+    real = ap.add_argument_group("a real pretrained model instead of the bench model (cpu_decode_real.py)")
+    real.add_argument("--model", metavar="CK|GGUF", help="a transformers checkpoint directory or a GGUF file: "
+                      "fusedkv rows of its import (--plans, --weights), llama.cpp rows of the same float weights")
+    real.add_argument("--gguf", metavar="FILE", help="--model: also run this GGUF file in llama.cpp (e.g. the "
+                      "shipped Q4_1 file), a 4-bit peer")
+    real.add_argument("--plan-checkpoints", metavar="PLAN=DIR,...", help="--model: the fusedkv checkpoint of a "
+                      "plan (e.g. uptrained); other plans are converted untrained")
+    real.add_argument("--text", metavar="FILE,...", help="--model: held-out texts for each row's perplexity")
+    real.add_argument("--window", type=int, default=512, help="--model: tokens per quality window")
+    real.add_argument("--json", metavar="FILE", help="--model: write the rows, runs and quality here")
+    real.add_argument("--workdir", metavar="DIR", help="--model: keep converted models and GGUF files here "
+                      "(reused by the next run)")
     args = ap.parse_args()
+    if args.model:
+        import cpu_decode_real
+
+        if args.windows == ap.get_default("windows"):
+            args.windows = 4
+        cpu_decode_real.main(args)
+        return
     global INT4_RULE
     INT4_RULE = args.int4_rule  # this script's choice, passed to every reduce_precision it makes
     if args.overhead:

@@ -3,6 +3,7 @@
     fusedkv plans      the KV-sharing plans with their cache capacity and I/O for a model shape
     fusedkv train      train a model (default: a tiny FusedKV model on the built-in corpus)
     fusedkv generate   sample text from a checkpoint
+    fusedkv chat       chat with an instruct checkpoint (its chat template, streamed answers)
     fusedkv convert    import a Hugging Face checkpoint (Qwen3, Llama, Mistral, Qwen2, Gemma, DeepSeek)
     fusedkv uptrain    convert + distil + evaluate a pretrained model, resumable (fusedkv.uptrain)
     fusedkv eval       validation loss, perplexity, lm-eval tasks, RULER-style long-context tasks
@@ -52,6 +53,7 @@ COMMANDS = (
     "fusedkv.train.command",
     "fusedkv.train.plan_command",
     "fusedkv.commands.generate",
+    "fusedkv.commands.chat",
     "fusedkv.commands.convert",
     "fusedkv.uptrain.command",
     "fusedkv.eval.command",

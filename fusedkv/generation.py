@@ -7,7 +7,8 @@ else in the way; on CPU, where it covers the model, that forward is one native c
 layer (`fusedkv.engine.native_step`). How the model runs (each layer's attention implementation, the
 native step) is decided once, before prefill, by `fusedkv.engine.select_runtime`, and given back after.
 It records time-to-first-token and every decode step, which `fusedkv bench` reports, and it is the loop
-`fusedkv generate` samples with.
+`fusedkv generate` samples with and `fusedkv chat` streams from (`on_token`; a `cache` that already holds
+the conversation so far, so a new turn prefills only its new tokens).
 
 Padding: the model takes left-padded batches (positions count real tokens only). A right-padded batch
 (what a tokenizer that pads on the right gives) is re-aligned to the left before prefill, so every
@@ -73,6 +74,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty (CTRL, Keskar et al. 2019): the logit of every token already in the
+    row (`seen`: [B, V] bool) is divided by `penalty` where positive, multiplied by it where negative."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
 def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Move each row's real tokens to the right end (left padding), whatever side the padding was on.
     Rows must hold one contiguous run of real tokens; a row with holes, or with none, is refused."""
@@ -108,7 +115,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
              weight_layout: str = "keep", cache_factory=None, top_p: float = 1.0,
-             native_step: bool = True) -> GenerationResult:
+             native_step: bool = True, cache=None, on_token=None,
+             repetition_penalty: float = 1.0) -> GenerationResult:
     """Generate `max_new_tokens` tokens (fewer if every row hits `eos_token_id`, an id or a list of ids;
     rows that finish earlier keep sampling, cut them at their first EOS).
 
@@ -126,6 +134,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     `native_step`: on CPU, run each decode step's layers as one native call where it covers the model and
     the cache (`fusedkv.engine.native_step.unsupported`: f32 weights in the packed layout, bf16 / int8
     blocks or int4 blocks, a static or KIVI cache, batch <= 16); False runs the model's modules every step.
+    `cache`: a `StaticKVCache` that already holds the K/V of the first `cache.get_seq_length()` tokens of
+    `input_ids` (and room for the rest and the new tokens); only the others are prefilled, and the cache is
+    left holding every token but the last one sampled (no padding mask with it).
+    `on_token(token)` is called with each new [B, 1] token as soon as it is sampled (streaming).
+    `repetition_penalty` > 1 lowers the logits of tokens already in the row (`penalize_repeats`).
     Each attention layer runs the implementation `fusedkv.engine.select_runtime` picks for this model and
     cache, for this call only."""
     batch, prompt_len = input_ids.shape
@@ -146,7 +159,15 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     if weight_layout != "keep":
         set_decode_layout(model, "packed" if for_step else batch if weight_layout == "auto" else weight_layout)
     dtype = next(model.parameters()).dtype
-    if cache_factory is not None:
+    past = 0
+    if cache is not None:  # a conversation's cache: its tokens are the prompt's first `past`
+        past = cache.get_seq_length()
+        if attention_mask is not None or cache_factory is not None:
+            raise ValueError("generate(cache=...) continues one unpadded prompt: no attention_mask or cache_factory")
+        if not past < prompt_len or total > cache.max_len:
+            raise ValueError(f"the cache holds {past} tokens and has room for {cache.max_len}; the prompt is "
+                             f"{prompt_len} tokens (it must hold fewer) + {max_new_tokens} new")
+    elif cache_factory is not None:
         cache = cache_factory(model.config, batch, total, dtype, device)
     else:
         cache = StaticKVCache(model.config, batch, total, dtype, device) if static_cache else None
@@ -162,17 +183,31 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
         mask = torch.ones(batch, total, dtype=mask.dtype, device=device)
         mask[:, :prompt_len] = prompt_mask
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).reshape(-1)
+    seen = None
+    if repetition_penalty != 1.0:  # [B, V]: the tokens of each row so far (padding too, as transformers counts it)
+        seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, input_ids, True)
+
+    def pick(logits):
+        if seen is not None:
+            logits = penalize_repeats(logits, seen, repetition_penalty)
+        token = sample_next(logits, temperature, top_k, generator, top_p)
+        if seen is not None:
+            seen.scatter_(1, token, True)
+        if on_token is not None:
+            on_token(token)
+        return token
 
     with select_runtime(model, cache=cache, batch=batch, native_step=native_step) as runtime:
         if for_step and runtime.native_step is None:
             set_decode_layout(model, batch)
         _sync(device)
         start = time.perf_counter()
-        out = model(prompt_ids, attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
+        out = model(prompt_ids[:, past:], attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
                     use_cache=True, logits_to_keep=1)
         cache = out.cache
         _check_finite(out.logits)  # before sampling, which would fail on them without saying why
-        token = sample_next(out.logits[:, -1], temperature, top_k, generator, top_p)
+        token = pick(out.logits[:, -1])
         _sync(device)
         ttft = time.perf_counter() - start
 
@@ -195,7 +230,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
             else:
                 logits = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache,
                                use_cache=True).logits
-            token = sample_next(logits[:, -1], temperature, top_k, generator, top_p)
+            token = pick(logits[:, -1])
             _sync(device)
             steps.append(time.perf_counter() - t0)
             tokens.append(token)

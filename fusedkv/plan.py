@@ -9,9 +9,11 @@ Layer indices are 0-based in code. The paper and the user-facing custom source m
 ("K from layer 8, V from layer 1"); `custom_plan` converts at the boundary.
 
 Attention types: every layer has one ("full_attention" or "sliding_attention", Qwen3's names). A
-reconstruction layer must read sources of its own type (paper App. A.6, SWA hybrids): a window layer
-must not read a full-length source through a window mask, nor a full layer a truncated window cache.
-The named plans pick "first" and "middle" sources per attention type, so hybrids need no new code.
+reconstruction layer reads sources of one attention type (paper App. A.6, SWA hybrids): its own, or, for a
+window layer, full-attention sources (a full cache holds every key; the layer's own mask applies the
+window). A full layer can never read a window cache: the keys it needs are gone. The named plans pick
+"first" and "middle" sources per attention type, so hybrids need no new code; a window layer with no
+window layer below the split (Qwen2/Qwen3's `max_window_layers`: lower full, upper window) reads full ones.
 """
 
 from __future__ import annotations
@@ -170,12 +172,18 @@ class KVSharingPlan:
                             f"layer {layer.index + 1}: {side} source layer {s + 1} comes after it; sources must be "
                             "earlier layers so their K/V exist when this layer runs"
                         )
-                    if self.layers[s].attention_type != layer.attention_type:
+                    if self.layers[s].attention_type != layer.attention_type and layer.attention_type == FULL:
                         raise ValueError(
-                            f"layer {layer.index + 1} ({layer.attention_type}) reads {side} from layer {s + 1} "
-                            f"({self.layers[s].attention_type}); a reconstruction layer must take sources of its "
-                            "own attention type"
+                            f"layer {layer.index + 1} ({FULL}) reads {side} from layer {s + 1} "
+                            f"({self.layers[s].attention_type}); a full-attention layer cannot read a window "
+                            "cache, which no longer holds the keys it needs: give it full-attention sources"
                         )
+            kinds = {self.layers[s].attention_type for s in layer.k_sources + layer.v_sources}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"layer {layer.index + 1} reads both {FULL} and {SLIDING} sources; its sources must be of one "
+                    "attention type (their caches hold different numbers of keys)"
+                )
             if not layer.stores and layer.index in (layer.k_sources + layer.v_sources):
                 raise ValueError(
                     f"layer {layer.index + 1} reads itself for one side and another layer for the other; "
@@ -301,6 +309,8 @@ def build_plan(
     for i in range(n, num_layers):
         t = types[i]
         lower = [j for j in range(n) if types[j] == t]
+        if not lower and t == SLIDING:  # a window layer may read full caches (its own mask applies the window)
+            lower = [j for j in range(n) if types[j] == FULL]
         if t not in shared:
             layers.append(_storage(i, t))
             continue

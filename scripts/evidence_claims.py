@@ -4,7 +4,8 @@ docs/results.md, taken from the committed record (runs/ is not committed), then 
 
 Sources: the long budget's and uptraining's per-seed validation losses (the tables of docs/evidence.md
 sections 2 and 3, printed by `fusedkv compare long|uptrain --finished-only`); the compatibility pairs'
-per-seed differences (docs/results.md section 10, `fusedkv compare gqa|moe|mla|swa`); KIVI / Wanda from
+per-seed differences (docs/results.md, "GQA, sliding-window hybrids, MoE and MLA", `fusedkv compare
+gqa|moe|mla|swa`); KIVI / Wanda from
 docs/kivi_wanda_main.json (each checkpoint against its own full-precision loss). The paper's values are
 its reported differences (valid loss, or WikiText perplexity where it reports no loss): only their sign is
 the claim. Retrieval and passkey claims measured on MQAR format 1 are recorded as not testable.
@@ -45,7 +46,7 @@ def _diff(a, b):
 def claims() -> list[dict]:
     out = [{"label": f"long, 3.07M tokens: {n} − vanilla (valid loss)", "paper": TABLE2[n],
             "source": "Table 2, 1.5B", "diffs": _diff(LONG[n], LONG["vanilla"])} for n in TABLE2]
-    out += [  # docs/results.md section 10: paired differences per seed, 307k tokens
+    out += [  # docs/results.md, "GQA, sliding-window hybrids, MoE and MLA": paired differences per seed, 307k tokens
         {"label": "GQA + FusedKV − GQA (valid loss, 307k)", "paper": 18.48 - 19.05, "source": "App. A.6, WikiText",
          "diffs": [-0.112, 0.007, -0.006]},
         {"label": "MoE + FusedKV − MoE (valid loss, 307k)", "paper": 19.50 - 19.62, "source": "App. A.6, WikiText",

@@ -110,8 +110,25 @@ def test_hybrid_window_plans_take_sources_of_their_own_type():
     assert wf.layers[11].k_sources == (3, 7)  # full layers fuse the lower full layers 4 and 8
     w_only = build_plan("fusedkv", 16, types, shared_types=[SLIDING])
     assert w_only.layers[11].stores and not w_only.layers[8].stores
-    with pytest.raises(ValueError, match="own attention type"):
+    with pytest.raises(ValueError, match="cannot read a window cache"):
         custom_plan(16, [{"layers": [12, 12], "k": 1, "v": 1}], types)
+    # a window layer may read a full cache (its own mask applies the window), but not full and window caches at once
+    assert custom_plan(16, [{"layers": 10, "k": 4, "v": 8}], types).layers[9].k_sources == (3,)
+    with pytest.raises(ValueError, match="sources must be of one attention type"):
+        custom_plan(16, [{"layers": 10, "k": 4, "v": 1}], types)
+
+
+def test_window_layers_above_a_full_lower_half_read_full_layers():
+    """Qwen2/Qwen3 with use_sliding_window and max_window_layers = L/2: the lower half is full attention, the
+    upper half windowed. The upper window layers fuse the lower full layers (decode against the full forward:
+    tests/convert/test_window_over_full.py)."""
+    types = [FULL] * 4 + [SLIDING] * 4
+    plan = build_plan("fusedkv", 8, types)
+    assert plan.storage_layers == (0, 1, 2, 3)
+    assert all(plan.layers[i].k_sources == (0, 3) for i in range(4, 8))
+    assert build_plan("yoco", 8, types).layers[7].k_sources == (3,)
+    with pytest.raises(ValueError, match="lower half has no full_attention layer"):
+        build_plan("fusedkv", 8, [SLIDING] * 4 + [FULL] * 4)
 
 
 def test_user_shorthands_resolve_in_one_place():

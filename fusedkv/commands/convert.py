@@ -1,5 +1,5 @@
-"""`fusedkv convert`: import a Hugging Face checkpoint of any family `fusedkv.convert` knows, or re-plan a
-vanilla fusedkv one."""
+"""`fusedkv convert`: import a Hugging Face checkpoint (or a GGUF file) of any family `fusedkv.convert` knows,
+or re-plan a vanilla fusedkv one."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ def register(sub) -> None:
     p = sub.add_parser("convert", help="import a Hugging Face checkpoint (Qwen3, Llama, Mistral, Qwen2, Gemma, "
                        "DeepSeek)",
                        description=f"Convert a Hugging Face checkpoint directory (config.json + safetensors, sharded "
-                       f"or not) to FusedKV. Families (model_type): {families}; or a vanilla fusedkv model. "
+                       f"or not) or a GGUF file to FusedKV. Families (model_type): {families}; or a vanilla "
+                       "fusedkv model. A GGUF file is read by transformers' GGUF loader (the gguf extra: pip install "
+                       "'fusedkv[gguf]'), dequantised to float32, with its tokenizer and chat template. "
                        "With --plan vanilla the result gives transformers' logits; other plans drop the upper "
                        "layers' K/V projections and start their fusion from --fusion-init, ready for training. "
                        "A config field fusedkv cannot reproduce exactly is refused, naming the field. "
                        "DST is written whole or not at all; a non-empty DST is replaced only with --overwrite.")
-    p.add_argument("src", type=argtypes.non_empty, help="checkpoint directory (transformers' save_pretrained layout)")
+    p.add_argument("src", type=argtypes.non_empty, help="checkpoint directory (transformers' save_pretrained layout) "
+                   "or a .gguf file")
     p.add_argument("dst", type=argtypes.output_dir, help="output directory (new or empty)")
     add_plan_flag(p, default=VANILLA, help="the plan of the converted model (default vanilla; +W / +WF for "
                   "models with sliding-window layers)")

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..config import FusedKVConfig
@@ -27,6 +27,7 @@ from ..plan import VANILLA
 from .families import MODEL_TYPES, family_for
 from .family import with_plan_kv_heads
 from .qwen3 import fuse_experts
+from .sources import open_source
 
 # The tokenizer travels with the weights, its chat template too (tokenizer_config.json's "chat_template", or
 # transformers 5's chat_template.jinja, or the older chat_template.json), so chat requests work on the result.
@@ -75,9 +76,13 @@ def read_shard(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except SafetensorError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path} is not a complete safetensors file ({first}); it may be truncated: "
-                         "download or save it again") from e
+        raise _incomplete(path, e) from e
+
+
+def _incomplete(path: Path, e: Exception) -> UsageError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UsageError(f"{path} is not a complete safetensors file ({first}); it may be truncated: "
+                      "download or save it again")
 
 
 def load_state_dict(src: Path) -> dict[str, torch.Tensor]:
@@ -164,16 +169,38 @@ def from_qwen3_state(state: dict[str, torch.Tensor], config: FusedKVConfig, orig
     return model_from_state(state, config, fuse_experts, origin)
 
 
+def head_differs_from_embeddings(files: list[Path]) -> bool:
+    """Whether the checkpoint holds its own `lm_head.weight` with other values than `model.embed_tokens.weight`.
+    transformers then keeps the two untied whatever `tie_word_embeddings` says (it warns), so import does too;
+    only these two tensors are read."""
+    names = ("lm_head.weight", "model.embed_tokens.weight")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as shard:
+                tensors.update({k: shard.get_tensor(k) for k in shard.keys() if k in names})
+        except SafetensorError as e:
+            raise _incomplete(f, e) from e
+    return len(tensors) == 2 and not torch.equal(*tensors.values())
+
+
 def convert_checkpoint(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype | None = None,
-                       overwrite: bool = False, **overrides) -> FusedKVForCausalLM:
-    """Convert the checkpoint directory `src` (any family of `families.py`, or a vanilla fusedkv model) into
-    a FusedKV checkpoint at `dst`; returns the model.
+                       overwrite: bool = False, say=print, **overrides) -> FusedKVForCausalLM:
+    """Convert `src` (a checkpoint directory of any family of `families.py`, a vanilla fusedkv model, or a
+    GGUF file: `sources.open_source`) into a FusedKV checkpoint at `dst`; returns the model.
 
     `dst` is written whole or not at all: into a temporary directory beside it, renamed into place at the
     end, so a failed conversion (bad weights, a full disk, Ctrl-C) leaves `dst` as it was. A `dst` that
     already holds files is replaced only with `overwrite=True`. The weights are read one shard at a time."""
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, source=src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # a GGUF file is imported beside dst, named as write_directory_atomically names its temporary directories
+    with open_source(src, workdir=dst.parent, say=say, prefix=f".{dst.name}.tmp-gguf-") as checkpoint:
+        return _convert_directory(checkpoint, dst, kv_sharing, dtype, overwrite, **overrides)
+
+
+def _convert_directory(src: Path, dst: Path, kv_sharing: str, dtype, overwrite: bool, **overrides):
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{src} has no config.json; pass a Hugging Face checkpoint directory "
@@ -182,6 +209,9 @@ def convert_checkpoint(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype |
         source_config = json.loads(cfg_file.read_text())
     except ValueError as e:
         raise UsageError(f"{cfg_file} is not valid JSON: {e}") from e
+    files = shard_files(src)
+    if head_differs_from_embeddings(files):
+        source_config = {**source_config, "tie_word_embeddings": False}
     if source_config.get("model_type") == FusedKVConfig.model_type:  # a fusedkv vanilla model: uptraining
         config = fusedkv_to_plan_config(source_config, kv_sharing, origin=str(src), **overrides)
         prepare = fuse_experts
@@ -189,7 +219,6 @@ def convert_checkpoint(src, dst, kv_sharing: str = VANILLA, dtype: torch.dtype |
         family = family_for(source_config)
         config = family.to_config(source_config, kv_sharing, **overrides)
         prepare = family.prepare_state
-    files = shard_files(src)
     model = model_from_shards((read_shard(f) for f in files), config, prepare, origin=str(src))
     check_finite_model(model, str(src))  # NaN/inf weights would convert into a model that computes NaN
     if dtype is not None:

@@ -18,15 +18,15 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from ..config import FusedKVConfig
-from .family import Family, UnsupportedField
+from .family import COMMON, METADATA, Family, UnsupportedField, unknown_field
 from .qwen3 import fuse_experts
 
 V3, V2 = "deepseek_v3", "deepseek_v2"
 
 # What every field becomes. "copy": the FusedKVConfig field of the same name and meaning. "ignored": has no
 # effect on the logits in transformers (the reason given). Anything else: the handling, done in
-# `deepseek_config_fields` below; the test checks that this table covers every field of transformers'
-# DeepseekV3Config and DeepseekV2Config.
+# `deepseek_config_fields` below; the test checks that this table (with family.METADATA and family.COMMON,
+# which every family shares) covers every field of transformers' DeepseekV3Config and DeepseekV2Config.
 COPY = "copy"
 FIELDS: dict[str, str] = {
     **{name: COPY for name in (
@@ -34,7 +34,7 @@ FIELDS: dict[str, str] = {
         "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         "n_shared_experts", "num_experts_per_tok", "routed_scaling_factor", "max_position_embeddings",
         "initializer_range", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "attention_dropout",
-        "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits", "use_cache")},
+        "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits")},
     "n_routed_experts": "num_experts",
     "first_k_dense_replace": "mlp_only_layers = the first first_k_dense_replace layers (dense MLP)",
     "n_group": "n_group (V2: only with topk_method group_limited_greedy, which reads it)",
@@ -51,7 +51,6 @@ FIELDS: dict[str, str] = {
     "head_dim": "derived: qk_rope_head_dim",
     "qk_head_dim": "derived: qk_nope_head_dim + qk_rope_head_dim",
     "moe_layer_freq": "DeepSeek's config.json only: must be 1 (transformers ignores it)",
-    "quantization_config": "refused: dequantize the (fp8) weights first",
     "num_mtp_layers": "ignored: multi-token-prediction layers do not take part in the logits; dropped",
     "num_nextn_predict_layers": "ignored: as num_mtp_layers",
     "pretraining_tp": "ignored: transformers' DeepSeek classes do not read it",
@@ -76,11 +75,19 @@ def _must(field: str, value, ok: bool, why: str) -> None:
         raise UnsupportedField(field, value, why)
 
 
+def _classify(hf: dict, tc) -> None:
+    """Every field of the config as transformers reads it is in FIELDS, METADATA or COMMON (checked)."""
+    for name, value in tc.to_dict().items():
+        if name in COMMON:
+            COMMON[name].check(name, value)
+        elif name not in FIELDS and name not in METADATA:
+            raise unknown_field(name, value, "DeepSeek")
+
+
 def deepseek_config_fields(hf: dict) -> dict:
     v3 = hf["model_type"] == V3
-    _must("quantization_config", (hf.get("quantization_config") or {}).get("quant_method"),
-          "quantization_config" not in hf, FIELDS["quantization_config"])
     tc = _read(hf)
+    _classify(hf, tc)
     fields = {name: getattr(tc, name) for name, how in FIELDS.items() if how == COPY}
     fields["attention_dropout"] = tc.attention_dropout or 0.0  # V2 allows None
     _must("num_experts_per_tok", tc.num_experts_per_tok, tc.num_experts_per_tok is not None,

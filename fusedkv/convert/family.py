@@ -8,6 +8,12 @@ nothing is imported approximately. The dense families do this with one table eac
 field of the family's transformers config, read through transformers' own config class (so legacy names
 such as `rope_scaling` or `max_window_layers` are normalised exactly as transformers does), is either
 carried over, checked, or recorded as not changing the function; a field the table does not know is refused.
+
+Fields every transformers config may carry, whatever the family, are classified once here: `METADATA`
+(bookkeeping that cannot change the logits: accepted) and `COMMON` (switches that would change the
+computation: only their inert value is accepted). A field is in exactly one of METADATA, COMMON and a
+family's own table (tests/convert/test_fields.py checks it, and tests/convert/test_real_configs.py runs the
+published config.json of a real model of every family through it).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from ..config import ACTIVATIONS, FusedKVConfig, rope_parameters_by_type
 class UnsupportedField(ValueError):
     """A checkpoint uses a config field (or value) that fusedkv cannot reproduce exactly."""
 
-    def __init__(self, field: str, value, why: str = ""):
+    def __init__(self, field: str, value, why: str = "", fix: str = ""):
         self.field = field
-        super().__init__(f"config field {field}={value!r} is not supported" + (f": {why}" if why else ""))
+        super().__init__(f"config field {field}={value!r} is not supported" + (f": {why}" if why else "")
+                         + (f"; {fix}" if fix else ""))
 
 
 def _same_state(state: dict[str, torch.Tensor], config: FusedKVConfig, partial: bool = False
@@ -70,14 +77,22 @@ def with_plan_kv_heads(fields: dict, kv_sharing: str, overrides: dict) -> dict:
 
 # ---- the field tables ------------------------------------------------------------------------------------
 
-# Fields every transformers config carries that say nothing about the function computed (bookkeeping,
-# output switches, task heads fusedkv does not build, generation defaults of older configs).
+# Fields every transformers config carries that say nothing about the function computed (bookkeeping, names,
+# output switches, special-token ids a causal LM's forward never reads, task heads fusedkv does not build,
+# framework switches of older transformers, generation defaults of older configs).
 METADATA = frozenset({
-    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
-    "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict", "transformers_version",
-    "use_cache", "cache_implementation", "is_encoder_decoder", "tokenizer_class", "prefix", "task_specific_params",
-    "finetuning_task", "auto_map", "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p",
-    "repetition_penalty", "num_beams", "use_return_dict",
+    "_name_or_path", "_model_name_or_path", "model_name", "architectures", "chunk_size_feed_forward", "dtype",
+    "torch_dtype", "id2label", "label2id", "model_type", "output_attentions", "output_hidden_states",
+    "problem_type", "return_dict", "transformers_version", "use_cache", "cache_implementation",
+    "is_encoder_decoder", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "auto_map",
+    "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "num_beams",
+    "use_return_dict", "unk_token_id", "sep_token_id", "cls_token_id", "mask_token_id", "decoder_start_token_id",
+    "torchscript", "use_bfloat16", "tf_legacy_loss", "cross_attention_hidden_size", "tie_encoder_decoder",
+    "_attn_implementation_autoset", "_attn_implementation", "attn_implementation", "bad_words_ids",
+    "begin_suppress_tokens", "diversity_penalty", "early_stopping", "encoder_no_repeat_ngram_size",
+    "exponential_decay_length_penalty", "forced_bos_token_id", "forced_eos_token_id", "length_penalty",
+    "no_repeat_ngram_size", "num_beam_groups", "num_return_sequences", "output_scores", "remove_invalid_values",
+    "return_dict_in_generate", "suppress_tokens", "typical_p", "transformers.js_config",
 })
 
 
@@ -95,9 +110,14 @@ class Ignore:
 
 @dataclass(frozen=True)
 class Require:
-    """Only values for which `ok(value)` holds are reproduced; others are refused."""
+    """Only values for which `ok(value)` holds are reproduced; others are refused (`fix`: what the user can do)."""
     ok: Callable[[object], bool]
     why: str
+    fix: str = ""
+
+    def check(self, name: str, value) -> None:
+        if not self.ok(value):
+            raise UnsupportedField(name, value, self.why, self.fix)
 
 
 @dataclass(frozen=True)
@@ -119,24 +139,28 @@ class FieldTable:
         cfg = normalised(hf, self.config_class)
         out: dict = {}
         for name, value in cfg.items():
-            rule = self.fields.get(name)
+            rule = self.fields.get(name) or COMMON.get(name)
             if rule is None:
                 if name in METADATA:
                     continue
-                raise UnsupportedField(name, value, f"fusedkv's {self.family} import does not know this field, "
-                                                    "so it cannot tell whether the model computes the same function")
+                raise unknown_field(name, value, self.family)
             if isinstance(rule, Copy):
                 out[rule.to or name] = value
             elif isinstance(rule, Require):
-                if not rule.ok(value):
-                    raise UnsupportedField(name, value, rule.why)
+                rule.check(name, value)
             elif isinstance(rule, Read):
                 out.update(rule.fn(value, cfg))
         out.update(self.fixed(cfg))
         return out
 
     def known(self) -> frozenset[str]:
-        return frozenset(self.fields) | METADATA
+        return frozenset(self.fields) | METADATA | frozenset(COMMON)
+
+
+def unknown_field(name: str, value, family: str) -> UnsupportedField:
+    return UnsupportedField(name, value, f"fusedkv's {family} import does not know this field, so it cannot tell "
+                            "whether the model computes the same function",
+                            "if it does not change the computation, delete it from config.json")
 
 
 def normalised(hf: dict, config_class: str) -> dict:
@@ -205,3 +229,25 @@ WINDOWS = {
 
 def no(value) -> bool:
     return not value
+
+
+def _float_weights(value) -> bool:
+    """No quantization, or the record a transformers GGUF load leaves: its weights were dequantised to floats."""
+    return not value or (isinstance(value, dict) and value.get("quant_method") == "gguf")
+
+
+# Switches any transformers config may carry that would change the computation: only the inert value is
+# accepted, in every family.
+COMMON = {
+    "use_mrope": Require(no, "multimodal RoPE (sections per position axis) is not computed by fusedkv",
+                         "import the text model of a checkpoint without it"),
+    "is_decoder": Require(no, "is_decoder belongs to encoder(-decoder) models, fusedkv imports decoder-only LMs",
+                          "set is_decoder to false if the checkpoint is a causal LM"),
+    "add_cross_attention": Require(no, "cross-attention layers are not built by fusedkv",
+                                   "import a decoder-only checkpoint"),
+    "pruned_heads": Require(no, "pruned attention heads change the projections' shapes per layer",
+                            "import the unpruned model"),
+    "quantization_config": Require(_float_weights, "the checkpoint stores quantised weights, fusedkv imports float "
+                                   "ones", "dequantise the weights (e.g. DeepSeek-V3's fp8: its "
+                                   "inference/fp8_cast_bf16.py), then delete quantization_config"),
+}

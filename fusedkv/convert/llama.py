@@ -14,6 +14,10 @@ LLAMA = FieldTable("Llama", "LlamaConfig", {
     "attention_bias": Copy(),
     "mlp_bias": Copy(),
     "pretraining_tp": Ignore("transformers' Llama no longer splits its projections by it: the same function"),
+    # nanotron's export flags in SmolLM2's config.json: transformers' Llama reads neither (its RoPE is never
+    # interleaved), so the function is the one transformers computes
+    "rope_interleaved": Ignore("transformers' Llama does not read it"),
+    "is_llama_config": Ignore("transformers' Llama does not read it"),
 }, fixed=lambda cfg: {"use_qk_norm": False})
 
 FAMILY = Family(name="Llama", model_types=("llama",), config_fields=LLAMA.read, transformers_class="LlamaForCausalLM")

@@ -30,6 +30,7 @@ QWEN3_MOE = FieldTable("Qwen3-MoE", "Qwen3MoeConfig", {
     "use_sliding_window": Require(no, "sliding-window Qwen3-MoE checkpoints are not imported"),
     "hidden_act": Require(lambda act: act == "silu", "fusedkv's mixture-of-experts layers compute SiLU experts only"),
     "sliding_window": Ignore("used only with use_sliding_window"),
+    "max_window_layers": Ignore("used only with use_sliding_window (Qwen3-30B-A3B's config.json carries it)"),
 })
 
 

@@ -41,6 +41,9 @@ def register(sub) -> None:
                    "a machine without runs/")
     p.add_argument("--task-limit", type=argtypes.non_negative_int, default=40,
                    help="items per local lm-eval task (0: skip tasks; default 40)")
+    p.add_argument("--source", default=None, type=argtypes.non_empty, metavar="PATH",
+                   help="experiments on a pretrained model (smollm2): the model, a checkpoint directory or a GGUF "
+                   "file (default: the file's `source:`)")
     p.set_defaults(func=run)
 
 
@@ -53,6 +56,8 @@ def run(args) -> None:
 
     _check_experiment_file(args.experiment)
     spec = load_experiment(args.experiment)
+    if "source" in spec:  # a pretrained model's cache options: no training runner, no seeds
+        return _run_pretrained(spec, args)
     check_claims(spec)
     overrides = parse_overrides(args.overrides)
     seeds = args.seeds
@@ -79,6 +84,18 @@ def run(args) -> None:
     if report:
         print(Path(report).read_text())
         print(f"wrote {report} and {out / 'retrieval.png'}")
+
+
+def _run_pretrained(spec: dict, args) -> None:
+    from . import pretrained
+
+    name = spec.get("name", Path(args.experiment).stem)
+    out = Path(args.out or f"runs/compare-{name}")
+    results = pretrained.run(spec, out, args.source, args.runs, args.finished_only)
+    if not results:
+        raise UsageError(f"no row of {name!r} has finished yet; run it without --finished-only")
+    print(pretrained.write_outputs(spec, results, out))
+    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'} and {out / 'quality_vs_bytes.png'}")
 
 
 def _check_experiment_file(name_or_path: str) -> None:

@@ -49,7 +49,8 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("src", type=argtypes.non_empty, help="the pretrained model: a Hugging Face checkpoint directory "
-                   "(config.json, safetensors, tokenizer) or a vanilla fusedkv model")
+                   "(config.json, safetensors, tokenizer), a vanilla fusedkv model, or a .gguf file (imported once "
+                   "into OUT.source)")
     p.add_argument("out", type=argtypes.output_dir, help="output directory (new, or an uptraining run to continue)")
     add_plan_flag(p, default=DEFAULT_PLAN, help=f"the KV-sharing plan to convert to (default {DEFAULT_PLAN})")
     p.add_argument("--fusion-init", default="equivalent", choices=["equivalent", "normal", "iterative"],
@@ -106,10 +107,13 @@ def build(args: argparse.Namespace, command: str = ""):
 
 
 def handle(args: argparse.Namespace) -> int:
+    from ..convert.sources import source_directory
     from ..errors import check_device
     from .pipeline import run_uptrain
 
     check_device(args.device)
     command = "fusedkv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    out = Path(args.out)  # a GGUF source: imported once beside OUT (OUT.source), the checkpoint every step reads
+    args.src = str(source_directory(args.src, out.parent / f"{out.name}.source"))
     run_uptrain(build(args, command), overwrite=args.overwrite, progress=not args.quiet)
     return 0

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from fusedkv.convert import FAMILIES, UnsupportedField, family_for
-from fusedkv.convert.family import METADATA, FieldTable
+from fusedkv.convert.deepseek import FIELDS as DEEPSEEK_FIELDS
+from fusedkv.convert.family import COMMON, METADATA, FieldTable
 from fusedkv.convert.gemma import GEMMA2, GEMMA3
 from fusedkv.convert.llama import LLAMA
 from fusedkv.convert.mistral import MISTRAL
@@ -98,3 +99,57 @@ def test_imported_features_are_served_and_run_by_the_native_step():
     assert unsupported(set_decode_layout(model, "packed"), keys, dict(keys), 1) is None
     hf = transformers.Qwen3Config(**SMALL).to_dict()
     assert family_for(hf).to_config(hf, "vanilla").extra_block_features() == []
+
+
+# Fields real Hub configs carry (issue 41, defect 7), with the values they ship with: none changes the function.
+SHIPPED_METADATA = dict(
+    use_mrope=False, unk_token_id=0, sep_token_id=None, cls_token_id=None, mask_token_id=None,
+    decoder_start_token_id=None, torchscript=False, use_bfloat16=False, tf_legacy_loss=False, pruned_heads={},
+    is_decoder=False, add_cross_attention=False, cross_attention_hidden_size=None, tie_encoder_decoder=False,
+    _attn_implementation_autoset=True, model_name="SmolLM2-135M", _model_name_or_path="Smollm2 135M 8k",
+    quantization_config=None)
+DEEPSEEK_SMALL = dict(SMALL, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                      qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                      topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1)
+MODEL_TYPES = ["qwen3", "qwen3_moe", "llama", "mistral", "qwen2", "gemma2", "gemma3_text", "deepseek_v3",
+               "deepseek_v2"]
+
+
+def small(model_type: str, **fields) -> dict:
+    return {"model_type": model_type, **(DEEPSEEK_SMALL if model_type.startswith("deepseek") else SMALL), **fields}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_metadata_that_real_configs_carry_is_accepted(model_type):
+    plain = family_for(small(model_type)).to_config(small(model_type), "vanilla")
+    hf = small(model_type, **SHIPPED_METADATA)
+    assert family_for(hf).to_config(hf, "vanilla").to_dict() == plain.to_dict()
+
+
+COMPUTES = [("use_mrope", True), ("is_decoder", True), ("add_cross_attention", True), ("pruned_heads", {0: [1]}),
+            ("quantization_config", {"quant_method": "gptq", "bits": 4}),
+            ("quantization_config", {"quant_method": "fp8", "fmt": "e4m3"})]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text", "deepseek_v3"])
+@pytest.mark.parametrize("name, value", COMPUTES, ids=[f"{n}-{v}" for n, v in COMPUTES])
+def test_a_switch_that_changes_the_computation_is_refused_with_a_fix(model_type, name, value):
+    hf = small(model_type, **{name: value})
+    with pytest.raises(UnsupportedField, match=f"^config field {name}=") as e:
+        family_for(hf).to_config(hf, "vanilla")
+    assert e.value.field == name and "\n" not in str(e.value)
+    assert str(e.value).endswith("; " + COMMON[name].fix)  # the reason, then the fix
+
+
+def test_the_record_a_gguf_load_leaves_is_accepted():
+    """transformers' GGUF loader records quant_method gguf; the weights it saves are already dequantised floats."""
+    hf = small("llama", quantization_config={"quant_method": "gguf", "gguf_file": "m.gguf", "dequantize": False})
+    family_for(hf).to_config(hf, "vanilla")
+
+
+def test_every_field_is_classified_once():
+    """A field is metadata (accepted), a common switch (COMMON) or a family's own: never two of these."""
+    assert not METADATA & set(COMMON)
+    for table in TABLES:
+        assert not set(table.fields) & (METADATA | set(COMMON)), table.family
+    assert not set(DEEPSEEK_FIELDS) & (METADATA | set(COMMON))

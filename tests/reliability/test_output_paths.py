@@ -50,7 +50,8 @@ def test_the_walk_finds_the_known_outputs():
     """The guard below sees the flags it is meant to guard (a pattern that matched nothing would pass)."""
     seen = {(c, n) for c, n, _ in _outputs()}
     for want in (("train", "--out"), ("uptrain", "out"), ("eval", "--retrieval-plot"), ("eval", "--json"),
-                 ("bench", "--json"), ("bench", "--plot"), ("prune", "--out"), ("compare", "--out"), ("convert", "dst")):
+                 ("bench", "--json"), ("bench", "--plot"), ("prune", "--out"), ("compare", "--out"),
+                 ("convert", "dst")):
         assert want in seen, (want, sorted(seen))
 
 

@@ -1,0 +1,257 @@
+"""CPU decode of a real pretrained model next to llama.cpp on the same weights, with quality on every row.
+
+`benchmarks/cpu_decode.py --model SRC` lands here. SRC is a transformers checkpoint directory (Llama family,
+e.g. SmolLM2-135M-Instruct as `fusedkv convert` or transformers saved it) or a GGUF file (loaded through
+transformers' GGUF loader, dequantised to float32, saved as a transformers checkpoint in a scratch folder).
+
+Rows:
+- fusedkv: the model imported with `fusedkv convert --plan vanilla`, and each other plan of `--plans` (a
+  checkpoint per plan from `--plan-checkpoints PLAN=DIR,...`, e.g. an uptrained one; otherwise the plan's
+  untrained conversion, whose quality column then says how far from usable it is), at each `--weights`
+  format (f32, bf16/f16, int8, int4) with a 16-bit cache (f32 weights: also an f32 cache).
+- llama.cpp: the shipped GGUF (`--gguf FILE`, e.g. the Q4_1 file the model came in) and the files its own
+  converter and quantizer make from the same float weights (`--llama-rows`: f16, q8_0, q4_0, q4_k_m).
+
+Speed: TTFT and TPOT per (threads, prompt), all rows round-robin with the order rotated per repeat, medians
+and per-round ratios to llama.cpp at the same weight bits (`cpu_decode.peer_of`; Q4_1 is a 4-bit peer too).
+Quality, next to each row: perplexity on held-out windows of `--text` files (full forward; llama.cpp through
+its batch path) and top-1 agreement / mean KL with the f32 vanilla model, so speed is never shown alone.
+
+    python benchmarks/cpu_decode.py --model ~/smollm2/hf --gguf SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --text prose.txt,code.txt --threads 1,2 --prompt-lens 512,2048 --repeats 3 --json real.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fusedkv.engine.precision import half_dtype, weight_nbytes
+from fusedkv.model import FusedKVForCausalLM
+
+WEIGHT_PEERS = {"f32": ["f32"], "bf16": ["f16"], "f16": ["f16"], "int8": ["q8_0"],
+                "int4": ["q4_0", "q4_k_m", "shipped"]}
+
+
+def hf_checkpoint(src: str, work: Path) -> Path:
+    """SRC as a transformers checkpoint directory (a GGUF file is loaded and saved in `work`)."""
+    path = Path(src)
+    if path.is_dir():
+        return path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.hf_quantizer, model.is_quantized = None, False  # dequantised: an ordinary float checkpoint now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out = work / "hf"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def fusedkv_models(hf_dir: Path, plans: list[str], plan_checkpoints: dict[str, str], work: Path) -> dict:
+    """plan -> FusedKVForCausalLM (float32): the vanilla import and each other plan's model."""
+    from fusedkv.convert import convert_checkpoint
+
+    models = {}
+    for plan in plans:
+        if plan in plan_checkpoints:
+            models[plan] = FusedKVForCausalLM.from_pretrained(plan_checkpoints[plan], dtype=torch.float32).eval()
+            continue
+        out = work / f"fusedkv-{plan}"
+        if not out.is_dir():
+            convert_checkpoint(str(hf_dir), str(out), kv_sharing=plan)
+        models[plan] = FusedKVForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return models
+
+
+def llama_files(hf_dir: Path, types: list[str], shipped: str | None, src: str | None, work: Path) -> dict[str, Path]:
+    """GGUF type -> file: llama.cpp's converter / quantizer on the float weights, and the shipped file."""
+    from fusedkv.speed.llamacpp import convert_to_gguf, find_converter
+
+    files = {}
+    if types:
+        root = find_converter(src, work, fetch=True)
+        files = {t: convert_to_gguf(hf_dir, work / f"model-{t}.gguf", t, root) for t in types}
+    if shipped:
+        files["shipped"] = Path(shipped)
+    return files
+
+
+# ---- quality --------------------------------------------------------------------------------------------
+def text_windows(tokenizer_dir: Path, texts: list[str], window: int, per_text: int) -> list[tuple[str, torch.Tensor]]:
+    """(text name, [1, window + 1] ids) for the first `per_text` windows of each file."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = []
+    for path in texts:
+        ids = tok(Path(path).read_text(), return_tensors="pt")["input_ids"][0]
+        n = min(per_text, (len(ids) - 1) // window)
+        if n < 1:
+            raise SystemExit(f"{path}: {len(ids)} tokens, fewer than one window of {window}")
+        out += [(Path(path).stem, ids[i * window:(i + 1) * window + 1][None]) for i in range(n)]
+    return out
+
+
+def _score(logits: torch.Tensor, labels: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, float]:
+    """(summed NLL, top-1 agreements with ref, summed KL(ref || logits)) over the positions."""
+    nll = F.cross_entropy(logits, labels, reduction="sum").item()
+    agree = (logits.argmax(-1) == ref.argmax(-1)).sum().item()
+    p = torch.log_softmax(ref.double(), -1)
+    kl = (p.exp() * (p - torch.log_softmax(logits.double(), -1))).sum().item()
+    return nll, agree, kl
+
+
+def quality(ours: dict, llama: dict[str, Path], windows: list, reference) -> dict[str, dict]:
+    """Row name -> {ppl per text, top1 (agreement with the f32 vanilla model), kl (nats/token)}."""
+    from fusedkv.speed.llamacpp import window_logits
+
+    with torch.inference_mode():
+        refs = [reference(ids[:, :-1]).logits[0] for _, ids in windows]
+        outs: dict[str, list[torch.Tensor]] = {}
+        for name, row in ours.items():
+            if name.endswith("kv=f32") and name.replace("kv=f32", "kv=16") in ours:
+                continue  # the full forward does not read the cache's dtype: one quality per weight format
+            outs[name] = [row["model"](ids[:, :-1]).logits[0] for _, ids in windows]
+    for ty, path in llama.items():
+        got = window_logits(path, [ids[0, :-1].tolist() for _, ids in windows], torch.get_num_threads(), "f16")
+        outs[f"llama.cpp w={ty}"] = [torch.from_numpy(x).float() for x in got]
+    table = {}
+    for name, logits in outs.items():
+        per_text: dict[str, list[float]] = {}
+        agree = kl = n = 0
+        for (text, ids), out, ref in zip(windows, logits, refs):
+            nll, a, k = _score(out, ids[0, 1:], ref)
+            per_text.setdefault(text, [0.0, 0])
+            per_text[text][0] += nll
+            per_text[text][1] += ids.shape[1] - 1
+            agree, kl, n = agree + a, kl + k, n + ids.shape[1] - 1
+        table[name] = dict(ppl={t: math.exp(s / c) for t, (s, c) in per_text.items()}, top1=agree / n, kl=kl / n)
+    return table
+
+
+# ---- the run --------------------------------------------------------------------------------------------
+def run(args) -> dict:
+    """Build every row, measure quality, then speed; returns the JSON the script writes."""
+    import cpu_decode as cd  # the sibling script: its row builders, timing loop and table
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fusedkv-real-"))
+    work.mkdir(parents=True, exist_ok=True)
+    hf_dir = hf_checkpoint(args.model, work)
+    plans = args.plans.split(",")
+    if "vanilla" not in plans:
+        plans = ["vanilla", *plans]
+    plan_cks = dict(x.split("=", 1) for x in args.plan_checkpoints.split(",")) if args.plan_checkpoints else {}
+    base = fusedkv_models(hf_dir, plans, plan_cks, work)
+    weights = [cd.weight_spec(w) for w in args.weights.split(",")]
+    ours = {}
+    for plan, model in base.items():
+        for fmt in weights:
+            reduced = cd.reduced(model, fmt)
+            for kv in (["f32", "16"] if fmt == "float32" else ["16"]):
+                kv_dtype = torch.float32 if kv == "f32" else half_dtype()
+                ours[f"{plan} w={cd.short(fmt)} kv={kv}"] = dict(model=reduced, kv_dtype=kv_dtype,
+                                                               weight_bytes=weight_nbytes(reduced))
+    types = [] if args.no_llama else list(dict.fromkeys(s.split("/")[0] for s in args.llama_rows.split(",")))
+    llama = {} if args.no_llama else llama_files(hf_dir, types, args.gguf, args.llamacpp_src, work)
+    texts = [t for t in (args.text or "").split(",") if t]
+    windows = text_windows(hf_dir, texts, args.window, args.windows) if texts else []
+    qual = quality(ours, llama, windows, base["vanilla"]) if windows else {}
+    print(f"quality done ({len(qual)} rows)", file=sys.stderr)
+    rows = speed(args, cd, ours, llama, base["vanilla"].config.vocab_size)
+    return dict(model=str(args.model), date=time.strftime("%Y-%m-%d %H:%M"), processor=cd_processor(),
+                texts=texts, window=args.window, windows_per_text=args.windows, quality=qual,
+                rows=[{k: v for k, v in r.items()} for r in rows], repeats=args.repeats, new_tokens=args.new_tokens,
+                load_average_end=open("/proc/loadavg").read().split()[0])
+
+
+def cd_processor() -> str:
+    flags = open("/proc/cpuinfo").read()
+    name = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
+    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    return f"{name} ({isa})"
+
+
+def speed(args, cd, ours: dict, llama: dict[str, Path], vocab: int) -> list[dict]:
+    """cpu_decode's interleaved loop over our rows and llama.cpp runners of every GGUF file (f16 KV)."""
+    from fusedkv.speed.llamacpp import LlamaCppRunner, gguf_weight_nbytes
+
+    threads = [int(t) for t in args.threads.split(",")]
+    prompts = [int(p) for p in args.prompt_lens.split(",")]
+    max_len = max(prompts) + args.new_tokens + 8
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for t in threads:
+        torch.set_num_threads(t)
+        runners = {f"llama.cpp w={ty} kv=f16": (LlamaCppRunner(path, max_len, t, "f16"), ty, "f16",
+                                                 gguf_weight_nbytes(path)) for ty, path in llama.items()}
+        names = list(ours) + list(runners)
+        for name in names:
+            cd._one(name, ours, runners, torch.randint(1, vocab, (1, 32), generator=gen), 4)
+        ceiling = cd.streaming_ceiling(max(r["weight_bytes"] for r in ours.values()))
+        for s in prompts:
+            samples: dict[str, list[dict]] = {n: [] for n in names}
+            for r in range(args.repeats):
+                ids = torch.randint(1, vocab, (1, s), generator=gen)
+                shift = r % len(names)
+                for name in names[shift:] + names[:shift]:
+                    samples[name].append(cd._one(name, ours, runners, ids, args.new_tokens))
+                print(f"threads {t} prompt {s}: repeat {r + 1}/{args.repeats}", file=sys.stderr)
+            for name, runs in samples.items():
+                out.append(cd.make_row(name, runs, ours, runners, t, 1, s, s + args.new_tokens // 2, ceiling))
+        for runner, *_ in runners.values():
+            runner.close()
+    return out
+
+
+def peers(name: str) -> list[str]:
+    """llama.cpp rows at the same weight bits as a fusedkv row (16-bit KV on both sides)."""
+    w = name.split(" w=")[1].split()[0].split("@")[0]
+    return [f"llama.cpp w={ty} kv=f16" for ty in WEIGHT_PEERS[w]]
+
+
+def table(result: dict) -> str:
+    """The markdown table: speed, ratios to each same-bits llama.cpp row, and the row's quality."""
+    import cpu_decode as cd
+
+    rows, qual = result["rows"], result["quality"]
+    texts = [Path(t).stem for t in result["texts"]]
+    head = ["threads", "prompt", "engine", "TTFT ms", "TPOT ms", "TTFT / llama.cpp", "TPOT / llama.cpp",
+            *[f"ppl {t}" for t in texts], "top-1 vs f32", "KL vs f32"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    by = {(r["threads"], r["prompt"], r["name"]): r for r in rows}
+    for r in rows:
+        key = (r["threads"], r["prompt"])
+        ps = [] if r["name"].startswith("llama.cpp") else [by[(*key, p)] for p in peers(r["name"]) if (*key, p) in by]
+        ttft = ", ".join(f"{cd.round_ratio(r, p, 'ttft'):.2f} ({p['name'].split('w=')[1].split()[0]})" for p in ps)
+        tpot = ", ".join(f"{cd.round_ratio(r, p, 'tpot'):.2f} ({p['name'].split('w=')[1].split()[0]})" for p in ps)
+        qname = r["name"].removesuffix(" kv=f16") if r["name"].startswith("llama.cpp") else r["name"]
+        q = qual.get(qname) or qual.get(qname.replace("kv=f32", "kv=16"), {})
+        ppl = [f"{q['ppl'][t]:.2f}" if q else "-" for t in texts]
+        lines.append(f"| {r['threads']} | {r['prompt']} | {r['name']} | {r['ttft_s'] * 1e3:.0f} | "
+                     f"{r['tpot_s'] * 1e3:.2f} | {ttft or '-'} | {tpot or '-'} | " + " | ".join(ppl)
+                     + (f" | {q['top1']:.3f} | {q['kl']:.4f} |" if q else " | - | - |"))
+    return "\n".join(lines)
+
+
+def main(args) -> None:
+    result = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    print(f"\n{result['model']} on {result['processor']}, {args.new_tokens} new tokens, medians of {args.repeats} "
+          f"interleaved repeats (ratios: medians of per-round ratios); load average at the end "
+          f"{result['load_average_end']}; quality on {args.windows} windows of {args.window} tokens per text\n")
+    print(table(result))
+    if any(r["name"].startswith("llama.cpp") for r in result["rows"]):
+        return
+    print("(no llama.cpp rows: install fusedkv[llamacpp])", file=sys.stderr)
