@@ -76,6 +76,8 @@ ALLOWED = {
     "fusedkv/data/shards.py": (2, "token shards: temporary files, renamed by ShardWriter.close"),
     "fusedkv/eval/harness.py": (1, "lm-eval task files in a temporary task directory"),
     "fusedkv/speed/llamacpp.py": (1, "the marker written last into an extracted converter directory"),
+    "fusedkv/convert/sources.py": (2, "a GGUF import's config and marker, inside a directory written whole "
+                                      "(a temporary directory, write_directory_atomically)"),
     "fusedkv/serving/offline.py": (1, "a tool the tests run in vLLM's environment, not a fusedkv command"),
 }
 
