@@ -11,15 +11,13 @@ import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.reliability.conftest import REPO, assert_one_line_error, base_env
+from tests.reliability.conftest import assert_one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -110,23 +108,33 @@ def test_ddp_outside_torchrun_says_it_runs_one_process(capfd):
 
 
 # ---- temporaries of a killed writer ------------------------------------------------------------------------
-_WRITER = """
-import sys, time
-from pathlib import Path
-from fusedkv.model_dirs import write_directory_atomically
-def write(tmp):
-    (tmp / "model.safetensors").write_bytes(b"x" * 1000)
-    print("writing", flush=True)
-    time.sleep(600)
-write_directory_atomically(Path(sys.argv[1]), write)
-"""
+def _start_writer(dst: Path) -> int:
+    """A forked process in the middle of writing `dst` (write_directory_atomically), left sleeping; its pid."""
+    from fusedkv.model_dirs import write_directory_atomically
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: write, say so, sleep until killed
+        try:
+            os.close(r)
+
+            def write(tmp):
+                (tmp / "model.safetensors").write_bytes(b"x" * 1000)
+                os.write(w, b"1")
+                time.sleep(600)
+
+            write_directory_atomically(dst, write)
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.close(r)
+    return pid
 
 
-def _start_writer(dst: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(dst)], env=base_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "writing"
-    return proc
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 def _leftovers(parent: Path) -> list[str]:
@@ -135,9 +143,7 @@ def _leftovers(parent: Path) -> list[str]:
 
 def test_a_killed_conversion_leaves_temporaries_the_next_one_removes(cli, qwen3_src, tmp_path):
     dst = tmp_path / "converted"
-    killed = _start_writer(dst)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
+    _kill(_start_writer(dst))
     left = _leftovers(tmp_path)
     assert len(left) == 2 and any(n.endswith(".lock") for n in left)  # the temporary and its lock
     live = _start_writer(tmp_path / "other")  # another destination's live writer: not ours to touch
@@ -155,11 +161,8 @@ def test_a_killed_conversion_leaves_temporaries_the_next_one_removes(cli, qwen3_
             assert remove_dead_temporaries(dst) == []
             assert len([n for n in _leftovers(tmp_path) if n.startswith(".converted.")]) == 2
         finally:
-            same.kill()
-            same.wait()
-        time.sleep(0.1)
+            _kill(same)
         assert len(remove_dead_temporaries(dst)) == 1 and not [n for n in _leftovers(tmp_path)
                                                                if n.startswith(".converted.")]
     finally:
-        live.kill()
-        live.wait()
+        _kill(live)
