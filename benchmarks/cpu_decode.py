@@ -286,7 +286,7 @@ def fill_ours(row: dict, context: int, seed: torch.Tensor, new_tokens: int):
     """A static cache holding `context` tokens without a prefill of that length (quadratic: minutes at 32k):
     the seed prompt's K/V repeated along the sequence (a decode step's cost does not depend on the values, as
     `LlamaCppRunner.fill_cache` does for llama.cpp), and the token to decode next."""
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
 
     model = row["model"]
     set_decode_layout(model, 1)  # generate's "auto" layout at batch 1 (the native step's)
@@ -465,7 +465,7 @@ def _dispatch_floor(plan: str, fmt: str, steps: int) -> float:
     """CPU ms of one decode step of the same plan and weight format at tiny widths (d=64, 8 heads of 8,
     vocab 64, 16 tokens of context): the same ops and Python as the bench model's step, next to no
     bytes, so what the step costs beyond its arithmetic and memory traffic."""
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
     from fusedkv.generation import sample_next
 
     tiny = BenchShape(hidden_size=64, intermediate_size=64, num_attention_heads=8, head_dim=8, vocab_size=64)
@@ -500,7 +500,7 @@ def overhead_table(plans: list[str], weights: list[str], prompts: list[int], ste
     from torch.profiler import ProfilerActivity, profile
 
     from fusedkv.engine.native_step import NativeDecodeStep, unsupported
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
     from fusedkv.generation import sample_next
 
     torch.set_num_threads(1)
@@ -580,7 +580,7 @@ def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], re
     "Python + dispatch" = the forward's wall time - the ops' self time. Median forward of `repeats`."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
 
     torch.set_num_threads(1)
     max_len = max(prompts) + 8
@@ -651,7 +651,7 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
 
             def call(kv=kv):
                 for k, v in kv:
-                    cpu_attention.decode_attention(q, [k], [None], [v], [None], None, d**-0.5)
+                    cpu_attention.one_token_attention(q, [k], [None], [v], [None], None, d**-0.5)
 
             def read(words=words):
                 for w in words:
@@ -680,7 +680,7 @@ def kivi_table(plans: list[str], threads: int, contexts: list[int], steps: int, 
     minutes); KIVI's through its own `update`, so they hold its codes, scales and 128-token residual. Each
     repeat times `steps` steps of every row, order rotated; ratios are per repeat, then medians."""
     from fusedkv.engine.native_step import NativeDecodeStep
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
     from fusedkv.quant import KIVICache
 
     torch.set_num_threads(threads)

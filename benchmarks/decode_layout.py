@@ -1,5 +1,5 @@
 """Projection time of one decode step under three weight layouts: the measurement behind
-`fusedkv.engine.packing` (which layout `pack_for_decode` uses, and `PACKED_MAX_ROWS`).
+`fusedkv.engine.packing` (which layout `pack_for_decode` uses, and `PACKED_MAX_ROWS`, the portable `ProductRule`).
 
 For every layer of a model shape it runs the products a storage layer makes per step (Q, K, V, O,
 gate, up, down) on `rows` = batch x new tokens input rows, with the weights laid out:

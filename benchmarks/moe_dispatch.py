@@ -44,6 +44,7 @@ def build(hidden: int, inter: int, experts: int, top_k: int):
     hf = Qwen3MoeSparseMoeBlock(cfg)
     ours = SparseMoE(type("C", (), dict(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
                                         moe_intermediate_size=inter, norm_topk_prob=True)))
+    ours.experts.grouped = True  # what `fusedkv.engine.select_runtime` sets where grouped_mm takes the dtype
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0, 0.05)

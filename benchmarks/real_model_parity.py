@@ -5,7 +5,7 @@
 
 1. Perplexity and the largest logit difference on each text (non-overlapping windows of --window tokens,
    the first --tokens tokens), transformers (its GGUF load when --gguf is given, else HF_DIR) against the
-   fusedkv import, both float32.
+   fusedkv import, both float32. HF_DIR must hold the same weights (e.g. the GGUF file dequantised and saved).
 2. Where the difference comes from: both against an exact float64 reference (transformers' Llama in
    float64 with its rotary angles computed in float64) at several positions. transformers computes the
    RoPE angles position x inv_freq in float32 even for a float64 model, fusedkv in float64; the angle's
@@ -54,8 +54,9 @@ def perplexity_parity(ref, ours, ids: torch.Tensor, window: int) -> dict:
 
 @torch.inference_mode()
 def exact_reference(args, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of transformers' model in float64 with exact (float64) rotary angles."""
-    model = load_transformers(args, torch.float64, "eager")
+    """Logits of transformers' model in float64 with exact (float64) rotary angles. From the checkpoint
+    directory even with --gguf: transformers' GGUF load keeps packed weights and computes in float32."""
+    model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float64, attn_implementation="eager").eval()
     rotary = model.model.rotary_emb
     theta, dim = model.config.rope_parameters["rope_theta"], model.config.head_dim
     if model.config.rope_parameters.get("rope_type", "default") != "default":

@@ -113,6 +113,17 @@ def ratio_rows(plans, times: dict[str, list[float]], work: dict[str, float]) -> 
     return rows
 
 
+def _runs(items: list[str]) -> list[tuple[str, int]]:
+    """Consecutive equal items as (item, count)."""
+    out: list[tuple[str, int]] = []
+    for x in items:
+        if out and out[-1][0] == x:
+            out[-1] = (x, out[-1][1] + 1)
+        else:
+            out.append((x, 1))
+    return out
+
+
 def throughput(vllm_python, ckpts, args, work) -> list[dict]:
     """Rows for the plans, then for the half plans with fast prefill ("<plan> +fast-prefill"), all engines
     rotated together in one process, every ratio against vanilla's same round."""
@@ -135,7 +146,8 @@ def throughput(vllm_python, ckpts, args, work) -> list[dict]:
         r = by_name[row["plan"]]
         row.update(cpu_s=cpu["rounds_s"], cpu_ratio_per_round=cpu["ratio_per_round"],
                    median_cpu_ratio=cpu["median_ratio"])
-        row.update(num_blocks=r["num_blocks"], kv_cache_tokens=r["kv_cache_tokens"],
+        row.update(num_blocks=r["num_blocks"], kv_cache_tokens=r["kv_cache_tokens"], attention=r.get("attention"),
+                   processor=r.get("processor"),
                    max_concurrency=r["max_concurrency"], schedule=r["schedule"],
                    same_tokens_as_without_fast_prefill=(
                        r["rows"] == by_name[row["plan"].split()[0]]["rows"] if r["fast_prefill"] else None))
@@ -272,6 +284,11 @@ def main() -> None:
         print(f"| {r['plan']} | {r['num_blocks']} | {r['max_concurrency']:.2f} | {sched['mean_decode_batch']:.1f} | "
               f"{sched['preemptions']} | {r['median_rate']:.0f} | {fmt_rounds(r['ratio_per_round'])} | "
               f"{r['median_ratio']:.2f}x | {fmt_rounds(r['cpu_ratio_per_round'])} | {r['median_cpu_ratio']:.2f}x |")
+    for r in tp:
+        if r.get("attention"):
+            paths = ", ".join(f"{n}x {p}" for p, n in _runs(r["attention"]))
+            print(f"\n{r['plan']} on {r['processor']}: attention paths by layer: {paths}", end="")
+    print()
     for r in tp:
         if r["same_tokens_as_without_fast_prefill"] is False:
             print(f"\nwarning: {r['plan']} generated other tokens than without fast prefill")

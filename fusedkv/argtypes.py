@@ -8,12 +8,16 @@ Each factory returns a function for argparse's `type=`; a bad value raises `argp
 which argparse reports as "argument --flag: <why>" with exit code 2 before any work starts. Integers
 are capped at 2**31 - 1 so that a huge value is refused here instead of overflowing a tensor shape, and
 floats must be finite (`float("nan")` parses, and would otherwise slip through every comparison).
+
+Byte sizes have one unit rule, IEC 80000-13's (`parse_bytes`): k, M, G, T (with or without B) are powers of
+1000 and KiB, MiB, GiB, TiB powers of 1024, so "80G" and "80GB" are 80e9 bytes and "80GiB" 80 * 2**30.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 INT_MAX = 2**31 - 1
@@ -106,6 +110,41 @@ def name_list(choices: tuple[str, ...] | None = None):
         return names
 
     parse.__name__ = "list of names"
+    return parse
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80G' or '80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141e9' -> 141e9 (the module's one unit rule); a bad or
+    non-positive size raises ValueError."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"size {text!r}: expected a number with an optional unit, e.g. 80G, 80GB or 80GiB")
+    try:
+        value = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    except ValueError:
+        raise ValueError(f"size {text!r}: {m.group(1)!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"size {text!r}: must be positive")
+    return int(value)
+
+
+def byte_size(minimum: int = 1):
+    """argparse type: a byte size (`parse_bytes`: G = 1e9, GiB = 2**30) of at least `minimum` bytes."""
+
+    def parse(text: str) -> int:
+        try:
+            value = parse_bytes(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is under {minimum:,} bytes")
+        return value
+
+    parse.__name__ = "byte size"
     return parse
 
 

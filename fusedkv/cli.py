@@ -51,7 +51,7 @@ def _from_module(module: str):
 COMMANDS = (
     "fusedkv.commands.plans",
     "fusedkv.train.command",
-    "fusedkv.train.plan_command",
+    "fusedkv.train.memory_command",
     "fusedkv.commands.generate",
     "fusedkv.commands.chat",
     "fusedkv.commands.convert",

@@ -305,7 +305,7 @@ class FusedKVConfig(PreTrainedConfig):
             for layer in plan.layers:
                 if not layer.stores:
                     need(
-                        layer.k_fusion == layer.v_fusion == "channel" and len(layer.k_sources) == 2
+                        layer.channel_weighted and len(layer.k_sources) == 2
                         and len(layer.v_sources) == 2,
                         f"fusion_init='iterative' needs two-source channel fusion in every reconstruction layer; "
                         f"layer {layer.index + 1} is not (use kv_sharing='fusedkv')",

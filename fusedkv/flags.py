@@ -5,6 +5,9 @@
   alias.
 * `--kv-bits`, `--kv-group`, `--kv-residual`: the KIVI cache (`fusedkv.quant`), with the library's defaults
   (`kv_group` resolves a group left unset against the model's head dimension).
+* `--device` (cpu, cuda, cuda:N or auto; whether it exists is `fusedkv.errors.check_device`'s, when the command
+  runs), `--dtype` (`DTYPES`, a command narrowing or extending them), `--seed` (`argtypes.seed`) and
+  `--fusion-init` (`fusedkv.config.FUSION_INITS`): one definition each, the default and help per command.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from . import argtypes
+from .config import FUSION_INITS
 from .plan import CUSTOM, GQA, PLAN_CHOICES, resolve_plan_choice
 from .quant import DEFAULT_GROUP_SIZE, DEFAULT_RESIDUAL_LENGTH, default_group_size
 
@@ -59,3 +63,41 @@ def add_kivi_flags(parser, bits_help: str, many_bits: bool = False) -> None:
 def kv_group(args, head_dim: int) -> int:
     """The KIVI group size the flags ask for: --kv-group, or the default that fits `head_dim`."""
     return default_group_size(head_dim, args.kv_residual) if args.kv_group is None else args.kv_group
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_WORDS = ("auto", "cpu", "cuda")
+
+
+def device(text: str, indexed: bool = True) -> str:
+    """argparse type: auto, cpu, cuda or (with `indexed`) cuda:N, as typed."""
+    name, _, index = str(text).strip().partition(":")
+    if name not in DEVICE_WORDS or (index and not (indexed and name == "cuda" and index.isdigit())):
+        raise argparse.ArgumentTypeError(f"device {text!r}: use {', '.join(DEVICE_WORDS)}"
+                                         f"{' or cuda:N' if indexed else ''}")
+    return str(text).strip()
+
+
+def add_device_flag(parser, default: str | None = "cpu", indexed: bool = True, help: str = "") -> None:
+    """`--device`. `indexed=False` for commands that pick the GPU themselves (under torchrun, by local rank)."""
+    kind = device if indexed else (lambda text: device(text, indexed=False))
+    words = f"{', '.join(DEVICE_WORDS)}{' or cuda:N' if indexed else ''}; auto = cuda if one is visible"
+    parser.add_argument("--device", type=kind, default=default, metavar="DEVICE",
+                        help=f"{help}{'; ' if help else ''}{words} (default {default or 'auto'})")
+
+
+def add_dtype_flag(parser, default: str, choices: tuple[str, ...] = DTYPES, help: str = "") -> None:
+    """`--dtype`, one of `choices` (`DTYPES` unless a command narrows or extends them)."""
+    parser.add_argument("--dtype", default=default, choices=choices, help=f"{help}{'; ' if help else ''}"
+                        f"default {default}")
+
+
+def add_seed_flag(parser, default: int | None = 0, help: str = "seed") -> None:
+    """`--seed`, an integer in [0, 2**32)."""
+    parser.add_argument("--seed", type=argtypes.seed, default=default,
+                        help=f"{help} (default {0 if default is None else default})")
+
+
+def add_fusion_init_flag(parser, default: str = "equivalent", help: str = "initial fusion weights") -> None:
+    """`--fusion-init`, one of the config's `FUSION_INITS`."""
+    parser.add_argument("--fusion-init", default=default, choices=FUSION_INITS, help=f"{help} (default {default})")

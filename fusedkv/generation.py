@@ -4,8 +4,9 @@
 a preallocated `StaticKVCache` for the storage layers, prefill that asks only for the last position
 (so reconstruction layers skip the rest of the prompt), and one forward per new token with nothing
 else in the way; on CPU, where it covers the model, that forward is one native call through every
-layer (`fusedkv.engine.native_step`). How the model runs (each layer's attention implementation, the
-native step) is decided once, before prefill, by `fusedkv.engine.select_runtime`, and given back after.
+layer (`fusedkv.engine.native_step`). How the model runs (the weight layout, the native step, each layer's
+attention implementation, the product kernels) is decided once, before prefill, by
+`fusedkv.engine.select_runtime`; this loop only applies the `Runtime` it returns, and gives it back after.
 It records time-to-first-token and every decode step, which `fusedkv bench` reports, and it is the loop
 `fusedkv generate` samples with and `fusedkv chat` streams from (`on_token`; a `cache` that already holds
 the conversation so far, so a new turn prefills only its new tokens).
@@ -23,14 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache, kv_cache_nbytes
-from .engine.native_step import MAX_ROWS as STEP_MAX_ROWS
-from .engine.packing import LAYOUTS, decode_layout_for, set_decode_layout
-from .engine.selection import select_runtime
+from .engine.selection import WEIGHT_LAYOUTS, select_runtime
 from .errors import RunError
-from .kernels import native
 from .model.attention import first_real_key
-
-WEIGHT_LAYOUTS = ("keep", "auto", *LAYOUTS)
 
 
 @dataclass
@@ -105,11 +101,6 @@ def left_align(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[t
     return ids, real.to(attention_mask.dtype)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_k: int | None = None, static_cache: bool = True,
@@ -124,7 +115,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     docstring); the result keeps `input_ids` as given and appends the new tokens after them.
 
     `weight_layout`: "keep" (default) runs the model as the caller laid it out. "auto" first puts the
-    weights in the layout this batch decodes fastest with (`fusedkv.engine.packing.set_decode_layout`:
+    weights in the layout this batch decodes fastest with (`fusedkv.engine.select_runtime` decides:
     packed for one-GEMV steps at small batch, row-major above; packed up to the native step's 16 rows where
     that step runs), and "packed" / "row-major" force one;
     these re-lay out the caller's model in place and leave it so (same values, names and outputs; a
@@ -139,8 +130,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
     left holding every token but the last one sampled (no padding mask with it).
     `on_token(token)` is called with each new [B, 1] token as soon as it is sampled (streaming).
     `repetition_penalty` > 1 lowers the logits of tokens already in the row (`penalize_repeats`).
-    Each attention layer runs the implementation `fusedkv.engine.select_runtime` picks for this model and
-    cache, for this call only."""
+    Everything else (each attention layer's implementation, the product kernels) is what
+    `fusedkv.engine.select_runtime` picks for this model, cache and batch, for this call only."""
     batch, prompt_len = input_ids.shape
     device = input_ids.device
     total = prompt_len + max_new_tokens
@@ -151,13 +142,6 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
         )
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={weight_layout!r}: choose one of {WEIGHT_LAYOUTS}")
-    # "auto": the layout the modules decode this batch fastest with, or the packed one the native step reads
-    # wherever it may run (up to its MAX_ROWS; measured faster than the modules at batch 16 too); should the
-    # step then decline the model, the modules' layout after all (below).
-    for_step = (weight_layout == "auto" and native_step and device.type == "cpu" and native.available()
-                and batch <= STEP_MAX_ROWS and decode_layout_for(batch) != "packed")
-    if weight_layout != "keep":
-        set_decode_layout(model, "packed" if for_step else batch if weight_layout == "auto" else weight_layout)
     dtype = next(model.parameters()).dtype
     past = 0
     if cache is not None:  # a conversation's cache: its tokens are the prompt's first `past`
@@ -198,17 +182,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
             on_token(token)
         return token
 
-    with select_runtime(model, cache=cache, batch=batch, native_step=native_step) as runtime:
-        if for_step and runtime.native_step is None:
-            set_decode_layout(model, batch)
-        _sync(device)
+    with select_runtime(model, cache=cache, batch=batch, native_step=native_step,
+                        weight_layout=weight_layout) as runtime:
+        runtime.sync()
         start = time.perf_counter()
         out = model(prompt_ids[:, past:], attention_mask=None if mask is None else mask[:, :prompt_len], cache=cache,
                     use_cache=True, logits_to_keep=1)
         cache = out.cache
         _check_finite(out.logits)  # before sampling, which would fail on them without saying why
         token = pick(out.logits[:, -1])
-        _sync(device)
+        runtime.sync()
         ttft = time.perf_counter() - start
 
         step = runtime.native_step
@@ -231,7 +214,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask
                 logits = model(token, attention_mask=None if mask is None else mask[:, : pos + 1], cache=cache,
                                use_cache=True).logits
             token = pick(logits[:, -1])
-            _sync(device)
+            runtime.sync()
             steps.append(time.perf_counter() - t0)
             tokens.append(token)
         return GenerationResult(torch.cat([input_ids, *tokens], dim=1), ttft, steps, kv_cache_nbytes(cache),

@@ -29,7 +29,8 @@ ATTENTION_TYPES = (FULL, SLIDING)
 #   "reuse"   one source, taken as it is (YOCO, Lite, CLA)
 #   "channel" learned per-(kv head, channel) vectors, one per source (FusedKV, eq. 4-5)
 #   "scalar"  one learned scalar per source (the paper's dense-fusion exploration, Fig. 2)
-FUSION_MODES = ("reuse", "channel", "scalar")
+REUSE, CHANNEL, SCALAR = "reuse", "channel", "scalar"
+FUSION_MODES = (REUSE, CHANNEL, SCALAR)
 
 # The KV-sharing plans: which layers store K/V and where the others read it. How many KV heads a
 # layer has is a separate, orthogonal setting (`num_key_value_heads`): GQA is `vanilla` with fewer KV
@@ -119,8 +120,8 @@ class LayerKV:
     attention_type: str
     k_sources: tuple[int, ...]
     v_sources: tuple[int, ...]
-    k_fusion: str = "reuse"
-    v_fusion: str = "reuse"
+    k_fusion: str = REUSE
+    v_fusion: str = REUSE
 
     @property
     def stores(self) -> bool:
@@ -130,6 +131,29 @@ class LayerKV:
     def sources(self) -> tuple[int, ...]:
         """Every storage layer this layer reads, in first-use order."""
         return tuple(dict.fromkeys(self.k_sources + self.v_sources))
+
+    # The fusion modes as properties: nothing outside this module compares the mode names.
+    @property
+    def weighted(self) -> bool:
+        """Either side carries learned fusion weights (not plain reuse)."""
+        return self.k_fusion != REUSE or self.v_fusion != REUSE
+
+    @property
+    def scalar_weighted(self) -> bool:
+        """Either side weighs its sources by one scalar each (fusedkv-dense), not per channel."""
+        return SCALAR in (self.k_fusion, self.v_fusion)
+
+    @property
+    def channel_weighted(self) -> bool:
+        """Both sides weigh their sources per (kv head, channel) (FusedKV, eq. 4-5)."""
+        return self.k_fusion == self.v_fusion == CHANNEL
+
+    def weight_shape(self, side: str, num_kv_heads: int, width: int) -> tuple[int, ...] | None:
+        """The shape of side "k" or "v"'s fusion weights (None: a reused side has none)."""
+        mode, count = (self.k_fusion, len(self.k_sources)) if side == "k" else (self.v_fusion, len(self.v_sources))
+        if mode == REUSE:
+            return None
+        return (count, num_kv_heads, width) if mode == CHANNEL else (count,)
 
 
 @dataclass(frozen=True)
@@ -148,7 +172,7 @@ class KVSharingPlan:
                     )
                 if not srcs:
                     raise ValueError(f"layer {layer.index + 1}: no {side} source")
-                if mode == "reuse" and len(srcs) != 1:
+                if mode == REUSE and len(srcs) != 1:
                     raise ValueError(
                         f"layer {layer.index + 1}: {side} reads {len(srcs)} sources without fusion; "
                         "set the fusion mode to 'channel' or 'scalar' to combine several sources"
@@ -235,10 +259,10 @@ class KVSharingPlan:
 
 def _side_text(side: str, sources: tuple[int, ...], mode: str) -> str:
     terms = [f"{side}^{s + 1}" for s in sources]
-    if mode == "reuse":
+    if mode == REUSE:
         return f"{side} = {terms[0]}"
     weight = "a" if side == "K" else "b"
-    op = "(.)" if mode == "channel" else "*"
+    op = "(.)" if mode == CHANNEL else "*"
     return f"{side} = " + " + ".join(f"{weight}{s + 1}{op}{t}" for s, t in zip(sources, terms))
 
 
@@ -326,9 +350,9 @@ def build_plan(
             layers.append(LayerKV(i, t, (middle,), (first,)))
         elif name == "fusedkv":
             srcs = (first, middle) if first != middle else (first,)
-            layers.append(LayerKV(i, t, srcs, srcs, "channel", "channel"))
+            layers.append(LayerKV(i, t, srcs, srcs, CHANNEL, CHANNEL))
         else:  # fusedkv-dense
-            layers.append(LayerKV(i, t, tuple(lower), tuple(lower), "scalar", "scalar"))
+            layers.append(LayerKV(i, t, tuple(lower), tuple(lower), SCALAR, SCALAR))
     return KVSharingPlan(name, tuple(layers))
 
 
@@ -352,8 +376,8 @@ def custom_plan(num_layers: int, source_map: Sequence[dict], layer_types: Sequen
             )
         for i in _layer_range(entry["layers"], num_layers, entry_no):
             k, v = _as_tuple(entry["k"]), _as_tuple(entry["v"])
-            kf = entry.get("k_fusion", "channel" if len(k) > 1 else "reuse")
-            vf = entry.get("v_fusion", "channel" if len(v) > 1 else "reuse")
+            kf = entry.get("k_fusion", CHANNEL if len(k) > 1 else REUSE)
+            vf = entry.get("v_fusion", CHANNEL if len(v) > 1 else REUSE)
             for s in k + v:
                 if not 1 <= s <= num_layers:
                     raise ValueError(f"kv_source_map entry {entry_no}: source layer {s} is outside 1..{num_layers}")

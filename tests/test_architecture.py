@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fusedkv.plan import CUSTOM, GQA, PLAN_CHOICES, PLAN_NAMES
+from fusedkv.plan import CUSTOM, FUSION_MODES, GQA, PLAN_CHOICES, PLAN_NAMES
+from tests._runtime_choices import per_call_choices
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fusedkv"
@@ -52,6 +53,30 @@ def test_the_check_finds_a_plan_literal(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text('if plan == "gqa":\n    kv = heads // 2\n')
     assert _plan_literals(bad) == [(1, "gqa")]
+
+
+# Fusion modes are properties of `LayerKV` (`weighted`, `scalar_weighted`, `channel_weighted`, `weight_shape`):
+# nothing outside the plan module compares their names. Known exceptions, each with its reason:
+FUSION_MODE_EXCEPTIONS = {
+    ("fusedkv/quant/kivi.py", "channel"),  # KIVI's quantisation axis (per channel), another concept
+    ("fusedkv/serving/vllm_model.py", "reuse"),  # serving: issue 40.2, helper serving (use `not layer.weighted`)
+    ("fusedkv/serving/preflight.py", "reuse"),  # serving: issue 40.2, helper serving (use `not layer.weighted`)
+    ("fusedkv/train/memory_counts.py", "reuse"),  # helper reliab's file this session (lead: `layer.weight_shape`)
+}
+
+
+def test_fusion_modes_are_asked_of_the_plan():
+    modes = set(FUSION_MODES)
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "fusedkv/plan.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            if (isinstance(node, ast.Constant) and node.value in modes
+                    and (rel, node.value) not in FUSION_MODE_EXCEPTIONS):
+                offenders.append(f"{rel}:{node.lineno}: {node.value!r}")
+    assert not offenders, "fusion-mode names outside fusedkv/plan.py (ask the LayerKV):\n" + "\n".join(offenders)
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
@@ -149,51 +174,110 @@ def test_import_layers_hold():
     assert "0 broken" in r.stdout
 
 
-# ---- one place selects how attention runs: `fusedkv.engine.selection` ----------------------------------
-SELECTION_MODULE = "fusedkv/engine/selection.py"
-# What choosing an attention implementation looks like: the facts and predicates it is decided from, and
-# building the implementations it installs (`layer.use(None)`, back to the model's own, is no choice).
-SELECTORS = {"triton_decode_fits", "triton_runs_on", "supports", "paged_supports", "LayerFacts", "Materialized",
-             "Factored", "NativeOneToken", "TritonOneToken", "AbsorbedMLA"}
-# Known exceptions, each with its reason.
-SELECTION_EXCEPTIONS = {
-    # The native step checks, once when it is built, that it covers the model (raising otherwise).
-    ("fusedkv/engine/native_step.py", "supports"),
+# ---- one place chooses how the model runs: `fusedkv.engine.selection` ------------------------------------
+# The rule, checked by what code does rather than by a list of names: outside the selection module, no code
+# that runs per forward or per decode step branches on a fact of the machine: the device (`.device`,
+# `is_cuda`, a `device` variable), a fixed dtype (`.dtype` against `torch.float32` ...), the availability of a
+# kernel or backend (`native.available()`, `torch.cuda.is_available()`, `triton_runs_on`, `*_available()` ...)
+# or a backend's class name (`type(x).__name__`, `__mro__`, "...Backend" / "...Impl" strings). A branch is an
+# `if` / `while` / conditional expression / `and`-`or` whose test reads such a fact; an `if` whose body only
+# raises is a check, not a choice. Code that runs per forward or step: every `forward` and `__call__` method in
+# the package, `generate`'s loop, and every function they call that resolves statically (same module, imports,
+# `self.` methods, base classes, and `x.name()` where one class of the package defines `name`), transitively.
+# Choices made once outside that code (loading, layout, CLI device resolution) are not per call.
+# The mechanism: tests/_runtime_choices.py. On the tree before issue 40 (commit 96879d2) it reports
+# attention.py's fused QK-norm+RoPE test, moe.py's grouped-GEMM test, precision.py's bf16 GEMV test, packing.py's
+# layout rule and generate's layout guess and device sync.
+# Known per-call branches on a fact, each with its reason (file, function).
+ALLOWED_BRANCHES = {
+    # A kernel's own precondition: it declines (returns None) what it cannot take and its caller then runs the
+    # plain product. The caller was laid out for it by the selection (`ProductRule.native`); the decline
+    # remains for autograd and dtypes a caller may pass. (issue 40: a per-call decline, not yet a decision)
+    ("fusedkv/kernels/cpu_gemv.py", "linear"),
+    ("fusedkv/kernels/cpu_gemv.py", "linear_blocks"),
+    # The model's RMSNorm computes in f32 for 16-bit inputs (the arithmetic of the model, not a choice of
+    # kernel: transformers' Llama/Qwen3 RMSNorm does the same).
+    ("fusedkv/model/layers.py", "RMSNorm.forward"),
+    # The native GEMV's precondition, checked on every product: it declines (0 rows) what it cannot take.
+    ("fusedkv/kernels/cpu_gemv.py", "_rows"),
+    # The Triton decode kernel's arithmetic per input dtype (exact f32 products; the interpreter's bf16 dot is
+    # wrong, so it upcasts): how the one kernel computes, not a choice between kernels.
+    ("fusedkv/kernels/triton_decode.py", "decode_step"),
+    # The launch heuristic's processor count, cached per device (lru_cache: read once).
+    ("fusedkv/kernels/triton_decode_blocks.py", "_num_sms"),
+    # int4 GEMM weights: the f32 buffer is cast once more only for another GEMM dtype (storage, not a kernel).
+    ("fusedkv/engine/precision.py", "_int4_gemm_weight"),
 }
 
 
-def _selections(path: Path) -> list[tuple[int, str]]:
-    """Calls that choose an attention implementation, function-local ones included: (line, name)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-        if name in SELECTORS:
-            found.append((node.lineno, name))
-    return found
+def test_how_the_model_runs_is_chosen_in_one_place():
+    found = per_call_choices()
+    offenders = [f"{rel}:{line}: {qualname} branches on the {fact}" for rel, qualname, line, fact in found
+                 if (rel, qualname) not in ALLOWED_BRANCHES]
+    assert not offenders, ("code that runs per forward or step chooses how to run (decide once, in "
+                           "fusedkv/engine/selection.py's select_runtime, and hand the model its choice through "
+                           "a seam):\n" + "\n".join(offenders))
+    stale = ALLOWED_BRANCHES - {(rel, qualname) for rel, qualname, _, _ in found}
+    assert not stale, f"allowed branches that no longer exist (drop them from ALLOWED_BRANCHES): {sorted(stale)}"
 
 
-def test_attention_implementations_are_selected_in_one_place():
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel == SELECTION_MODULE:
-            continue
-        offenders += [f"{rel}:{line}: {name}" for line, name in _selections(path)
-                      if (rel, name) not in SELECTION_EXCEPTIONS]
-    assert not offenders, ("attention implementations chosen outside fusedkv/engine/selection.py (decide once, "
-                           "in select_runtime):\n" + "\n".join(offenders))
-    assert _selections(ROOT / SELECTION_MODULE)  # the check looks at what the selection really calls
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    pkg = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", **files}.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    return pkg
 
 
-def test_the_check_finds_a_second_selection(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("def forward(self, q):\n"
-                   "    from fusedkv.kernels import triton_runs_on\n"
-                   "    if triton_runs_on(q.device, q.dtype):\n"
-                   "        self.attn.use(NativeOneToken(self.blocks))\n"
-                   "    self.attn.use(None)\n")
-    assert _selections(bad) == [(3, "triton_runs_on"), (4, "NativeOneToken")]
+def test_the_check_finds_a_planted_per_call_device_branch(tmp_path):
+    """A planted second chooser: a forward that picks a kernel by the device, through a helper in another
+    module; and the same branch in a function nothing calls per step is not reported."""
+    pkg = _package(tmp_path, {
+        "kernels.py": ("import torch\n\n"
+                       "def pick(x):\n"
+                       "    return fast(x) if x.device.type == 'cpu' else slow(x)\n\n"
+                       "def pick_later(x):\n"
+                       "    on_cpu = x.device.type == 'cpu'\n"
+                       "    if on_cpu:\n"
+                       "        return fast(x)\n"
+                       "    return slow(x)\n\n"
+                       "def load(model):\n"
+                       "    if next(model.parameters()).is_cuda:\n"
+                       "        model.half()\n"),
+        "layer.py": ("from torch import nn\n"
+                     "from . import kernels\n\n"
+                     "class Layer(nn.Module):\n"
+                     "    def forward(self, x):\n"
+                     "        return self._run(x)\n\n"
+                     "    def _run(self, x):\n"
+                     "        return kernels.pick(x) + kernels.pick_later(x)\n"),
+    })
+    assert per_call_choices(pkg, "pkg/selection.py") == [("pkg/kernels.py", "pick", 4, "device"),
+                                                          ("pkg/kernels.py", "pick_later", 8, "device")]
+
+
+def test_the_check_finds_dtype_availability_and_backend_branches_and_spares_checks(tmp_path):
+    pkg = _package(tmp_path, {
+        "step.py": ("import torch\n"
+                    "from .native import available\n\n"
+                    "class Step:\n"
+                    "    def __call__(self, x, impl):\n"
+                    "        if x.dtype != x.new_empty(0).dtype:\n"  # two tensors' dtypes: a cast, no fact
+                    "            x = x.float()\n"
+                    "        if x.dtype is not torch.float32:\n"  # a check that refuses: no choice
+                    "            raise ValueError('f32 only')\n"
+                    "        use = available() and x.shape[0] < 16\n"
+                    "        y = self.native(x) if use else x\n"
+                    "        while 'FlashAttentionImpl' in type(impl).__name__:\n"
+                    "            break\n"
+                    "        return y if y.dtype == torch.bfloat16 else y\n"),
+        "native.py": "def available():\n    return True\n",
+        "selection.py": ("def choose(x):\n"
+                         "    return 'cuda' if x.device.type == 'cuda' else 'cpu'\n"
+                         "class Chooser:\n"
+                         "    def __call__(self, x):\n"
+                         "        return choose(x)\n"),
+    })
+    assert per_call_choices(pkg, "pkg/selection.py") == [
+        ("pkg/step.py", "Step.__call__", 10, "available()"), ("pkg/step.py", "Step.__call__", 11, "available()"),
+        ("pkg/step.py", "Step.__call__", 12, "backend name"), ("pkg/step.py", "Step.__call__", 14, "dtype")]

@@ -18,7 +18,7 @@ def dense_coefficients(model) -> tuple[torch.Tensor, torch.Tensor, list[int], li
     """(K matrix, V matrix, target layers, source layers), 1-based layer numbers, NaN where a target
     does not read a source."""
     plan = model.plan
-    targets = [layer for layer in plan.layers if not layer.stores and layer.k_fusion == "scalar"]
+    targets = [layer for layer in plan.layers if not layer.stores and layer.scalar_weighted]
     if not targets:
         raise ValueError("this model has no scalar-fusion layers; train one with --plan fusedkv-dense")
     sources = sorted({s for layer in targets for s in layer.k_sources + layer.v_sources})

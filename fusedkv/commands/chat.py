@@ -15,6 +15,7 @@ import torch
 from .. import argtypes
 from ..chat import ChatSession, check_chat_template, sampling_settings, stop_ids
 from ..engine.precision import apply_precision
+from ..flags import DTYPES, add_device_flag, add_dtype_flag, add_seed_flag
 from .generate import add_sampling_flags, load_checkpoint
 
 COMMANDS = "/reset clears the history, /exit or Ctrl-D ends, Ctrl-C stops an answer"
@@ -30,10 +31,9 @@ def register(sub) -> None:
     add_sampling_flags(p, "default: the checkpoint's generation_config.json, else 0.7", "default 50",
                        "default: generation_config.json's, else 0.9",
                        "per answer; default: generation_config.json's, else 512")
-    p.add_argument("--seed", type=argtypes.seed, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "half"],
-                   help="weights and KV cache (default float32; as in fusedkv generate)")
+    add_seed_flag(p, 0, help="sampling seed")
+    add_device_flag(p, "cpu")
+    add_dtype_flag(p, "float32", (*DTYPES, "half"), help="weights and KV cache (as in fusedkv generate)")
     p.add_argument("--weights", default=None, choices=["float32", "bfloat16", "float16", "half", "int8", "int4"],
                    help="weight storage instead of --dtype's (CPU, weight-only; as in fusedkv generate)")
     p.add_argument("--stats", action="store_true",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .. import argtypes
 from ..convert import FAMILIES, convert_checkpoint
-from ..flags import add_plan_flag
+from ..flags import add_fusion_init_flag, add_plan_flag
 from ..plan import VANILLA
 
 
@@ -26,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("dst", type=argtypes.output_dir, help="output directory (new or empty)")
     add_plan_flag(p, default=VANILLA, help="the plan of the converted model (default vanilla; +W / +WF for "
                   "models with sliding-window layers)")
-    p.add_argument("--fusion-init", default="equivalent", choices=["equivalent", "normal", "iterative"])
+    add_fusion_init_flag(p)
     p.add_argument("--overwrite", action="store_true", help="replace DST if it already holds files")
     p.set_defaults(func=run)
 

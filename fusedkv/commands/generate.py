@@ -15,7 +15,7 @@ from ..cache import StaticKVCache
 from ..chat import check_chat_template, sampling_settings, stop_ids
 from ..engine.precision import apply_precision
 from ..errors import UsageError
-from ..flags import add_kivi_flags, kv_group
+from ..flags import DTYPES, add_device_flag, add_dtype_flag, add_kivi_flags, add_seed_flag, kv_group
 from ..generation import generate
 from ..model import FusedKVForCausalLM
 from ..quant import check_kivi_settings, kivi_cache_factory
@@ -38,12 +38,12 @@ def register(sub) -> None:
                        "default: 100, with --chat 512 or generation_config.json's, or what the context leaves "
                        "after the prompt if that is less")
     p.add_argument("--num-samples", type=argtypes.int_range(1, 4096), default=1, help="samples (default 1)")
-    p.add_argument("--seed", type=argtypes.seed, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    precisions = ["float32", "bfloat16", "float16", "half"]
-    p.add_argument("--dtype", default="float32", choices=precisions,
-                   help="weights and KV cache (default float32); half = bfloat16 where the processor has bf16 "
-                   "arithmetic, else float16. On CPU activations stay float32 (fusedkv.engine.precision)")
+    add_seed_flag(p, 0, help="sampling seed")
+    add_device_flag(p, "cpu")
+    precisions = [*DTYPES, "half"]
+    add_dtype_flag(p, "float32", tuple(precisions),
+                   help="weights and KV cache; half = bfloat16 where the processor has bf16 arithmetic, else "
+                   "float16. On CPU activations stay float32 (fusedkv.engine.precision)")
     p.add_argument("--weights", default=None, choices=[*precisions, "int8", "int4"],
                    help="weight storage instead of --dtype's (CPU, weight-only): int8 = one scale per output channel, "
                    "int4 = one f16 scale per 32 weights (Q4_0's format, least-squares scales) with the LM head at "

@@ -33,17 +33,44 @@ layer (`storage_kv`). Triton reads the cache's dtype itself. Elsewhere attention
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..kernels import cpu_attention, triton_decode_step
+from ..kernels import cpu_attention, triton_decode_fits, triton_decode_step
 from ..kernels.reference import factored
-from ..model.attention import SHORT_QUERY, ReferenceAttention
+from ..model.attention import SHORT_QUERY, Attention, ReferenceAttention
 from ..model.fusion import KVSources
 from ..model.mla import ExpandedAttention
 
 # Query blocks up to this length take the factored / absorbed form (measured by
 # `benchmarks/attention_paths_cpu.py`; figures in docs/results.md).
 FACTORED_MAX_QUERY = SHORT_QUERY
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """What decides an attention layer's implementation, fixed by the plan and the shapes (read by
+    `fusedkv.engine.selection` and by the native step's coverage check, `native_step.unsupported`)."""
+
+    weighted: bool  # carries fusion weights: the factored form pays off only then
+    triton_fits: bool  # the Triton decode kernel takes its sources
+    native_fits: bool  # the native CPU kernel takes its sources
+
+    @classmethod
+    def of(cls, attn: Attention, plan) -> LayerFacts:
+        kv = attn.layer
+        if kv.stores:
+            k_count = v_count = 1
+            mixed = False
+        else:
+            k_count, v_count = len(kv.k_sources), len(kv.v_sources)
+            # The kernels read every source of a side with one stride: sources from one kind of cache.
+            mixed = len({plan.layers[i].attention_type for i in kv.sources}) > 1
+        return cls(kv.weighted,
+                   not kv.scalar_weighted and triton_decode_fits(attn.head_dim, k_count, v_count),
+                   not kv.scalar_weighted and not mixed and cpu_attention.fits(
+                       attn.head_dim, attn.num_heads, attn.num_kv_heads, k_count, v_count))
 
 
 def _causal_mask(t: int, s: int, device) -> torch.Tensor:
@@ -98,7 +125,7 @@ class NativeOneToken:
     def __call__(self, q, sources: KVSources, mask, causal: bool, kv_start) -> torch.Tensor:
         if q.shape[2] != 1:
             return self.blocks(q, sources, mask, causal, kv_start)
-        return cpu_attention.decode_attention(q, sources.keys, sources.key_weights, sources.values,
+        return cpu_attention.one_token_attention(q, sources.keys, sources.key_weights, sources.values,
                                               sources.value_weights, kv_start(), self.scale)
 
 

@@ -22,19 +22,19 @@ with `assign=True` or FSDP replace parameter storage, and the modules then silen
 separate products (`PackedLinears.active`). `unpack_weights(model)` restores contiguous row-major
 weights and plain `nn.Linear`s.
 
-One rule decides the layout, `packed_product_wins(rows)`: at batch x tokens <= `PACKED_MAX_ROWS` the
-single GEMV wins; with more rows MKL's small-M GEMM prefers the separate row-major matrices (the same
-benchmark). A packed group applies it per call, by the number of rows (a prefill block never uses the
-packed buffer), and
-`set_decode_layout(model, batch)` applies it to a whole model for a decode batch. Nothing re-lays out
-a model on its own: `fusedkv.generation.generate` does it only when asked (`weight_layout="auto"`).
+This module lays weights out; it chooses nothing. The rule it applies, a `ProductRule`, is chosen once by
+`fusedkv.engine.selection` (`product_rule`, `set_decode_layout`): at batch x tokens <= `max_rows` the single
+GEMV wins; with more rows MKL's small-M GEMM prefers the separate row-major matrices (the same
+benchmark), so `PORTABLE` packs up to `PACKED_MAX_ROWS` rows. A packed group applies its rule per call, by
+the number of rows only (a prefill block never uses the packed buffer). Nothing re-lays out a model on its
+own: `fusedkv.engine.select_runtime` does it only when asked (`generate(weight_layout="auto")`).
 
 Where the native CPU kernel is built (`fusedkv.kernels.cpu_gemv`, f32), every product of a
 decode-layout weight up to its `MAX_ROWS` rows runs through it instead of MKL: it streams the
-column-major weight faster and splits it across cores, so the layout then wins up to that many rows,
-and the down projection is stored column-major too. Packing makes each single projection a
-`DecodeLinear` (an `nn.Linear` over the same parameters whose forward hands such products to that
-kernel); the model itself is built from plain `nn.Linear`s, so training never consults the kernel.
+column-major weight faster and splits it across cores, so the selection's rule then packs up to that many
+rows and stores the down projection column-major too (`ProductRule.native`). Packing by that rule makes
+each single projection a `DecodeLinear` (an `nn.Linear` over the same parameters whose forward hands such
+products to that kernel); the model itself is built from plain `nn.Linear`s, so training never consults the kernel.
 
 The way into the model is its documented seam: the projection modules by name, and one slot per group
 where an engine object computes the group in one product (`Attention.packed_qkv`, `SwiGLU.packed_gate_up`;
@@ -44,11 +44,13 @@ where an engine object computes the group in one product (`Attention.packed_qkv`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_gemv, native
+from ..kernels import cpu_gemv
 from ..model.attention import Attention
 from ..model.layers import SwiGLU
 from ..model.mla import MLA
@@ -58,16 +60,17 @@ PACKED_MAX_ROWS = 2
 LAYOUTS = ("packed", "row-major")
 
 
-def packed_product_wins(rows: int) -> bool:
-    """The one layout rule: one packed GEMV beats separate products for up to PACKED_MAX_ROWS rows (up to
-    the native kernel's MAX_ROWS where it is built)."""
-    return rows <= (cpu_gemv.MAX_ROWS if native.available() else PACKED_MAX_ROWS)
+@dataclass(frozen=True)
+class ProductRule:
+    """How decode-layout products run, as `fusedkv.engine.selection.product_rule` chose it: one packed GEMV for
+    up to `max_rows` rows; `native`: the native GEMV takes them (`DecodeLinear`), and the tall down projection,
+    MoE experts and MLA's projections join the column-major layout (MKL streams them faster row-major)."""
+
+    max_rows: int
+    native: bool
 
 
-def column_major_down() -> bool:
-    """Whether the tall down projection joins the column-major layout: only for the native kernel (MKL
-    streams it faster row-major)."""
-    return native.available()
+PORTABLE = ProductRule(PACKED_MAX_ROWS, False)  # MKL's products (no native kernel)
 
 
 def projection_groups(module: nn.Module) -> list[tuple[tuple[str, ...], str | None]]:
@@ -107,8 +110,9 @@ class PackedLinears:
     """Several `nn.Linear`s with the same input, stored as one column-major [sum(out), in] buffer whose
     row slices are the modules' weights."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], rule: ProductRule = PORTABLE):
         first = linears[0].weight
+        self.max_rows, self.native = rule.max_rows, rule.native  # the selection's `ProductRule`
         if any(m.in_features != linears[0].in_features for m in linears):
             raise ValueError("packed projections must share their input size")
         self.linears = linears
@@ -147,10 +151,10 @@ class PackedLinears:
         """Each projection of `x`: as one packed GEMV for a few rows (the inherent decode / block split),
         else one by one. The packed buffer is not a parameter, so autograd must go through the modules;
         and under torch.compile the storage check cannot be traced (the compiler fuses on its own there)."""
-        if (not packed_product_wins(x.numel() // x.shape[-1]) or torch.is_grad_enabled()
+        if (x.numel() // x.shape[-1] > self.max_rows or torch.is_grad_enabled()
                 or torch.compiler.is_compiling() or not self.active()):
             return tuple(m(x) for m in self.linears)
-        y = cpu_gemv.linear(x, self.weight, self.bias)
+        y = cpu_gemv.linear(x, self.weight, self.bias) if self.native else None
         return (F.linear(x, self.weight, self.bias) if y is None else y).split(self.sizes, dim=-1)
 
 
@@ -160,10 +164,10 @@ def to_column_major(linear: nn.Linear) -> None:
         linear.weight.data = linear.weight.data.t().contiguous().t()
 
 
-def pack_for_decode(model: nn.Module) -> nn.Module:
-    """Re-lay out `model`'s projections for fast decoding (see the module docstring). Idempotent;
-    values and outputs are unchanged. Projections another engine layout owns (reduced precision) are
-    left as they are. Returns the model."""
+def pack_for_decode(model: nn.Module, rule: ProductRule) -> nn.Module:
+    """Re-lay out `model`'s projections for fast decoding by `rule` (see the module docstring; the rule is
+    `fusedkv.engine.selection.product_rule()`'s). Idempotent; values and outputs are unchanged. Projections
+    another engine layout owns (reduced precision) are left as they are. Returns the model."""
     for module in model.modules():
         for names, slot in projection_groups(module):
             linears = [getattr(module, name) for name in names]
@@ -171,21 +175,21 @@ def pack_for_decode(model: nn.Module) -> nn.Module:
                 continue  # not ours to re-lay out (`fusedkv.engine.precision`)
             if slot is not None:
                 if not _is_active(getattr(module, slot)):
-                    setattr(module, slot, PackedLinears(linears))
+                    setattr(module, slot, PackedLinears(linears, rule))
                 continue
-            if names != ("down_proj",) or column_major_down():
+            if names != ("down_proj",) or rule.native:
                 to_column_major(linears[0])
-            setattr(module, names[0], _rewrap(DecodeLinear, linears[0]))
-        if isinstance(module, Experts) and column_major_down():
+            setattr(module, names[0], _rewrap(DecodeLinear if rule.native else nn.Linear, linears[0]))
+        if isinstance(module, Experts) and rule.native:
             experts_column_major(module)
-        if isinstance(module, MLA) and column_major_down():  # for the native decode step's GEMVs
+        if isinstance(module, MLA) and rule.native:  # for the native decode step's GEMVs
             for name, linear in _mla_projections(module):
                 to_column_major(linear)
-                setattr(module, name, _rewrap(DecodeLinear, linear))
+                setattr(module, name, _rewrap(DecodeLinear, linear))  # rule.native: the native GEMV
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
         to_column_major(head)
-        model.set_output_embeddings(_rewrap(DecodeLinear, head))
+        model.set_output_embeddings(_rewrap(DecodeLinear if rule.native else nn.Linear, head))
     return model
 
 
@@ -257,19 +261,14 @@ def decode_products(module: nn.Module) -> dict[str, nn.Module] | None:
     return products
 
 
-def decode_layout_for(batch: int) -> str:
-    """The layout a decode batch of `batch` rows wants (one token per row per step)."""
-    return LAYOUTS[0] if packed_product_wins(batch) else LAYOUTS[1]
-
-
-def set_decode_layout(model: nn.Module, layout_or_batch: str | int) -> nn.Module:
-    """Put `model` in a decode layout: "packed", "row-major", or the one a batch size wants. In place
-    (values and names unchanged; a change of layout copies the weights once). Returns the model."""
-    layout = decode_layout_for(layout_or_batch) if isinstance(layout_or_batch, int) else layout_or_batch
+def lay_out(model: nn.Module, layout: str, rule: ProductRule) -> nn.Module:
+    """Put `model` in `layout` ("packed" by `rule`, or "row-major"), in place (values and names unchanged; a
+    change of layout copies the weights once). Which layout is `fusedkv.engine.selection.set_decode_layout`'s
+    choice. Returns the model."""
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout {layout!r}: choose one of {LAYOUTS} (or give a batch size)")
     if layout == LAYOUTS[0]:
-        return pack_for_decode(model)
+        return pack_for_decode(model, rule)
     if any(not p.is_contiguous() for p in model.parameters()):
         unpack_weights(model)
     return model

@@ -41,7 +41,6 @@ model is for inference: its reduced weights are buffers, not parameters.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
@@ -51,6 +50,14 @@ from torch import nn
 from ..kernels import cpu_gemv
 from ..utils import cpu_flags
 from .packing import projection_groups, unpack_weights
+from .quantize import (  # noqa: F401 (INT4_RULE, INT4_RULES: read here by callers of precision)
+    INT4_RULE,
+    INT4_RULES,
+    _dequantize_int4,
+    int8_activation_dtype,
+    quantize_int4,
+    quantize_int8,
+)
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,83 +85,6 @@ def weight_format(name: str) -> str:
     return fmt
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: W ~= q * scale[:, None], |q| <= 127. Returns (q, f32 scale)."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
-
-
-INT4_RULES = ("mse", "q4_0")
-INT4_RULE = "mse"  # the default rule of `quantize_int4` (benchmarks/cpu_decode.py --int4-rule compares the two)
-
-
-def quantize_int4(weight: torch.Tensor, group: int = cpu_gemv.GROUP, rule: str | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric group-wise int4 in llama.cpp's Q4_0 format: per group of `group` input channels one f16 scale d
-    and levels q in -8..7, W ~= d q. Returns (q int8 [out, in], f16 d [out, groups]). No zero point: trained
-    projection weights are centred on zero, and without one each group costs one multiply-add in the kernel and
-    4.5 bits per weight (Q4_0's size).
-
-    `rule` (default `INT4_RULE`) picks d. "q4_0" is llama.cpp's Q4_0 rule: the weight of largest magnitude m maps
-    to level -8 (d = -m / 8). "mse" (the default) tries 9 level grids around it (m maps to -(8 + 0.2 s), s =
-    -4..4, as llama.cpp's K-quants search theirs), takes for each the least-squares d of its levels, and keeps
-    the grid of least squared error: 12% less error than Q4_0's rule on trained weights, same bytes and
-    kernel. Either way d is rounded to f16 before the levels are chosen (q = round(w / d) clamped), so the
-    stored scale is the one used."""
-    rule = rule or INT4_RULE
-    if rule not in INT4_RULES:
-        raise ValueError(f"int4 rule {rule!r}: choose one of {', '.join(INT4_RULES)}")
-    w = weight.detach().float()
-    out_features, in_features = w.shape
-    groups = -(-in_features // group)
-    padded = torch.zeros(out_features, groups * group)
-    padded[:, :in_features] = w
-    g = padded.reshape(out_features, groups, group)
-    m = g.gather(2, g.abs().argmax(dim=2, keepdim=True))
-    scale = m.squeeze(2) / -8
-    if rule == "mse":
-        inverse = torch.where(m == 0, 0.0, -1.0 / m)
-        best = torch.full_like(scale, -1.0)
-        for s in range(-4, 5):
-            levels = torch.round(g * (inverse * (8 + 0.2 * s))).clamp_(-8, 7)
-            xl, ll = (g * levels).sum(2), (levels * levels).sum(2).clamp_(min=1e-30)
-            gain = xl * xl / ll  # the squared error of the least-squares d = xl / ll is sum(w^2) - gain
-            better = gain > best
-            best, scale = torch.where(better, gain, best), torch.where(better, xl / ll, scale)
-    scale = scale.half()
-    inverse = torch.where(scale == 0, 0.0, 1.0 / scale.float())
-    q = torch.round(g * inverse[..., None]).clamp_(-8, 7).to(torch.int8)
-    return q.reshape(out_features, -1)[:, :in_features].contiguous(), scale
-
-
-@functools.lru_cache(maxsize=1)
-def int8_activation_dtype() -> torch.dtype:
-    """The activation dtype `_weight_int8pack_mm` runs fastest with on this processor, measured once
-    on a decode-sized product (its speed differs several-fold between them, and by processor). The
-    fastest of interleaved rounds counts, so other jobs on a shared machine do not sway the choice."""
-    import time
-
-    w = torch.randint(-127, 128, (1024, 512), dtype=torch.int8)
-    args = {dt: (torch.randn(1, 512, dtype=dt), w, torch.rand(1024, dtype=dt))
-            for dt in (torch.bfloat16, torch.float16, torch.float32)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # per-core speed is what differs; a busy second core would only add noise
-    try:
-        for a in args.values():
-            torch.ops.aten._weight_int8pack_mm(*a)  # first calls allocate
-        best = dict.fromkeys(args, float("inf"))
-        for _ in range(9):
-            for dt, a in args.items():
-                t0 = time.perf_counter()
-                torch.ops.aten._weight_int8pack_mm(*a)
-                best[dt] = min(best[dt], time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return min(best, key=best.get)
-
-
 class ReducedLinear(nn.Module):
     """`y = x W^T + b` with W stored in 16 bits, int8 with per-output-channel scales, or int4 with f16 scales
     per output and group of 32 inputs (`quantize_int4`; the layout of `cpu_gemv.to_int4_blocks`, outputs
@@ -165,9 +95,9 @@ class ReducedLinear(nn.Module):
     shared buffer (`ReducedGroup`).
 
     Which kernel runs depends on the number of input rows (measured by `benchmarks/cpu_decode.py
-    --kernels`): up to `GEMV_MAX_ROWS[fmt]` the reduced-precision GEMV kernel; above it bf16 weights
-    run oneDNN's bf16 GEMM (native bf16 processors only) and the others are dequantised for the GEMM
-    of the activation dtype, so prefill is no slower than in f32."""
+    --kernels`): up to `GEMV_MAX_ROWS[fmt]` the reduced-precision GEMV kernel; above it, as the runtime
+    selected (`gemm_dtype`), bf16 weights run oneDNN's bf16 GEMM (native bf16 processors only) and the
+    others are dequantised for the GEMM of the activation dtype, so prefill is no slower than in f32."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str,
                  in_features: int | None = None, out_features: int | None = None):
@@ -185,9 +115,12 @@ class ReducedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.kernel_dtype = scale.dtype if fmt == "int8" else weight.dtype
         self.gemv_max_rows = cpu_gemv.BLOCK_MAX_ROWS if self.blocked else GEMV_MAX_ROWS[fmt]
-        # Many rows: bf16 and int8 (on a bf16 processor) run oneDNN's bf16 GEMM; others dequantise.
-        bf16_gemm = native_bf16() and (self.blocked or self.kernel_dtype == torch.bfloat16)
-        self.gemm_dtype = torch.bfloat16 if bf16_gemm else None
+        # The runtime's product kernels (`fusedkv.engine.selection.select_products` sets them, once): many rows
+        # run the GEMM in `gemm_dtype` (bf16 on a bf16 processor: oneDNN's bf16 GEMM) or, None, dequantised
+        # to the activation dtype; a bf16 GEMV of a row or two runs ATen's kernel with oneDNN off
+        # (`aten_bf16_gemv`). Unselected, the portable products.
+        self.gemm_dtype: torch.dtype | None = None
+        self.aten_bf16_gemv = False
 
     @classmethod
     def from_linears(cls, linears: list[nn.Linear], fmt: str, int4_rule: str | None = None) -> ReducedLinear:
@@ -276,7 +209,7 @@ class ReducedLinear(nn.Module):
         x = x.to(self.kernel_dtype)
         if self.fmt == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
-        if self.kernel_dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if not self.aten_bf16_gemv:
             return F.linear(x, self.weight)
         # bf16 at a row or two: ATen's vectorised GEMV, not oneDNN (slower there, faster above).
         enabled = torch._C._get_mkldnn_enabled()
@@ -346,11 +279,6 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     """`t` with zero rows appended up to a multiple of `multiple` (outputs padded to whole blocks)."""
     pad = -t.shape[0] % multiple
     return t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-
-
-def _dequantize_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W = scale (.) q in f32 (exact: an f16 scale times a level -8..7), [out, in] as q."""
-    return (q.reshape(q.shape[0], scale.shape[1], -1) * scale.float()[..., None]).reshape(q.shape)
 
 
 def _grouped(linears: list[nn.Linear], fmt: str, int4_rule: str | None

@@ -7,7 +7,7 @@ storage-layer caches.  Nothing here ever writes that fused K/V (paper Sec. 2.5: 
   query, value fusion onto the output.  CPU path and fallback.
 * :func:`materialized_attention`: the explicit reference (builds K, V, calls SDPA).  Tests only.
 * :func:`fused_decode_attention` (Triton, T_q = 1): flash-decoding kernel, 1-2 K and 1-2 V sources.
-* :func:`decode_attention`: one decode step with the backend the caller names ("torch" or "triton"), for
+* :func:`decode_attention`: one decode step with the kernel the caller names ("torch" or "triton"), for
   callers outside the model (tests, benchmarks). It chooses nothing: choosing is the engine's, once
   (`fusedkv.engine.selection`, from :func:`triton_decode_fits` and :func:`triton_runs_on`).
 * :func:`triton_decode_step`: the kernel launch alone, for the engine's attention implementations, which
@@ -108,7 +108,7 @@ def fused_decode_attention(*args, **kwargs) -> Tensor:
     :func:`fusedkv.kernels.triton_decode.fused_decode_attention`."""
     if not is_triton_available():
         raise RuntimeError("fused_decode_attention needs Triton (pip install 'fusedkv[triton]'); "
-                           "use factored_attention or decode_attention(backend='torch') instead")
+                           "use factored_attention or decode_attention(kernel='torch') instead")
     q = args[0] if args else kwargs.get("q")
     if isinstance(q, Tensor) and not triton_usable_for(q):
         raise RuntimeError(f"Triton cannot run on a {q.device.type} tensor here: use CUDA tensors, or set "
@@ -126,7 +126,7 @@ def decode_attention(
     v_weights: Tensor | Sequence[Tensor | None] | None,
     kv_start: Tensor | None = None,
     scale: float | None = None,
-    backend: str = "torch",
+    kernel: str = "torch",
     *,
     kv_end: Tensor | None = None,
     **triton_kwargs,
@@ -136,11 +136,11 @@ def decode_attention(
     ``q`` is ``[B, H_q, D]`` or ``[B, H_q, 1, D]``; the result has the same shape and q's dtype.
     ``kv_start[b]``: first valid key position (left padding); ``kv_end[b]``: one past the last valid.
 
-    backend: ``"torch"`` (:func:`factored_attention`) or ``"triton"`` (:func:`fused_decode_attention`; error
+    kernel: ``"torch"`` (:func:`factored_attention`) or ``"triton"`` (:func:`fused_decode_attention`; error
     if unavailable; on CPU it needs ``TRITON_INTERPRET=1``). Nothing is chosen here.
     """
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"kernel must be 'torch' or 'triton', got {kernel!r}")
     four_d = q.dim() == 4
     if four_d:
         if q.shape[2] != 1:
@@ -153,7 +153,7 @@ def decode_attention(
 
     ks, kw = normalize_sources(k_sources, k_weights)
     vs, vw = normalize_sources(v_sources, v_weights)
-    if backend == "triton":
+    if kernel == "triton":
         out = fused_decode_attention(q3, ks, kw, vs, vw, kv_start, scale, kv_end=kv_end, **triton_kwargs)
     else:
         mask = kv_start_to_mask(kv_start, ks[0].shape[2], kv_end)

@@ -8,7 +8,7 @@ needs no f32 copy. Over a plain f32 cache it is as fast as PyTorch's CPU SDPA at
 replaces the factored PyTorch path of weighted layers (several ops per step) and the f32 copy that SDPA
 needs over a 16-bit cache, where SDPA is several times slower (`benchmarks/cpu_decode.py`; figures in
 `docs/cpu-decode.md`). Built and loaded by `fusedkv.kernels.native`. What it takes is decided once, by
-the engine's selection (`fusedkv.engine.select_runtime`, from `supports`); `decode_attention` then only
+the engine's selection (`fusedkv.engine.select_runtime`, from `fits`); `one_token_attention` then only
 launches it.
 """
 
@@ -24,7 +24,7 @@ KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP = 64  # query heads per kv head (the C kernel's bound)
 
 
-def supports(head_dim: int, num_heads: int, num_kv_heads: int, k_count: int, v_count: int) -> bool:
+def fits(head_dim: int, num_heads: int, num_kv_heads: int, k_count: int, v_count: int) -> bool:
     """Whether the kernel takes a layer of this shape (asked once per layer, by the engine's selection)."""
     return (1 <= k_count <= 2 and 1 <= v_count <= 2 and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP)
@@ -47,14 +47,14 @@ def weight_pointers(weights: Sequence[torch.Tensor | None], h_kv: int,
     return ptrs[0], ptrs[1], head_stride
 
 
-def decode_attention(q: torch.Tensor, k_src: Sequence[torch.Tensor], k_w: Sequence[torch.Tensor | None],
+def one_token_attention(q: torch.Tensor, k_src: Sequence[torch.Tensor], k_w: Sequence[torch.Tensor | None],
                      v_src: Sequence[torch.Tensor], v_w: Sequence[torch.Tensor | None],
                      kv_start: torch.Tensor | None, scale: float) -> torch.Tensor:
     """softmax(q K^T * scale) V for one query token per row, K = sum a_k (.) K_k, V = sum b_v (.) V_v
     (weights contiguous f32 [H_kv, D] or [D], None for 1), keys from `kv_start[b]` on. `q` [B, H_q, 1, D] f32
     on CPU; 1-2 sources per side, [B, H_kv, S, D] of one dtype (f32, bf16, f16) and one stride per side, unit
     stride along D. Returns [B, H_q, 1, D] f32. The caller has decided that the kernel takes these
-    (`supports`, with the native kernels built): nothing is checked again here."""
+    (`fits`, with the native kernels built): nothing is checked again here."""
     b, h_q, _, d = q.shape
     k0, v0 = k_src[0], v_src[0]
     h_kv, length = k0.shape[1], k0.shape[2]

@@ -36,7 +36,7 @@ class _Row(ctypes.Structure):  # `KiviRow` in cpu_kernels.h
                 ("v_codes", P), ("v_scale", P), ("v_zero", P), ("v_res", P), ("k_cap", L), ("v_cap", L)]
 
 
-def supports(bits: int, group_size: int, residual_length: int, head_dim: int, num_heads: int,
+def fits(bits: int, group_size: int, residual_length: int, head_dim: int, num_heads: int,
              num_kv_heads: int) -> str | None:
     """Why the kernel cannot take a KIVI cache of these settings, or None when it can (asked once)."""
     per_byte = 8 // bits

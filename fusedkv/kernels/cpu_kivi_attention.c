@@ -15,6 +15,8 @@
  * contiguous bytes meets one contiguous part of the query (keys) or of the accumulator (values). The loops
  * are written once over AVX-512 or AVX2 vectors (whichever the compiler targets, -march=native, as for the
  * other kernels), with portable loops for other processors and shapes (a part not a whole number of vectors).
+ * AVX2 takes its own loops first where rows are whole 16-byte units (`cpu_kivi_avx2.h`: it has no float table
+ * lookup, so it converts each bit field where it lies instead of widening bytes).
  *
  * Layout of one row of one KIVI storage layer (`KiviRow`, fusedkv.kernels.cpu_kivi.row_table), per kv head:
  *   key codes [k_cap, D/pb] u8, key scale / zero [k_cap/G, D] f16, key residual [R, D] f32,
@@ -122,6 +124,10 @@ static inline int vector_fits(int D, int G, int bits) {
 #define PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
 #define KIVI_AHEAD 8192  /* bytes of each code stream prefetched ahead, as cpu_decode_attention.c's AHEAD (the
                           * hardware's streamer stops at each 4 KiB page) */
+#if KV_W == 8
+#define KIVI_AVX2 1
+#include "cpu_kivi_avx2.h"  /* AVX2's own loops for whole 16-byte units (its header says why) */
+#endif
 
 /* Scores of 4 quantised keys r0[0..3] (rows of nb bytes) for query heads j0, j0 + JB - 1 (JB 1 or 2): each bit
  * field of the 4 rows is unpacked once for both heads. w [group, D]: each head's query times the key group's
@@ -170,6 +176,9 @@ static inline __attribute__((always_inline)) void key_scores_q(const float* qs, 
                                                                const int bits) {
     const int pb = 8 / bits, nb = D / pb, mask = (1 << bits) - 1;
     const int vec = vector_fits(D, G, bits);
+#ifdef KIVI_AVX2
+    const int k2 = k2_fits(nb, G);
+#endif
     float c0[KIVI_MAX_GROUP];
     for (long grp = 0; grp < nq / G; grp++) {
         const uint16_t *gs = sc + grp * D, *gz = zr + grp * D;
@@ -196,6 +205,12 @@ static inline __attribute__((always_inline)) void key_scores_q(const float* qs, 
                 c0[j] += qw[d] * h2f(gz[d]);
             }
         }
+#ifdef KIVI_AVX2
+        if (k2) {
+            k2_key_group(group, bits, codes, t0, G, nb, D, w, c0, w + (long)group * D, scores, T, add);
+            continue;
+        }
+#endif
 #ifdef KV_W
         if (vec) {
             const long ahead = KIVI_AHEAD / ((long)G * nb) > 1 ? KIVI_AHEAD / ((long)G * nb) : 1;  /* groups */
@@ -237,6 +252,10 @@ static inline __attribute__((always_inline)) void value_acc_q(const float* restr
                                                               const int bits) {
     const int pb = 8 / bits, nb = D / pb, mask = (1 << bits) - 1, ng = D / G;
     long t = 0;
+#ifdef KIVI_AVX2
+    if (k2_fits(nb, G)) t = k2_values(scores, T, group, codes, sc, zr, nq, D, G, acc, acc_js, zacc, w, bits);
+    else
+#endif
 #ifdef KV_W
     if (vector_fits(D, G, bits)) {
         const vtable m = V_TABLE(bits);
@@ -292,6 +311,9 @@ static inline __attribute__((always_inline)) void value_acc_q(const float* restr
 
 /* Full-precision residual: s[t] (+)= qw . K_t; acc [D] += sum_t p_t V_t. */
 static void key_scores_f(const float* qw, const float* k, long n, int D, float* s, int add) {
+#ifdef KIVI_AVX2
+    if (D % 8 == 0) { k2_key_residual(qw, k, n, D, s, add); return; }
+#endif
     for (long t = 0; t < n; t++) {
         float a = 0.f;
 #pragma omp simd reduction(+:a)
@@ -301,6 +323,9 @@ static void key_scores_f(const float* qw, const float* k, long n, int D, float* 
 }
 
 static void value_acc_f(const float* p, const float* v, long n, int D, float* acc) {
+#ifdef KIVI_AVX2
+    if (D % 8 == 0) { k2_value_residual(p, v, n, D, acc); return; }
+#endif
     for (long t = 0; t < n; t++) {
         const float pt = p[t];
 #pragma omp simd
@@ -342,13 +367,15 @@ int kivi_attention(const float* q, int B, int H_q, int H_kv, float scale, const 
         const long n = n_tokens[b], T = n + pending;
         long kq, vq;
         counts(n, R, &kq, &vq);
-        float* scores = malloc(sizeof(float) * ((size_t)group * T + (size_t)group * (n_k + 2 * n_v + 2) * D));
+        float* scores = malloc(sizeof(float) * ((size_t)group * T + (size_t)group * (n_k + 2 * n_v + 4) * D
+                                                + (size_t)16 * D));
         if (!scores) { failed = 1; continue; }
         float* qs = scores + (size_t)group * T;       /* [group, n_k, D]: query with key weights and scale */
         float* acc = qs + (size_t)group * n_k * D;     /* [group, n_v, D]: quantised values */
         float* accr = acc + (size_t)group * n_v * D;   /* [group, n_v, D]: residual values, natural order */
-        float* wsc = accr + (size_t)group * n_v * D;   /* [group, D]: keys' w, or values' w [group, 4, D/G] */
-        float* zacc = wsc + (size_t)group * D;         /* [group, D/G] */
+        float* zacc = accr + (size_t)group * n_v * D;  /* [group, D/G] */
+        float* wsc = zacc + (size_t)group * D;         /* [3 group + 16, D]: keys' w, or values' w [group, 4, D/G],
+                                                        * and the AVX2 loops' scratch (cpu_kivi_avx2.h) */
         for (int j = 0; j < group; j++)
             for (int k = 0; k < n_k; k++)
                 for (int d = 0; d < D; d++) {

@@ -15,7 +15,9 @@
  *   PAGED_KEYS_T      keys transposed, [D, bs] (its "vec" ISAs), values as rows;
  *   PAGED_AMX         its "amx" ISA (bf16): keys as AMX B tiles [bs/16][D/2][16 tokens][2 channels] (VNNI pairs
  *                     of channels), values as [D/16][bs/2][16 channels][2 tokens] (pairs of tokens).
- * Elements are f32 or bf16 (widened as read), arithmetic f32. One task per (row, kv head) covers the query
+ * Elements are f32 or bf16 (widened as read), or the 8-bit codes of vLLM's fp8 caches (`--kv-cache-dtype fp8`:
+ * e4m3fn or e5m2, decoded as read through a 256-entry table; vLLM's per-layer scales are folded into the fusion
+ * weights by the caller), arithmetic f32. One task per (row, kv head) covers the query
  * heads sharing it (GQA); tasks are split across threads.
  *
  * With AVX-512, f32 caches (what vLLM's "vec" ISA keeps) and D a multiple of 16 take register-blocked loops
@@ -182,7 +184,88 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
     }
 }
 
-/* The two loops over a sequence's blocks for the register-blocked functions above (element type T), for 1 or 2
+#endif
+
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGED_AVX2 1
+
+/* 8 f32 lanes from 8 f32 or 8 bf16 elements (a bf16 is the top half of an f32). */
+static inline __attribute__((always_inline)) __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* AVX2 (processors without AVX-512, and the bf16 "vec" blocks of those without AMX): s[i] = sum_k sum_d qk[k * D + d]
+ * * K_k[d * bs + i] for i < cnt over transposed key blocks ([D, bs] per block and head), 16 tokens at a time in 4
+ * chains; bs a multiple of 16, so a tile never leaves its block (lanes past cnt are computed from whatever the
+ * slots hold and never stored). */
+#define AVX2_SCORES_T(NAME, T, LOAD)                                                                      \
+    static inline __attribute__((always_inline)) void NAME(const T* const* bases, const int NK, const float* qk, \
+                                                           int D, int bs, int cnt, float* s) {            \
+        for (int i0 = 0; i0 < cnt; i0 += 16) {                                                            \
+            __m256 a[4][2];                                                                               \
+            for (int c = 0; c < 4; c++) a[c][0] = a[c][1] = _mm256_setzero_ps();                          \
+            for (int k = 0; k < NK; k++) {                                                                \
+                const T* base = bases[k] + i0;                                                            \
+                const float* q = qk + (long)k * D;                                                        \
+                int d = 0;                                                                                \
+                for (; d + 4 <= D; d += 4)                                                                \
+                    for (int c = 0; c < 4; c++) {                                                         \
+                        const __m256 qd = _mm256_set1_ps(q[d + c]);                                       \
+                        const T* row = base + (long)(d + c) * bs;                                         \
+                        a[c][0] = _mm256_fmadd_ps(qd, LOAD(row), a[c][0]);                                \
+                        a[c][1] = _mm256_fmadd_ps(qd, LOAD(row + 8), a[c][1]);                            \
+                    }                                                                                     \
+                for (; d < D; d++) {                                                                      \
+                    const __m256 qd = _mm256_set1_ps(q[d]);                                               \
+                    const T* row = base + (long)d * bs;                                                   \
+                    a[0][0] = _mm256_fmadd_ps(qd, LOAD(row), a[0][0]);                                    \
+                    a[0][1] = _mm256_fmadd_ps(qd, LOAD(row + 8), a[0][1]);                                \
+                }                                                                                         \
+            }                                                                                             \
+            float tile[16];                                                                               \
+            for (int t = 0; t < 2; t++)                                                                   \
+                _mm256_storeu_ps(tile + 8 * t, _mm256_add_ps(_mm256_add_ps(a[0][t], a[1][t]),             \
+                                                             _mm256_add_ps(a[2][t], a[3][t])));           \
+            const int n = cnt - i0 < 16 ? cnt - i0 : 16;                                                  \
+            for (int t = 0; t < n; t++) s[i0 + t] = tile[t];                                              \
+        }                                                                                                 \
+    }
+
+/* acc[v * D + d] += sum_i p[i] * V_v[i * D + d] for i < cnt: value rows [bs, D] per block and head, D a multiple
+ * of 8; 32 channels of every source in registers at a time. */
+#define AVX2_VALUES(NAME, T, LOAD)                                                                        \
+    static inline __attribute__((always_inline)) void NAME(const T* const* bases, const int NV, const float* p, \
+                                                           int cnt, int D, int bs, float* acc) {          \
+        (void)bs;                                                                                         \
+        for (int d0 = 0; d0 < D; d0 += 32) {                                                              \
+            const int nz = D - d0 >= 32 ? 4 : (D - d0) / 8;                                               \
+            __m256 o[2][4];                                                                               \
+            for (int v = 0; v < NV; v++)                                                                  \
+                for (int z = 0; z < 4; z++)                                                               \
+                    o[v][z] = z < nz ? _mm256_loadu_ps(acc + (long)v * D + d0 + 8 * z) : _mm256_setzero_ps(); \
+            for (int i = 0; i < cnt; i++) {                                                               \
+                const __m256 pi = _mm256_set1_ps(p[i]);                                                   \
+                for (int v = 0; v < NV; v++) {                                                            \
+                    const T* row = bases[v] + (long)i * D + d0;                                           \
+                    for (int z = 0; z < 4; z++)                                                           \
+                        if (z < nz) o[v][z] = _mm256_fmadd_ps(pi, LOAD(row + 8 * z), o[v][z]);            \
+                }                                                                                         \
+            }                                                                                             \
+            for (int v = 0; v < NV; v++)                                                                  \
+                for (int z = 0; z < nz; z++) _mm256_storeu_ps(acc + (long)v * D + d0 + 8 * z, o[v][z]);   \
+        }                                                                                                 \
+    }
+
+AVX2_SCORES_T(scores_t_f32_avx2, float, load8_f32)
+AVX2_SCORES_T(scores_t_bf16_avx2, uint16_t, load8_bf16)
+AVX2_VALUES(values_f32_avx2, float, load8_f32)
+AVX2_VALUES(values_bf16_avx2, uint16_t, load8_bf16)
+#endif
+
+/* The two loops over a sequence's blocks for the register-blocked functions (AVX-512 above, AVX2 below) (element type T), for 1 or 2
  * sources (constants after inlining). */
 #define FAST_SCORES(T, FN, NK)                                                                            \
     for (int blk = blk0; blk * bs < L; blk++) {                                                           \
@@ -200,10 +283,28 @@ static inline __attribute__((always_inline)) void values_amx_bf16(const uint16_t
         for (int j = 0; j < group; j++)                                                                   \
             FN(b, NV, scores + (long)j * S + t0 - first, cnt, D, bs, acc + (long)j * n_v * D);            \
     }
-#endif
 
 #define EL_F32(p, i) ((p)[i])
 #define EL_BF16(p, i) bf16_to_f32((p)[i])
+#define EL_CODE8(p, i) (code8[(p)[i]])
+
+enum { KV_E4M3 = 3, KV_E5M2 = 4 };  /* 8-bit float codes (fusedkv.kernels.native.PAGED_KINDS) */
+
+/* The value of every 8-bit code of OCP fp8 e4m3fn (bias 7, no infinities, S.1111.111 NaN) or e5m2 (bias 15, the
+ * top byte of an IEEE half), as torch's float8_e4m3fn / float8_e5m2 define them. */
+static void code8_table(int kind, float* table) {
+    for (int c = 0; c < 256; c++) {
+        const int sign = c >> 7, e = kind == KV_E4M3 ? (c >> 3) & 15 : (c >> 2) & 31;
+        const int m = kind == KV_E4M3 ? c & 7 : c & 3, mbits = kind == KV_E4M3 ? 3 : 2;
+        const int bias = kind == KV_E4M3 ? 7 : 15, emax = kind == KV_E4M3 ? 15 : 31;
+        float v;
+        if (kind == KV_E4M3 && e == 15 && m == 7) v = NAN;
+        else if (kind == KV_E5M2 && e == emax) v = m ? NAN : INFINITY;
+        else if (e == 0) v = ldexpf((float)m, 1 - bias - mbits);
+        else v = ldexpf((float)((1 << mbits) + m), e - bias - mbits);
+        table[c] = sign ? -v : v;
+    }
+}
 
 /* scores[j * S + t - first] for the query heads j of one kv head, over the blocks from key `first` on. */
 #define SCORES(T, EL)                                                                                     \
@@ -285,7 +386,9 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
     if (H_kv < 1 || H_q % H_kv || n_k < 1 || n_k > 2 || n_v < 1 || n_v > 2 || bs < 1)
         return 1;
     if (window < 0 || !(softcap >= 0.f)) return 1;
-    if (kind != KV_F32 && kind != KV_BF16) return 1;
+    if (kind != KV_F32 && kind != KV_BF16 && kind != KV_E4M3 && kind != KV_E5M2) return 1;
+    float code8[256];
+    if (kind == KV_E4M3 || kind == KV_E5M2) code8_table(kind, code8);
     if (layout != PAGED_ROWS && layout != PAGED_KEYS_T && layout != PAGED_AMX) return 1;
     if (layout == PAGED_AMX && (bs % 16 || D % 16)) return 1;
     const int group = H_q / H_kv;
@@ -316,16 +419,32 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
                     const float w = k_w[k] ? k_w[k][(long)g * ka_hs + d] : 1.f;
                     qs[((long)j * n_k + k) * D + d] = q[((long)n * H_q + g * group + j) * D + d] * w * scale;
                 }
+        int done = 0;  /* the scores taken by a register-blocked loop */
 #ifdef PAGED_AVX512
         const int fast = kind == KV_F32 && D % 16 == 0 && layout != PAGED_AMX;  /* values in rows */
         const int fast_amx = kind == KV_BF16 && layout == PAGED_AMX;
+        done = 1;
         if (fast && layout == PAGED_KEYS_T && n_k == 2) { FAST_SCORES(float, scores_t_f32, 2) }
         else if (fast && layout == PAGED_KEYS_T) { FAST_SCORES(float, scores_t_f32, 1) }
         else if (fast_amx && n_k == 2) { FAST_SCORES(uint16_t, scores_amx_bf16, 2) }
         else if (fast_amx) { FAST_SCORES(uint16_t, scores_amx_bf16, 1) }
-        else
+        else done = 0;
 #endif
-        if (kind == KV_F32) { SCORES(float, EL_F32) } else { SCORES(uint16_t, EL_BF16) }
+#ifdef PAGED_AVX2
+        /* f32 and bf16 "vec" blocks (keys transposed, values in rows) without AVX-512's loops. */
+        const int fast2 = (kind == KV_F32 || kind == KV_BF16) && D % 8 == 0 && bs % 16 == 0 && layout != PAGED_AMX;
+        if (!done && fast2 && layout == PAGED_KEYS_T) {
+            done = 1;
+            if (kind == KV_F32 && n_k == 2) { FAST_SCORES(float, scores_t_f32_avx2, 2) }
+            else if (kind == KV_F32) { FAST_SCORES(float, scores_t_f32_avx2, 1) }
+            else if (n_k == 2) { FAST_SCORES(uint16_t, scores_t_bf16_avx2, 2) }
+            else { FAST_SCORES(uint16_t, scores_t_bf16_avx2, 1) }
+        }
+#endif
+        if (done) {}
+        else if (kind == KV_F32) { SCORES(float, EL_F32) }
+        else if (kind == KV_BF16) { SCORES(uint16_t, EL_BF16) }
+        else { SCORES(uint8_t, EL_CODE8) }
         for (int j = 0; j < group; j++) {  /* softmax over keys [lo, L): s[skip, S) */
             float* s = scores + (long)j * S;
             float m = -INFINITY, sum = 0.f;
@@ -342,14 +461,28 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
             for (int t = skip; t < S; t++) s[t] *= inv;
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D);
+        done = 0;
 #ifdef PAGED_AVX512
+        done = 1;
         if (fast && n_v == 2) { FAST_VALUES(float, values_f32, 2) }
         else if (fast) { FAST_VALUES(float, values_f32, 1) }
         else if (fast_amx && n_v == 2) { FAST_VALUES(uint16_t, values_amx_bf16, 2) }
         else if (fast_amx) { FAST_VALUES(uint16_t, values_amx_bf16, 1) }
-        else
+        else done = 0;
 #endif
-        if (kind == KV_F32) { VALUES(float, EL_F32) } else { VALUES(uint16_t, EL_BF16) }
+#ifdef PAGED_AVX2
+        if (!done && fast2) {
+            done = 1;
+            if (kind == KV_F32 && n_v == 2) { FAST_VALUES(float, values_f32_avx2, 2) }
+            else if (kind == KV_F32) { FAST_VALUES(float, values_f32_avx2, 1) }
+            else if (n_v == 2) { FAST_VALUES(uint16_t, values_bf16_avx2, 2) }
+            else { FAST_VALUES(uint16_t, values_bf16_avx2, 1) }
+        }
+#endif
+        if (done) {}
+        else if (kind == KV_F32) { VALUES(float, EL_F32) }
+        else if (kind == KV_BF16) { VALUES(uint16_t, EL_BF16) }
+        else { VALUES(uint8_t, EL_CODE8) }
         for (int j = 0; j < group; j++)
             for (int d = 0; d < D; d++) {
                 float y = 0.f;

@@ -29,7 +29,7 @@ from ..utils import cache_dir, cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_decode_step.c",
                                                        "cpu_paged_attention.c", "cpu_kivi_attention.c")]
-HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_kivi_avx2.h")]
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
     "gemv_f32": ([P, I, I, P, L, P, P, I, I], None),
@@ -104,14 +104,15 @@ def redecide() -> None:
 
 # cpu_paged_attention.c: the cache element types it reads (its `kind` argument), its source bound, and the block
 # layouts it reads (its `layout` argument): key and value rows; keys transposed (vLLM's "vec" ISA); vLLM's "amx"
-# ISA packing (keys as AMX B tiles of 16 tokens x channel pairs, values as 16 channels x token pairs).
-PAGED_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+# ISA packing (keys as AMX B tiles of 16 tokens x channel pairs, values as 16 channels x token pairs). The fp8
+# kinds are vLLM's 8-bit caches (`--kv-cache-dtype fp8`, uint8 tensors viewed as these dtypes).
+PAGED_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 PAGED_MAX_SOURCES = 2
 PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX = 0, 1, 2
 PAGED_LAYOUTS = (PAGED_ROWS, PAGED_KEYS_TRANSPOSED, PAGED_AMX)
 
 
-def paged_supports(dtype: torch.dtype, k_count: int, v_count: int, layout: int | None) -> bool:
+def paged_fits(dtype: torch.dtype, k_count: int, v_count: int, layout: int | None) -> bool:
     """Whether the paged kernel takes a layer with this cache dtype, these sources and this block layout (one of
     `PAGED_LAYOUTS`, None: one it does not read), asked once per layer by the engine's selection. (The AMX packing
     exists, and is recognised, only for blocks and heads of multiples of 16: what the kernel needs.)"""

@@ -60,6 +60,9 @@ Tensor = torch.Tensor
 __all__ = ["paged_decode_attention", "paged_decode_step"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# vLLM's 8-bit caches (`--kv-cache-dtype fp8`: uint8 tensors viewed as these), read and widened to fp32 in the
+# kernel; their per-layer scales are folded into the fusion weights by the caller (`fusedkv.serving.paged`).
+_FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -214,9 +217,9 @@ def paged_decode_attention(
         raise ValueError(f"H_q={h_q} query heads is not a multiple of H_kv={h_kv} kv heads")
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if q.dtype not in _SUPPORTED_DTYPES or ref.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q ({q.dtype}) and caches ({ref.dtype}) must be float32, float16 or bfloat16; "
-                         "quantised (fp8) caches are not supported")
+    if q.dtype not in _SUPPORTED_DTYPES or ref.dtype not in _SUPPORTED_DTYPES + _FP8_CACHE_DTYPES:
+        raise ValueError(f"q ({q.dtype}) must be float32, float16 or bfloat16 and the caches ({ref.dtype}) too, or "
+                         "float8_e4m3fn / float8_e5m2 (vLLM's fp8 caches viewed as such)")
     if any(c.dtype != ref.dtype for c in (*ks, *vs)):
         raise ValueError(f"every K/V cache must have one dtype; got {sorted({str(c.dtype) for c in (*ks, *vs)})}")
     if block_table.dim() != 2 or block_table.shape[0] < bsz or block_table.dtype not in (torch.int32, torch.int64):
@@ -277,7 +280,9 @@ def paged_decode_step(
     # The same precision choices as triton_decode: exact fp32 products for fp32 (and for bf16 under the
     # interpreter, whose bf16 tl.dot is wrong); tensor-core products in the cache dtype otherwise.
     use_dot = g > 4
-    exact = ks[0].dtype == torch.float32 or (device.type == "cpu" and ks[0].dtype == torch.bfloat16)
+    # fp8 caches: widened to fp32 as loaded (no fp8 tensor-core product: the query keeps its precision).
+    exact = (ks[0].dtype in (torch.float32, *_FP8_CACHE_DTYPES)
+             or (device.type == "cpu" and ks[0].dtype == torch.bfloat16))
     block_g = max(16, triton.next_power_of_2(g)) if use_dot else triton.next_power_of_2(g)
     auto_n, auto_warps = default_launch(d, block_g, use_dot, len(ks) + len(vs))
     if use_dot and exact:

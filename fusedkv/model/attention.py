@@ -25,8 +25,9 @@ from ..plan import SLIDING, LayerKV
 from .fusion import KVFusion, KVSources
 from .layers import RMSNorm, apply_rope
 
-# Query blocks up to this length are "short" (decode steps, the last positions of a skipping prefill): they
-# normalise and rotate Q|K in one pass here, and the engine's implementations treat them apart.
+# Query blocks up to this length are "short" (decode steps, the last positions of a skipping prefill): where
+# the runtime turns `fused_qk_rope` on they normalise and rotate Q|K in one pass, and the engine's
+# implementations treat them apart.
 SHORT_QUERY = 16
 
 
@@ -144,13 +145,16 @@ class Attention(nn.Module):
         # Storage layers: does a later reconstruction layer read this layer's K/V (paper Sec. 2.2)?
         self.read_later = layer.stores and any(
             layer.index in (*other.k_sources, *other.v_sources) for other in config.plan.layers if not other.stores)
+        # The runtime's seam (`fusedkv.engine.select_runtime` sets it, once): short blocks of a storage layer
+        # normalise and rotate Q|K in one pass (`_qk_norm_rope`). Off, the model's own two-step form.
+        self.fused_qk_rope = False
         self.use(None)
 
     def use(self, implementation=None) -> None:
         """Attend with `implementation` from now on (`fusedkv.engine.select_runtime` calls this once per
         layer); None restores the model's own `ReferenceAttention`."""
-        self.attend = implementation or ReferenceAttention(self.scale, self.num_heads != self.num_kv_heads,
-                                                           self.softcap)
+        self.implementation = implementation or ReferenceAttention(
+            self.scale, self.num_heads != self.num_kv_heads, self.softcap)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -163,7 +167,7 @@ class Attention(nn.Module):
                 q, k, v = self.packed_qkv(x)
             else:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            if self.qk_norm and t <= SHORT_QUERY and q.dtype == torch.float32 and not torch.is_grad_enabled():
+            if self.fused_qk_rope and t <= SHORT_QUERY and not torch.is_grad_enabled():
                 q, k = self._qk_norm_rope(q, k, cos, sin)
             else:
                 q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin)
@@ -172,7 +176,7 @@ class Attention(nn.Module):
             if kv.cache is not None:
                 k, v = kv.cache.update(k, v, self.layer.index)
             cached = (k, v)
-            k, v = self.attend.storage_kv(q, k, v)
+            k, v = self.implementation.storage_kv(q, k, v)
             # Hand on what this layer attends over (e.g. a widened copy of a 16-bit cache) only when a later
             # layer reads it: it may be as large as the cache in f32.
             kv.layers[self.layer.index] = (k, v) if self.read_later else cached
@@ -184,7 +188,7 @@ class Attention(nn.Module):
         causal = kv.causal
         if self.window:
             mask, causal = self._window_mask(kv, t, sources.keys[0].shape[2]), False
-        out = self.attend(q, sources, mask, causal, lambda: self._kv_start(kv, sources.keys[0]))
+        out = self.implementation(q, sources, mask, causal, lambda: self._kv_start(kv, sources.keys[0]))
         return self._output(out, x)
 
     def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +197,8 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim).to(x.dtype))
 
     def _qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """QK-norm and RoPE of a short f32 block's query and key heads in one pass, over [B, T, H_q + H_kv, D]:
+        """QK-norm and RoPE of a short f32 block's query and key heads in one pass (where the runtime set
+        `fused_qk_rope`: a QK-norm layer of an f32 model), over [B, T, H_q + H_kv, D]:
         the same arithmetic as `RMSNorm` (F.rms_norm's formula: x * rsqrt(mean(x^2) + eps) * w) and
         `apply_rope` applied to each, with half the op calls, which is what a one-token step pays for."""
         b, t, _ = q.shape

@@ -64,8 +64,8 @@ class KVFusion(nn.Module):
         self.layer = layer
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.tie_rope_pairs = tie_rope_pairs
-        self.k_weight = self._make(layer.k_fusion, len(layer.k_sources), head_dim // 2 if tie_rope_pairs else head_dim)
-        self.v_weight = self._make(layer.v_fusion, len(layer.v_sources), head_dim)
+        self.k_weight = self._make(layer.weight_shape("k", num_kv_heads, head_dim // 2 if tie_rope_pairs else head_dim))
+        self.v_weight = self._make(layer.weight_shape("v", num_kv_heads, head_dim))
         self.chain: tuple[KVFusion, ...] | None = None  # the iterative variant: set by `link_iterative`
 
     def link_iterative(self, previous: KVFusion | None) -> None:
@@ -97,11 +97,9 @@ class KVFusion(nn.Module):
         (a_k, b_k), (a_v, b_v) = self.chain[0]._unrolled()
         return (c_k * a_k + f_k, c_k * b_k), (c_v * a_v + f_v, c_v * b_v)
 
-    def _make(self, mode: str, num_sources: int, width: int) -> nn.Parameter | None:
-        if mode == "reuse":
-            return None
-        shape = (num_sources, self.num_kv_heads, width) if mode == "channel" else (num_sources,)
-        return nn.Parameter(torch.ones(shape))
+    @staticmethod
+    def _make(shape: tuple[int, ...] | None) -> nn.Parameter | None:
+        return None if shape is None else nn.Parameter(torch.ones(shape))
 
     # ---- the weights the attention kernels take: one [H_kv, D] tensor (or None) per source -------
     def key_weights(self) -> list[torch.Tensor | None]:

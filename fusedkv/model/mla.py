@@ -71,8 +71,8 @@ class LatentFusion(KVFusion):
         nn.Module.__init__(self)
         self.layer, self.num_kv_heads, self.head_dim = layer, 1, rope_dim
         self.kv_lora_rank, self.tie_rope_pairs = kv_lora_rank, tie_rope_pairs
-        self.k_weight = self._make(layer.k_fusion, len(layer.k_sources), rope_dim // 2 if tie_rope_pairs else rope_dim)
-        self.v_weight = self._make(layer.v_fusion, len(layer.v_sources), kv_lora_rank)
+        self.k_weight = self._make(layer.weight_shape("k", 1, rope_dim // 2 if tie_rope_pairs else rope_dim))
+        self.v_weight = self._make(layer.weight_shape("v", 1, kv_lora_rank))
         self.chain = None  # no iterative variant for MLA (the config refuses it)
 
     def value_weights(self) -> list[torch.Tensor | None]:
@@ -124,13 +124,13 @@ class MLA(nn.Module):
             sources = KVSources.own(k_rope, latent)  # keys: the RoPE key; values: the latent
         else:
             sources = self.fusion.sources(kv.layers)
-        out = self.attend(self, q_nope, q_rope, sources, mask, kv.causal)
+        out = self.implementation(self, q_nope, q_rope, sources, mask, kv.causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))
 
     def use(self, implementation=None) -> None:
         """Attend with `implementation` (`fusedkv.engine.select_runtime`); None: the model's own
         `ExpandedAttention`. Called as `implementation(layer, q_nope, q_rope, sources, mask, causal)`."""
-        self.attend = implementation or ExpandedAttention()
+        self.implementation = implementation or ExpandedAttention()
 
     def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
         """With `rope_interleave` (DeepSeek's layout: pairs (x0, x1), (x2, x3), ...) the RoPE channels are

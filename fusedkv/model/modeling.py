@@ -126,11 +126,16 @@ class FusedKVModel(FusedKVPreTrainedModel):
                 previous[attn.layer.k_sources] = attn.fusion
 
     def _apply(self, fn, recurse=True):
-        # Moving or casting the model invalidates the attention implementations the engine chose for its old
-        # device and dtype (`fusedkv.engine.select_runtime`): the layers go back to the model's own.
+        # Moving or casting the model invalidates what the runtime chose for its old device and dtype
+        # (`fusedkv.engine.select_runtime`): every seam goes back to the model's own.
         result = super()._apply(fn, recurse)
-        for layer in self._modules.get("layers", ()):
-            layer.self_attn.use(None)
+        for module in self.modules():
+            if isinstance(module, (Attention, MLA)):  # the reference implementation
+                module.use(None)
+            if isinstance(module, Attention):
+                module.fused_qk_rope = False
+            if isinstance(module, Experts):  # the per-expert loop
+                module.grouped = False
         return result
 
     def forward(

@@ -21,8 +21,10 @@ one buffer a grouped GEMM can index.
 Dispatch is grouped, never per token: the (token, slot) pairs are sorted by expert, so each expert's
 tokens form one contiguous block; one grouped matrix product (`torch.nn.functional.grouped_mm`, which
 takes the block offsets) runs every expert over its own block, and the weighted results are added
-back to their tokens with one `index_add_`. Where `grouped_mm` does not take the dtype (fp64, the
-tests' reference precision; fp32 on CUDA) the same sorted blocks run one matmul per expert.
+back to their tokens with one `index_add_`, where the runtime selected it (`Experts.grouped`, set by
+`fusedkv.engine.select_runtime` where `grouped_mm` takes the device and dtype); the model's own form, and
+the one everywhere else (fp64, the tests' reference precision; fp32 on CUDA), runs the same sorted blocks
+one matmul per expert.
 
 The load-balancing loss is the Switch Transformer auxiliary loss exactly as transformers computes it
 for Qwen3-MoE (`load_balancing_loss_func`): with f_e the fraction of top-k assignments that went to
@@ -47,13 +49,6 @@ def is_sparse_layer(config, index: int) -> bool:
             and (index + 1) % config.decoder_sparse_step == 0)
 
 
-def _grouped_mm_usable(x: torch.Tensor) -> bool:
-    # torch's grouped GEMM takes fp32/bf16/fp16 on CPU and bf16 on CUDA (SM >= 80).
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    return x.device.type == "cuda" and x.dtype == torch.bfloat16
-
-
 class Experts(nn.Module):
     """E SwiGLU experts in two 3-D tensors; `forward` runs each expert over its own block of rows."""
 
@@ -62,10 +57,13 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # The runtime's seam (`fusedkv.engine.select_runtime` sets it, once, where torch's grouped GEMM takes
+        # the model's device and dtype): one grouped product over every expert. Off, one matmul per expert.
+        self.grouped = False
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_sorted: [N, H] rows grouped by expert (expert 0's rows first); counts: [E] rows per expert."""
-        if _grouped_mm_usable(x_sorted):
+        if self.grouped:
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.grouped_mm(x_sorted, self.gate_up_proj.transpose(1, 2), offs=offsets)
             gate, up = h.chunk(2, dim=-1)

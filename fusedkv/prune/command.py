@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import argtypes
+from ..flags import add_seed_flag
 
 
 def register(sub) -> None:
@@ -29,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--calib-len", type=argtypes.int_range(2), default=None,
                    help="tokens per window (default: the model context)")
     p.add_argument("--batch-size", type=argtypes.int_range(1, 4096), default=8)
-    p.add_argument("--seed", type=argtypes.seed, default=0, help="seed for the calibration windows")
+    add_seed_flag(p, 0, help="seed for the calibration windows")
     p.set_defaults(func=run)
 
 

@@ -173,6 +173,17 @@ def server_command(args, python: str, dtype: str, chat_template: str | None) -> 
     return cmd + list(args.vllm_args)
 
 
+def cpu_binding(ranks: int) -> str:
+    """vLLM's CPU build needs each tensor-parallel rank's cores (`VLLM_CPU_OMP_THREADS_BIND`, ranks separated by
+    '|'); without it its NUMA check stops on a machine of one NUMA node. This process's cores, split evenly."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise UsageError(f"--tensor-parallel-size {ranks}: vLLM's CPU build binds each rank to its own cores, and "
+                         f"this process has {len(cores)}")
+    per = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(ranks))
+
+
 def server_env() -> dict:
     """vLLM's processes import the fusedkv this command runs from (a source tree: the plugin installed in
     the vLLM environment may be another checkout's editable install)."""
@@ -198,7 +209,28 @@ def ready_line(poll_url: str, plan_text: str, dtype: str):
     return describe
 
 
+def gguf_import(path: Path) -> Path:
+    """A GGUF file as a servable checkpoint: imported once (`fusedkv convert FILE --plan vanilla`) into
+    ~/.cache/fusedkv/serve/NAME and reused while the file is the same (name, size, modification time)."""
+    from ..convert import convert_checkpoint
+    from ..convert.sources import source_directory
+
+    root = Path(os.environ.get("FUSEDKV_CACHE", "~/.cache/fusedkv")).expanduser() / "serve" / path.stem
+    source = source_directory(path, root / "source")
+    stamp = (source / "fusedkv_gguf_source.json").read_text()
+    target = root / "vanilla"
+    if not (target / "config.json").is_file() or (root / "imported-from.json").read_text() != stamp:
+        convert_checkpoint(source, target, overwrite=True)
+        (root / "imported-from.json").write_text(stamp)
+    print(f"fusedkv serve: serving {path.name} as imported into {target}", flush=True)
+    return target
+
+
 def run(args) -> int:
+    from ..convert.sources import is_gguf
+
+    if is_gguf(Path(args.checkpoint)):  # a GGUF file (e.g. the file a model was shipped in) serves as its import
+        args.checkpoint = str(gguf_import(Path(args.checkpoint)))
     config = check_servable_checkpoint(args.checkpoint)
     if args.max_model_len is not None and args.max_model_len > config.max_position_embeddings:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings="
@@ -206,14 +238,15 @@ def run(args) -> int:
     python = find_vllm_python(args.vllm_python)
     cpu_build = check_vllm_environment(python)
     vllm_args = list(args.vllm_args or [])
-    if cpu_build:
-        preflight.check_cpu_backend(config, args.block_size)
     preflight.check_vllm_args(vllm_args, config, cpu_build)
     implied = preflight.implied_vllm_args(config, vllm_args, cpu_build)
     if args.skip_prefill:
         preflight.check_prefill_skipping(config)
     dtype, warning = preflight.resolve_dtype(args.dtype, config)
     preflight.check_address(args.host, args.port)
+    if cpu_build:  # last: it imports vLLM (seconds)
+        preflight.check_cpu_backend(config, args.block_size, python, server_env(), dtype,
+                                    preflight.option_value(vllm_args, ("--kv-cache-dtype",)))
     chat_template = None
     if not preflight.has_chat_template(Path(args.checkpoint)) and not preflight.has_option(vllm_args,
                                                                                            "--chat-template"):
@@ -242,5 +275,10 @@ def run(args) -> int:
               "('Role: text' paragraphs, then 'Assistant:'; docs/serving.md); `-- --chat-template FILE` sets another",
               file=sys.stderr, flush=True)
     env = server_env()
+    tp = preflight.option_value(vllm_args, ("--tensor-parallel-size", "-tp"))
+    if cpu_build and tp is not None and int(tp) > 1 and not env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(int(tp))
+        print(f"fusedkv serve: tensor parallel on CPU: VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
+              "(one set of this process's cores per rank; set it yourself to choose)", file=sys.stderr, flush=True)
     api_key = preflight.option_value(vllm_args, ("--api-key",)) or env.get("VLLM_API_KEY")
     return Server(cmd, env, poll_url, ready_line(poll_url, plan_text, dtype), api_key).run()

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def engine_kwargs(args, fast_prefill: bool | None = None) -> dict:
@@ -143,8 +144,43 @@ def describe(llm, model: str, prompts: list[list[int]], outputs, args) -> dict:
               "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": cache.kv_cache_size_tokens, "max_concurrency": cache.kv_cache_max_concurrency,
               "generated_tokens": sum(len(r["tokens"]) for r in rows),
-              "mlp": llm.apply_model(mlp_kinds)[0]}
+              "mlp": llm.apply_model(mlp_kinds)[0], "attention": llm.apply_model(attention_paths)[0],
+              "processor": processor()}
     return result
+
+
+def processor() -> str:
+    """The CPU's model name and the vector extensions that decide vLLM's and the native kernel's paths."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(isa) or 'no AVX2'})"
+
+
+def attention_paths(model) -> list[str]:
+    """How every decoder layer attends: a storage layer vLLM's op (its ISA), a plain-reuse layer vLLM's KV sharing,
+    a reconstruction layer its selected path (`paged.select_paths`) and the native kernel's block layout."""
+    from .paged import CrossLayerAttention
+
+    paths = []
+    for layer in model.model.layers:
+        attn = getattr(layer.self_attn, "attn", None)
+        impl = getattr(attn, "impl", None)
+        isa = getattr(attn, "isa", "?")
+        if isinstance(impl, CrossLayerAttention):
+            layout = "" if impl.kernel_layout is None else f" layout {impl.kernel_layout}"
+            paths.append(f"{impl.path}{layout} ({impl.kv_cache_dtype} cache)")
+        elif attn is None:
+            paths.append(type(layer.self_attn).__name__)
+        elif getattr(layer.self_attn, "layer", None) is not None and not layer.self_attn.layer.stores:
+            paths.append(f"vllm shared ({isa})")
+        else:
+            paths.append(f"vllm ({isa})")
+    return paths
 
 
 def mlp_kinds(model) -> list[str]:

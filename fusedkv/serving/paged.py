@@ -38,6 +38,12 @@ plan that reads other layers goes through `paged_cross_layer_attention`: decode 
 Triton kernel (`fusedkv.kernels.triton_paged_decode`, which reads the source blocks in place through the block
 table), prefill chunks gathered per sequence into `factored_attention` with the causal mask.
 
+An 8-bit cache (`--kv-cache-dtype fp8`, `fp8_e4m3`, `fp8_e5m2`) holds fp8(x / scale) per source layer, with one
+scale for its keys and one for its values: every path reads the codes in place as fp8 (the native kernel and the
+Triton kernel decode them as loaded; a gathered copy is widened), and since the sources enter Eq. 4-5 linearly, each
+source's scale is folded into its fusion weight once per call (`with_scales`); vLLM's op (one K source) takes the
+source layers' scales itself.
+
 Every path, CPU and GPU, takes the layer's sliding window (a query at p sees keys p - W < k <= p; the kernels
 read no block left of it) and Gemma 2's soft cap (c tanh(s / c) on the fused scores, which the factored form of
 Sec. 3.3 forms before the softmax); on GPU, ALiBi and attention sinks are refused.
@@ -56,7 +62,9 @@ import torch.nn.functional as F
 from ..kernels import native
 from ..kernels.reference import factored_attention, fuse_sources, merge_duplicate_sources
 from .paged_blocks import (
+    FP8_FORMATS,
     GPU_PAGED_IMPLS,
+    cache_element_dtype,
     cpu_cache_layout,
     gather_blocks,
     gather_paged,
@@ -101,6 +109,25 @@ def fused_chunk_attention(q: torch.Tensor, keys: list[torch.Tensor], k_weights: 
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=h_q != h_kv)
     return o[0].transpose(0, 1)
+
+
+def with_scales(weights: list, scales: list[float], h_kv: int, d: int, device) -> list:
+    """Per-source fusion weights [H_kv, D] (or None) with each source cache's dequantisation scale folded in: an
+    8-bit cache holds x / scale, and w (.) x = (w * scale) (.) code. A scale of 1 leaves the weight as it is."""
+    out = []
+    for w, scale in zip(weights, scales):
+        if scale == 1.0:
+            out.append(w)
+        elif w is None:
+            out.append(torch.full((h_kv, d), float(scale), device=device))
+        else:
+            out.append(w.float() * scale)
+    return out
+
+
+def widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A gathered copy of cache blocks in `dtype` where the cache holds fp8 codes (the reference kernels' dtypes)."""
+    return x.to(dtype) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
 
 
 # ---- CPU: the native kernel over the blocks in place --------------------------------------------------
@@ -226,8 +253,9 @@ def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor],
             if window:  # the query at position s - 1 sees keys s - W .. s - 1
                 mask &= key_pos >= seq_lens[rows, None] - window
             # Zero the masked values too: a weight of 0 times whatever the slot holds must stay 0.
-            v_src = [gather_paged(c, blocks).masked_fill_(~mask[:, None, :, None], 0) for c in vs]
-            o = factored_attention(q[tokens].unsqueeze(2), [gather_paged(c, blocks) for c in ks], kw, v_src, vw,
+            v_src = [widened(gather_paged(c, blocks), q.dtype).masked_fill_(~mask[:, None, :, None], 0) for c in vs]
+            o = factored_attention(q[tokens].unsqueeze(2), [widened(gather_paged(c, blocks), q.dtype) for c in ks], kw,
+                                   v_src, vw,
                                    mask=mask[:, None, None, :], scale=scale, softcap=softcap)
             out[tokens] = o[:, :, 0].to(out.dtype)
     for r in range(num_reqs):
@@ -246,8 +274,9 @@ def paged_cross_layer_attention(q: torch.Tensor, key_caches: list[torch.Tensor],
         if window:
             mask &= q_pos - key_pos < window
         qr = q[starts[r]:starts[r + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
-        o = factored_attention(qr, [gather_paged(c, blocks)[:, :, skip:skip + s - first] for c in ks], kw,
-                               [gather_paged(c, blocks)[:, :, skip:skip + s - first] for c in vs], vw, mask=mask,
+        o = factored_attention(qr, [widened(gather_paged(c, blocks)[:, :, skip:skip + s - first], q.dtype) for c in ks],
+                               kw, [widened(gather_paged(c, blocks)[:, :, skip:skip + s - first], q.dtype) for c in vs],
+                               vw, mask=mask,
                                scale=scale, softcap=softcap)
         out[starts[r]:starts[r + 1]] = o[0].transpose(0, 1).to(out.dtype)
     return out
@@ -316,10 +345,11 @@ class CrossLayerAttention:
                 f"maps) run on vLLM's CPU, FlashAttention and Triton attention backends, not on "
                 f"{type(base_impl).__name__}; plans whose upper layers reuse one layer's K and V (vanilla, GQA, "
                 "CLA, YOCO) run on any backend")
-        if base_impl.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        self.fp8 = FP8_FORMATS.get(base_impl.kv_cache_dtype)  # an 8-bit cache's code format, else None
+        if base_impl.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16") and self.fp8 is None:
             raise NotImplementedError(
-                f"kv_cache_dtype={base_impl.kv_cache_dtype!r}: FusedKV reconstruction layers read unquantised caches; "
-                "serve with the default --kv-cache-dtype auto")
+                f"kv_cache_dtype={base_impl.kv_cache_dtype!r}: FusedKV reconstruction layers read unquantised caches "
+                f"and vLLM's fp8 caches ({', '.join(FP8_FORMATS)})")
         if self.on_gpu and (base_impl.alibi_slopes is not None or getattr(base_impl, "sinks", None) is not None):
             raise NotImplementedError("FusedKV reconstruction layers on GPU take causal attention with an optional "
                                       "sliding window and soft cap (no ALiBi or sinks)")
@@ -369,21 +399,29 @@ class CrossLayerAttention:
         self._attend(layer, get_forward_context().no_compile_layers, query[:t], attn_metadata, output[:t])
         return output
 
+    def _sources(self, layers, split):
+        """The sources' key and value caches (split as the backend splits them) and the fusion weights; an 8-bit
+        cache's codes viewed in their fp8 format, each source layer's scale folded into its weight."""
+        keys = [split(layers[n].kv_cache)[0] for n in self.k_layers]
+        values = [split(layers[n].kv_cache)[1] for n in self.v_layers]
+        k_weights, v_weights = self.weights()
+        if self.fp8 is None:
+            return keys, values, k_weights, v_weights
+        h_kv, d, device = self.base.num_kv_heads, self.base.head_size, keys[0].device
+        k_weights = with_scales(k_weights, [layers[n]._k_scale_float for n in self.k_layers], h_kv, d, device)
+        v_weights = with_scales(v_weights, [layers[n]._v_scale_float for n in self.v_layers], h_kv, d, device)
+        return [c.view(self.fp8) for c in keys], [c.view(self.fp8) for c in values], k_weights, v_weights
+
     def _cpu_sources(self, layers):
-        keys = [split_cpu_kv_cache(layers[n].kv_cache)[0] for n in self.k_layers]
-        values = [split_cpu_kv_cache(layers[n].kv_cache)[1] for n in self.v_layers]
-        return keys, values, *self.weights()
+        return self._sources(layers, split_cpu_kv_cache)
 
     # ---- GPU backends: the paged kernel for decode rows, gathered prefill --------------------------
     def _on_gpu(self, layer, layers, q, meta, out, use_kernel: bool):
         if not self._one_block_table:
             self._check_one_block_table(meta)
-        # One split per layer: a layer listed twice gives the same tensors, which the kernel merges.
-        split = {n: split_gpu_kv_cache(layers[n].kv_cache, self.base.head_size)
-                 for n in dict.fromkeys(self.k_layers + self.v_layers)}
-        keys = [split[n][0] for n in self.k_layers]
-        values = [split[n][1] for n in self.v_layers]
-        k_weights, v_weights = self.weights()
+        # A layer listed twice gives views of the same memory, which the kernel merges.
+        keys, values, k_weights, v_weights = self._sources(
+            layers, functools.partial(split_gpu_kv_cache, head_dim=self.base.head_size))
         # Under CUDA-graph capture the split sizes must not depend on this step's lengths (replays get
         # longer sequences): the kernel then sizes them from the block table's width.
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -397,13 +435,17 @@ class CrossLayerAttention:
     def _with_cpu_op(self, layer, layers, q, meta, out):
         from vllm import _custom_ops as ops
 
-        keys, values, k_weights, v_weights = self._cpu_sources(layers)
+        # The raw caches (an 8-bit cache's codes, which the op dequantises with the source layers' scales).
+        keys = [split_cpu_kv_cache(layers[n].kv_cache)[0] for n in self.k_layers]
+        values = [split_cpu_kv_cache(layers[n].kv_cache)[1] for n in self.v_layers]
+        k_weights, v_weights = self.weights()
         key_cache, k_weight = keys[0], k_weights[0]
+        k_scale = layers[self.k_layers[0]]._k_scale_float
         h_kv = key_cache.shape[1]
         if k_weight is not None:  # key fusion on the query: (a (.) q) . k
             t, h, d = q.shape
             q = (q.view(t, h_kv, h // h_kv, d) * k_weight[None, :, None, :].to(q.dtype)).view(t, h, d)
-        for i, (value_cache, w) in enumerate(zip(values, v_weights)):
+        for i, (value_cache, w, v_layer) in enumerate(zip(values, v_weights, self.v_layers)):
             target = out if i == 0 and w is None else torch.empty_like(out)
             ops.cpu_attention_with_kv_cache(
                 query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=target,
@@ -411,7 +453,7 @@ class CrossLayerAttention:
                 causal=meta.causal, alibi_slopes=self.base.alibi_slopes, sliding_window=self.base.sliding_window,
                 block_table=meta.block_table, softcap=self.base.logits_soft_cap,
                 scheduler_metadata=meta.scheduler_metadata, s_aux=self.base.sinks,
-                dynamic_causal=meta.dynamic_causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                dynamic_causal=meta.dynamic_causal, k_scale=k_scale, v_scale=layers[v_layer]._v_scale_float,
                 kv_cache_dtype=self.base.kv_cache_dtype)
             if target is out:
                 continue
@@ -525,8 +567,8 @@ class CrossLayerAttention:
             lens = meta.seq_lens[rows]
             n_blocks = -(-max(seq_lens[r] for r in decodes) // block_size)
             blocks = meta.block_table[rows, :n_blocks]
-            k_src = [gather_blocks(c, blocks, key_layout) for c in keys]
-            v_src = [gather_blocks(c, blocks, value_layout) for c in values]
+            k_src = [widened(gather_blocks(c, blocks, key_layout), q.dtype) for c in keys]
+            v_src = [widened(gather_blocks(c, blocks, value_layout), q.dtype) for c in values]
             key_pos = torch.arange(n_blocks * block_size)[None, :]
             mask = key_pos < lens[:, None]  # [R, S]
             # Slots past a sequence's end hold whatever a freed block held (a non-finite value included): a
@@ -553,8 +595,8 @@ class CrossLayerAttention:
             t = starts[r + 1] - starts[r]
             s = seq_lens[r]
             blocks = meta.block_table[r:r + 1, : -(-s // block_size)]
-            k_src = [gather_blocks(c, blocks, key_layout)[:, :, :s] for c in keys]
-            v_src = [gather_blocks(c, blocks, value_layout)[:, :, :s] for c in values]
+            k_src = [widened(gather_blocks(c, blocks, key_layout)[:, :, :s], q.dtype) for c in keys]
+            v_src = [widened(gather_blocks(c, blocks, value_layout)[:, :, :s], q.dtype) for c in values]
             # Query i of this chunk sits at position s - t + i and sees keys 0 .. s - t + i.
             q_pos, key_pos = torch.arange(s - t, s)[:, None], torch.arange(s)[None, :]
             mask = key_pos <= q_pos
@@ -578,7 +620,7 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
 
     storage = storage or {}
     for impl in layers:
-        dtype = model_dtype if impl.kv_cache_dtype == "auto" else getattr(torch, impl.kv_cache_dtype)
+        dtype = cache_element_dtype(impl.kv_cache_dtype, model_dtype)
         layout = (None, None)
         if not impl.on_gpu and len(impl.k_layers) > 1:
             layout = cpu_cache_layout(model_dtype, dtype, impl.kv_cache_dtype, block_size, impl.head_size)
@@ -586,7 +628,8 @@ def select_paths(layers: list[CrossLayerAttention], model_dtype: torch.dtype, de
                                       device=device, dtype=dtype, query_dtype=model_dtype,
                                       native_layout=kernel_layout(layout))
         sources = impl.k_layers + impl.v_layers
-        step_rows = path == "native" and all(n in storage for n in sources)
+        # An 8-bit cache's chunks read the codes back (the rows of the step are not yet rounded to them).
+        step_rows = path == "native" and impl.fp8 is None and all(n in storage for n in sources)
         if step_rows:
             for n in sources:
                 if not isinstance(storage[n].impl, StorageAttention):

@@ -21,6 +21,31 @@ import torch
 
 from ..kernels import native
 
+# vLLM's 8-bit KV caches (`--kv-cache-dtype`): uint8 tensors holding the fp8 codes of x / scale, with one float
+# scale per attention layer for its keys and one for its values (`layer._k_scale_float`, `_v_scale_float`: 1.0
+# unless the checkpoint carries scales). "fp8" is e4m3 (vLLM's CPU kernels dispatch it as "fp8_e4m3"). The
+# reconstruction layers read the codes as these dtypes (free views) and fold the scales into their fusion weights.
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def cache_element_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a layer's cache elements are read as: the model's (`auto`), the one named, or an fp8 format."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return FP8_FORMATS.get(kv_cache_dtype) or getattr(torch, kv_cache_dtype)
+
+
+def quantize_fp8(x: torch.Tensor, fmt: torch.dtype, scale: float) -> torch.Tensor:
+    """x as vLLM writes it to an 8-bit cache: fp8(x / scale), rounded to nearest even and saturated at the
+    format's largest finite value (vLLM's conversion saturates; torch's cast alone would give NaN/inf)."""
+    limit = torch.finfo(fmt).max
+    return (x.float() / scale).clamp(-limit, limit).to(fmt)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What vLLM's attention reads from an 8-bit cache: code * scale."""
+    return (codes.to(torch.float32) * scale).to(dtype)
+
 
 def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[blocks, kv_heads, block, 2*D] -> key cache, value cache, each [blocks, kv_heads, block, D] (views),
@@ -30,29 +55,32 @@ def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @functools.lru_cache(maxsize=16)
-def block_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> tuple[torch.Tensor | None, ...]:
+def block_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                 kv_cache_dtype: str = "auto") -> tuple[torch.Tensor | None, ...]:
     """Where the CPU backend puts element (token t, channel d) of one (block, head) of the key and of
     the value cache: index tensors `idx` with plain[t * D + d] = raw[idx[t * D + d]] (None = plain).
 
     Learned by writing position codes through vLLM's `cpu_attn_reshape_and_cache` into a scratch cache
-    of one block and one head. Codes are written in base-64 digits, exact in every cache dtype."""
+    of one block and one head. Codes are written in base-64 digits, exact in every cache dtype (an 8-bit cache,
+    `dtype` its fp8 format: base-8 digits, exact in e4m3 and e5m2, written from float32 rows with scale 1)."""
     from vllm import _custom_ops as ops
 
     n = block_size * head_dim
-    base, digits = 64, 1
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    base, digits = (8 if fp8 else 64), 1
     while base**digits < n:
         digits += 1
     codes = torch.arange(n)
     found = [torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)]
     for k in range(digits):
         digit = (codes // base**k) % base
-        tokens = digit.view(block_size, 1, head_dim).to(dtype)  # [T, H=1, D], token t = slot t
-        kv = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+        tokens = digit.view(block_size, 1, head_dim).to(torch.float32 if fp8 else dtype)  # [T, H=1, D]: slot t
+        kv = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=torch.uint8 if fp8 else dtype)
         key_cache, value_cache = split_cpu_kv_cache(kv)
         ops.cpu_attn_reshape_and_cache(tokens, tokens.clone(), key_cache, value_cache,
-                                       torch.arange(block_size), isa)
+                                       torch.arange(block_size), isa, kv_cache_dtype=kv_cache_dtype)
         for side, cache in enumerate((key_cache, value_cache)):
-            found[side] += cache[0, 0].reshape(-1).to(torch.long) * base**k
+            found[side] += (cache.view(dtype) if fp8 else cache)[0, 0].reshape(-1).to(torch.long) * base**k
     layout = []
     for raw_codes in found:
         # raw position p holds code raw_codes[p]; invert to: code c sits at position idx[c].
@@ -128,7 +156,7 @@ def cpu_cache_layout(model_dtype: torch.dtype, cache_dtype: torch.dtype, kv_cach
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return block_layout(_get_attn_isa(model_dtype, block_size, head_dim, kv_cache_dtype), cache_dtype, block_size,
-                        head_dim)
+                        head_dim, kv_cache_dtype if kv_cache_dtype in FP8_FORMATS else "auto")
 
 
 # ---- GPU backends: caches [num_blocks, block_size, H_kv, D] --------------------------------------------

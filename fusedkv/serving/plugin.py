@@ -12,16 +12,19 @@ environment has an older transformers in which the project's HF forward does not
 
 from __future__ import annotations
 
+import functools
 import os
 
 ARCHITECTURE = "FusedKVForCausalLM"
 MODEL_CLASS = "fusedkv.serving.vllm_model:FusedKVForCausalLM"
 
 
+@functools.cache
 def serving_config_class():
     """`FusedKVConfig` with a writable `rope_theta`: vLLM normalises RoPE settings while loading any
     config by assigning `config.rope_theta`, which is a read-only view of `rope_parameters` in the
-    project's config."""
+    project's config. One class per process, also this module's attribute `FusedKVServingConfig` (`__getattr__`),
+    so that configs pickle into vLLM's engine and tensor-parallel worker processes."""
     from ..config import FusedKVConfig
     from ..plan import FULL
 
@@ -43,6 +46,12 @@ def serving_config_class():
 
     FusedKVServingConfig.__name__ = FusedKVServingConfig.__qualname__ = "FusedKVServingConfig"
     return FusedKVServingConfig
+
+
+def __getattr__(name: str):
+    if name == "FusedKVServingConfig":  # built on first use: importing this module must stay cheap
+        return serving_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # How sparse MoE layers run under vLLM (`vllm_moe`): vLLM's FusedMoE (the default) or the model's own SparseMoE.

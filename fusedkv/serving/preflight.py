@@ -7,8 +7,9 @@ a second, each failure one line and exit 2 (`fusedkv.errors`):
 
   * the checkpoint: `fusedkv generate`'s checks, what the plugin serves (`plugin.check_servable`), a
     tokenizer, and finite weights (a NaN weight gives NaN logits: HTTP 200 with empty text otherwise);
-  * vLLM's CPU attention backend: head sizes and block sizes it runs (`CPU_HEAD_SIZES`, `CPU_BLOCK_MULTIPLE`,
-    vLLM 0.32's `CPUAttentionBackend`; tests/serving check them against the installed vLLM);
+  * vLLM's CPU attention backend: whether its kernels run this model's head size, dtype, block size and
+    cache dtype on this processor, asked of the installed vLLM by running them (`cpu_probe`: its listed head
+    sizes are not what it runs; a few seconds, a vLLM import);
   * the address: resolved and bound exactly as vLLM binds it (port in use, a host that is not here);
   * the vLLM arguments after `--`: an option `fusedkv serve` sets itself is refused (it would silently
     disagree with fusedkv's), and the combinations the plugin refuses at load time are refused now;
@@ -24,12 +25,13 @@ import errno
 import ipaddress
 import json
 import socket
+import subprocess
 from pathlib import Path
 
 from ..errors import UsageError
+from .parallel import rank_heads
 
-# vLLM 0.32 CPUAttentionBackend.get_supported_head_sizes() and get_supported_kernel_block_sizes().
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM 0.32 CPUAttentionBackend.get_supported_kernel_block_sizes() (tests/serving check it against the installed vLLM).
 CPU_BLOCK_MULTIPLE = 32
 
 # Precision order of the dtypes vLLM serves: a lower rank loses mantissa bits.
@@ -92,19 +94,35 @@ def check_vllm_args(vllm_args: list[str], config, cpu_build: bool) -> None:
             how = "give the checkpoint directory" if own == "CHECKPOINT" else f"use fusedkv serve's own {own}"
             raise UsageError(f"{arg!r} after `--` duplicates an option fusedkv serve sets itself; {how} "
                              "(before `--`)")
-    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
-        value = option_value(vllm_args, names)
-        if value is not None and value.strip() != "1":
-            raise UsageError(f"{names[0]} {value}: the fusedkv vLLM plugin runs on one device")
+    pp = option_value(vllm_args, ("--pipeline-parallel-size", "-pp"))
+    if pp is not None and pp.strip() != "1":
+        raise UsageError(f"--pipeline-parallel-size {pp}: the fusedkv vLLM plugin runs pipeline parallel size 1 "
+                         "(vLLM's CPU build runs no pipeline stages); use --tensor-parallel-size")
+    tp = option_value(vllm_args, ("--tensor-parallel-size", "-tp"))
+    if tp is not None and tp.strip() != "1":
+        check_tensor_parallel(config, tp)
     cache_dtype = option_value(vllm_args, ("--kv-cache-dtype",))
-    if cache_dtype not in (None, "auto", "float32", "bfloat16", "float16") and reads_other_layers(config):
-        raise UsageError(f"--kv-cache-dtype {cache_dtype}: FusedKV reconstruction layers read unquantised caches; "
-                         "serve with the default (auto)")
     if cache_dtype not in (None, "auto", "float32", "bfloat16", "float16") and getattr(config, "kv_lora_rank", None):
         raise UsageError(f"--kv-cache-dtype {cache_dtype}: the plugin's latent-attention (MLA) layers keep their "
                          "latents unquantised; serve with the default (auto)")
-    if cpu_build and cache_dtype is not None and cache_dtype.startswith("fp8") and config.head_dim % 32:
-        raise UsageError(f"--kv-cache-dtype {cache_dtype}: vLLM's CPU backend needs head_dim divisible by 32")
+
+
+def check_tensor_parallel(config, value: str) -> None:
+    """What the plugin's tensor parallel takes (`vllm_model.rank_heads`, `check_parallel`): heads that split evenly
+    (KV heads replicated where fewer than ranks), multi-head attention and dense MLPs."""
+    try:
+        tp = int(value)
+    except ValueError:
+        raise UsageError(f"--tensor-parallel-size {value!r}: expected a whole number") from None
+    if tp < 1:
+        raise UsageError(f"--tensor-parallel-size {tp}: expected 1 or more")
+    try:
+        rank_heads(config.num_attention_heads, config.num_key_value_heads, tp, 0)
+    except ValueError as e:
+        raise UsageError(f"--tensor-parallel-size {tp}: {e}") from None
+    if getattr(config, "kv_lora_rank", None) is not None or getattr(config, "num_experts", 0):
+        raise UsageError(f"--tensor-parallel-size {tp}: the fusedkv plugin's tensor parallel runs multi-head attention "
+                         "models with dense MLPs; serve MLA and mixture-of-experts models with size 1")
 
 
 def reads_other_layers(config) -> bool:
@@ -127,14 +145,33 @@ def implied_vllm_args(config, vllm_args: list[str], cpu_build: bool) -> list[str
     return ["--disable-hybrid-kv-cache-manager"]
 
 
-def check_cpu_backend(config, block_size: int | None) -> None:
-    """Head and block sizes vLLM's CPU attention runs; it accepts others at start-up and fails later."""
-    if config.head_dim not in CPU_HEAD_SIZES and getattr(config, "kv_lora_rank", None) is None:  # MLA: vllm_mla
-        raise UsageError(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes "
-                         f"{', '.join(map(str, CPU_HEAD_SIZES))} only (it would fail at the first request); "
-                         "serve this model with `fusedkv generate`, or train one with such a head_dim")
+def check_cpu_backend(config, block_size: int | None, python: str, env: dict, dtype: str = "float32",
+                      kv_cache_dtype: str | None = None) -> None:
+    """What vLLM's CPU attention runs here, asked of the installed vLLM (`cpu_probe`, in its environment): it
+    accepts other shapes at start-up and fails at the first request."""
     if block_size is not None and block_size % CPU_BLOCK_MULTIPLE:
         raise UsageError(f"--block-size {block_size}: vLLM's CPU backend needs a multiple of {CPU_BLOCK_MULTIPLE}")
+    if getattr(config, "kv_lora_rank", None) is not None:  # MLA: vllm_mla's own head size and cache
+        return
+    cache = kv_cache_dtype if kv_cache_dtype not in (None, "auto", dtype) else "auto"
+    args = dict(head_dim=config.head_dim, num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads, dtype=dtype, kv_cache_dtype=cache,
+                block_size=block_size or 128)
+    try:
+        out = subprocess.run([python, "-m", "fusedkv.serving.cpu_probe", json.dumps(args)], capture_output=True,
+                             text=True, timeout=300, env=env, check=True).stdout
+        reason = json.loads(out.strip().splitlines()[-1])["error"]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError) as e:
+        raise UsageError(f"cannot ask the vLLM environment's Python {python} what its CPU attention runs ({e}); "
+                         "reinstall it with scripts/install-vllm.sh") from e
+    if reason is None:
+        return
+    if cache != "auto":
+        raise UsageError(f"--kv-cache-dtype {cache}: vLLM's CPU attention does not run it for head_dim="
+                         f"{config.head_dim} on this processor ({reason}); serve with the default (auto)")
+    raise UsageError(f"head_dim={config.head_dim}: vLLM's CPU attention does not run this head size on this processor "
+                     f"({reason}; it would fail at the first request); serve this model with `fusedkv generate`, or "
+                     "train one with another head_dim")
 
 
 def checkpoint_dtype(config) -> str:

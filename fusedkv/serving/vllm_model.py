@@ -38,6 +38,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationMode, VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
@@ -58,22 +59,39 @@ from ..model.fusion import KVFusion
 from ..model.layers import apply_rope, rope_inv_freq, rope_tables
 from ..plan import SLIDING, LayerKV
 from .paged import CrossLayerAttention, select_paths
+from .parallel import rank_heads
 from .plugin import check_servable
 from .vllm_mla import make_mla
 from .vllm_moe import FusedSparseMoE, choose_moe_path, make_moe_mlp
 
 
-def check_backend_runs(config) -> None:
-    """Refuse, while the model loads, a head size the CPU attention backend would refuse only at the first
-    request (for users of `vllm serve`; `fusedkv serve` checks before starting vLLM)."""
+def check_backend_runs(config, vllm_config: VllmConfig) -> None:
+    """Refuse, while the model loads, a layer shape the CPU attention backend would refuse only at the first
+    request (for users of `vllm serve`; `fusedkv serve` checks before starting vLLM): its kernels are asked by
+    running them (`cpu_probe`)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and config.kv_lora_rank is None:  # MLA caches use vllm_mla's own head size
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from .cpu_probe import attention_runs
 
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if config.head_dim not in sizes:
-            raise ValueError(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes {sizes} only")
+        cache = vllm_config.cache_config
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        reason = attention_runs(config.head_dim, config.num_attention_heads, config.num_key_value_heads, dtype,
+                                cache.block_size or 128, cache.cache_dtype)
+        if reason is not None:
+            raise ValueError(f"head_dim={config.head_dim}, kv cache {cache.cache_dtype}: vLLM's CPU attention does "
+                             f"not run this on this processor ({reason})")
+
+
+def check_parallel(config, parallel) -> None:
+    """Tensor parallel runs the multi-head attention layers sharded by head (`rank_heads`) and vLLM's parallel
+    linear layers; pipeline parallel is refused (see docs/serving.md, "Tensor and pipeline parallel")."""
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("the FusedKV vLLM plugin runs pipeline parallel size 1 (vLLM's CPU build does not run "
+                         "pipeline stages; see docs/serving.md); use tensor parallel")
+    if parallel.tensor_parallel_size != 1 and (config.kv_lora_rank is not None or getattr(config, "num_experts", 0)):
+        raise ValueError("tensor parallel with the FusedKV plugin runs multi-head attention models with dense MLPs; "
+                         "latent attention (MLA) and mixture-of-experts models run with tensor parallel size 1")
 
 
 def attention_layer_name(prefix: str, index: int) -> str:
@@ -120,7 +138,10 @@ class FusedKVAttention(nn.Module):
     def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        # Tensor parallel: this rank's heads; a reconstruction layer fuses only its KV heads (`parallel`).
+        self.num_heads, self.num_kv_heads, self.kv_heads = rank_heads(
+            total_heads, total_kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.attention_bias
@@ -128,21 +149,21 @@ class FusedKVAttention(nn.Module):
         # QK-norm (Qwen3, Gemma 3) or none (Llama, Mistral, Qwen2, Gemma 2).
         self.qk_norm = config.use_qk_norm
         if layer.stores:
-            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
                                               bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
             if self.qk_norm:
                 self.k_norm = make_norm(config, self.head_dim)
         else:
-            self.q_proj = ColumnParallelLinear(config.hidden_size, self.q_size, bias=bias, quant_config=quant_config,
-                                               prefix=f"{prefix}.q_proj")
-            # The model's own fusion module (its parameter names are the checkpoint's); the weights the
-            # attention reads are expanded from it once after loading (`served`).
-            self.fusion = KVFusion(layer, self.num_kv_heads, self.head_dim, config.tie_rope_pairs)
+            self.q_proj = ColumnParallelLinear(config.hidden_size, total_heads * self.head_dim, bias=bias,
+                                               quant_config=quant_config, prefix=f"{prefix}.q_proj")
+            # The model's own fusion module, whole on every rank (its parameter names are the checkpoint's); the
+            # weights the attention reads are expanded from it once after loading, this rank's KV heads (`served`).
+            self.fusion = KVFusion(layer, total_kv_heads, self.head_dim, config.tie_rope_pairs)
             self.served: tuple[list, list] = ([None] * len(layer.k_sources), [None] * len(layer.v_sources))
         if self.qk_norm:
             self.q_norm = make_norm(config, self.head_dim)
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary = Rotary(config, layer.attention_type)
         target = None if layer.stores else attention_layer_name(model_prefix, layer.k_sources[0])
         # Gemma scales scores by query_pre_attn_scalar^-1/2; Gemma 2 soft-caps them; window layers see the
@@ -264,10 +285,8 @@ class FusedKVModel(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_servable(config)
-        check_backend_runs(config)
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ValueError("the FusedKV vLLM plugin runs on one device (tensor and pipeline parallel size 1)")
+        check_backend_runs(config, vllm_config)
+        check_parallel(config, vllm_config.parallel_config)
         self.config, self.plan = config, config.plan
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
@@ -433,8 +452,9 @@ class FusedKVForCausalLM(nn.Module):
                 av, bv = v[0] + v[1] * av, v[1] * bv
                 carried[chain] = ((ak, bk), (av, bv))
                 k, v = [ak, bk], [av, bv]
-            attn.served = ([None if w is None else w.detach().contiguous() for w in k],
-                           [None if w is None else w.detach().contiguous() for w in v])
+            # Tensor parallel: this rank's KV heads' rows (`rank_heads`).
+            attn.served = ([None if w is None else w[attn.kv_heads].detach().contiguous() for w in k],
+                           [None if w is None else w[attn.kv_heads].detach().contiguous() for w in v])
 
 
 def _join(prefix: str, name: str) -> str:

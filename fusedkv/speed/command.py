@@ -7,7 +7,7 @@ from pathlib import Path
 from .. import argtypes
 from ..engine.precision import head_format, kv_dtype_for, weight_format
 from ..errors import UsageError, writing
-from ..flags import add_kivi_flags, add_plan_flag, kv_group
+from ..flags import add_device_flag, add_dtype_flag, add_kivi_flags, add_plan_flag, kv_group
 from ..kernels import native
 from ..plan import COMPARED_PLANS, VANILLA
 from ..quant import check_kivi_settings
@@ -57,8 +57,8 @@ def register(sub) -> None:
                    "WEIGHTS/KV (weights float32, bfloat16, float16, half, int8, int4; KV float32, bfloat16, float16, "
                    "half), e.g. float32/half,half/half,int8/half,int4/half (int4: LM head at int8; int4@int4/half: "
                    "at int4 too); benchmarks/cpu_decode.py adds llama.cpp next to them")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_flag(p, "cpu")
+    add_dtype_flag(p, "float32", help="weights, activations and KV cache")
     p.add_argument("--threads", type=argtypes.int_range(1, 1024), default=None,
                    help="torch CPU threads (default: torch's choice; 1 avoids OpenMP stalls on a loaded machine)")
     p.add_argument("--json", dest="json_path", type=argtypes.output_file("bench.json"),

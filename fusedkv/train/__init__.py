@@ -11,7 +11,7 @@ Modules: :mod:`.config` (TrainConfig, YAML / key=value overrides; presets in pre
 RNG, stop signals), :mod:`.sharded_checkpoint` (every rank writes its shard, DCP), :mod:`.rundir` (the run
 directory's lock, --overwrite, which checkpoint --resume continues from), :mod:`.distributed` (torchrun,
 DDP, FSDP2), :mod:`.data` (data preparation and vocabulary checks), :mod:`.metrics` (CSV, TensorBoard,
-plots, the KV-cache report), :mod:`.memory_plan` (`fusedkv memory`), :mod:`.command` (`fusedkv train`).
+plots, the KV-cache report), :mod:`.memory_estimate` (`fusedkv memory`), :mod:`.command` (`fusedkv train`).
 The loss is fusedkv/model/loss.py.
 """
 

@@ -23,7 +23,7 @@ import yaml
 
 from ..argtypes import Parser, add_debug_flag, output_dir
 from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError, debug_enabled, report, run_command
-from ..flags import add_plan_flag
+from ..flags import add_device_flag, add_plan_flag, add_seed_flag
 from . import full_checkpoint as ckpt_io
 from .config import DISTRIBUTED_MODES, PRESET_NAMES, resolve_config
 from .rundir import RunDirLock, find_resume_checkpoint
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--max-steps", type=int, metavar="N", help="optimiser steps (overrides the preset's budget)"
     )
-    g.add_argument("--seed", type=int, help="seed for initialisation and data order (default: 0)")
+    add_seed_flag(g, None, help="seed for initialisation and data order")
     g.add_argument(
         "--init-from",
         metavar="MODEL_DIR",
@@ -138,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="activation checkpointing: recompute decoder layers in backward to save memory",
     )
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: cuda if available")
+    add_device_flag(g, None, indexed=False)
     g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     g.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     return p

@@ -1,7 +1,7 @@
 """What a training run holds, counted for this model and trainer: its parameters (built on the meta device),
 the tensors autograd saves per token in each layer, and an uptraining teacher's size and per-token bytes.
 
-`fusedkv.train.memory_plan` adds them up into bytes per GPU for a parallel layout; the counting rules
+`fusedkv.train.memory_estimate` adds them up into bytes per GPU for a parallel layout; the counting rules
 and their references are in its docstring.
 """
 

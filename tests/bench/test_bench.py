@@ -42,12 +42,12 @@ def test_gpu_benchmark_model_part_dry_run(capsys):
 
 
 def _factored_decode(q, k_sources, k_weights, v_sources, v_weights, **kw):
-    return decode_attention(q, k_sources, k_weights, v_sources, v_weights, backend="torch")
+    return decode_attention(q, k_sources, k_weights, v_sources, v_weights, kernel="torch")
 
 
 def _wrong_decode(q, k_sources, k_weights, v_sources, v_weights, **kw):
     # The right computation with the softmax scale forgotten: plausible numbers, wrong ones.
-    return decode_attention(q, k_sources, k_weights, v_sources, v_weights, scale=1.0, backend="torch")
+    return decode_attention(q, k_sources, k_weights, v_sources, v_weights, scale=1.0, kernel="torch")
 
 
 def test_gpu_benchmark_fails_when_a_timed_kernel_is_wrong(capsys):

@@ -84,7 +84,7 @@ def test_imported_features_are_served_and_run_by_the_native_step():
     in its layout (tests/engine/test_native_step_coverage.py checks its tokens)."""
     from fusedkv import FusedKVForCausalLM
     from fusedkv.engine.native_step import unsupported
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
     from fusedkv.serving.plugin import check_servable
 
     hf = transformers.LlamaConfig(**SMALL, rope_parameters={

@@ -140,3 +140,17 @@ def test_the_real_smollm2_gguf_imports_with_transformers_logits(tmp_path):
     assert diff < 1e-4
     assert f"{ppl[0]:.4g}" == f"{ppl[1]:.4g}"
     assert os.path.isfile(tmp_path / "vanilla" / "chat_template.jinja")
+
+
+def test_serve_takes_a_gguf_file_as_its_vanilla_import_once(tiny, tmp_path, monkeypatch):
+    """`fusedkv serve FILE.gguf` serves the file's vanilla import, made once into the cache and reused while the
+    file is unchanged (what is served is then checked as any checkpoint directory)."""
+    from fusedkv.serving.command import check_servable_checkpoint, gguf_import
+
+    monkeypatch.setenv("FUSEDKV_CACHE", str(tmp_path / "cache"))
+    path = tiny[0]
+    first = gguf_import(path)
+    assert first == tmp_path / "cache" / "serve" / path.stem / "vanilla"
+    assert check_servable_checkpoint(str(first)).kv_sharing == "vanilla"
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert gguf_import(path) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp

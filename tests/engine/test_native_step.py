@@ -8,8 +8,8 @@ import torch
 
 from fusedkv.cache import StaticKVCache
 from fusedkv.engine.native_step import NativeDecodeStep, unsupported
-from fusedkv.engine.packing import set_decode_layout
 from fusedkv.engine.precision import reduce_precision
+from fusedkv.engine.selection import select_runtime, set_decode_layout
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
 from tests.conftest import PLAN_CONFIGS, tiered, tiny_model
@@ -178,7 +178,9 @@ def test_step_with_reduced_weights_matches_module_decode(plan, fmt):
     ids, mask = _padded_batch(seed=4)
     prompt = 6
     caches = [StaticKVCache(model.config, 3, ids.shape[1]) for _ in range(2)]
-    with torch.inference_mode():
+    # the modules as the runtime runs them (its product kernels, the fused QK-norm + RoPE pass: the step's
+    # arithmetic), with the model's own attention
+    with torch.inference_mode(), select_runtime(model, "materialized"):
         for cache in caches:
             model(ids[:, :prompt], attention_mask=mask[:, :prompt], cache=cache, use_cache=True)
         step = NativeDecodeStep(model, caches[0].keys, caches[0].values, 3)

@@ -8,7 +8,7 @@ import torch
 
 from fusedkv.cache import StaticKVCache
 from fusedkv.engine.native_step import NativeDecodeStep, unsupported
-from fusedkv.engine.packing import set_decode_layout
+from fusedkv.engine.selection import set_decode_layout
 from fusedkv.generation import generate
 from fusedkv.kernels import native
 from fusedkv.plan import FULL, SLIDING

@@ -1,6 +1,7 @@
-"""`pack_for_decode`: a re-layout that must change nothing but speed. Outputs, parameter names and
-values, checkpoints and training are checked against the unpacked model; the packed GEMV must really
-run (one product per group, counted by the profiler) and be dropped when the parameters move."""
+"""The packed decode layout (`fusedkv.engine.packing`, laid out by the selection's rule): a re-layout that
+must change nothing but speed. Outputs, parameter names and values, checkpoints and training are checked
+against the unpacked model; the packed GEMV must really run (one product per group, counted by the
+profiler) and be dropped when the parameters move."""
 
 import copy
 
@@ -9,11 +10,17 @@ import torch
 from torch.profiler import profile
 
 from fusedkv import FusedKVForCausalLM
-from fusedkv.engine.packing import column_major_down, is_packed, pack_for_decode, packed_product_wins, unpack_weights
+from fusedkv.engine.packing import is_packed, unpack_weights
+from fusedkv.engine.selection import product_rule, set_decode_layout
 from fusedkv.generation import generate
 from fusedkv.kernels import native
 from tests.conftest import PLAN_CONFIGS, tiered, tiny_model
 from tests.model.test_decode import incremental_logits, padded_batch
+
+
+def pack_for_decode(model):
+    """The packed layout by this machine's product rule (`fusedkv.engine.selection.product_rule`)."""
+    return set_decode_layout(model, "packed")
 
 
 # The fast tier: every plan at batch 2 (left padding), batch 1 for vanilla and FusedKV.
@@ -49,7 +56,7 @@ def test_packing_keeps_names_values_and_buffers_shared():
     assert attn.v_proj.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
     assert packed.t().is_contiguous()  # column-major
     # MKL streams the down projection faster row-major; the native kernel reads every weight column-major
-    assert model.model.layers[0].mlp.down_proj.weight.is_contiguous() != column_major_down()
+    assert model.model.layers[0].mlp.down_proj.weight.is_contiguous() != product_rule(model).native
     pack_for_decode(model)  # idempotent
     assert model.model.layers[0].self_attn.packed_qkv.weight.data_ptr() == packed.data_ptr()
 
@@ -68,7 +75,7 @@ def test_batch_one_decode_runs_one_product_per_packed_group(torch_kernels):
         assert _linear_calls(model, ids[:, -1:], cache) == 4 * 7 + 1
         pack_for_decode(model)
         assert _linear_calls(model, ids[:, -1:], cache) == 4 * 4 + 1  # qkv, o, gate|up, down
-        # A prefill block has more rows than PACKED_MAX_ROWS: separate products there.
+        # A prefill block has more rows than the rule's max_rows: separate products there.
         assert _linear_calls(model, ids, None) == 4 * 7 + 1
 
 
@@ -155,7 +162,7 @@ def test_generate_auto_chooses_the_layout_by_batch_size(kernels, request):
     one = generate(model, ids[:1], 5, weight_layout="auto")
     assert is_packed(model)  # batch 1: one GEMV per group
     four = generate(model, ids, 5, weight_layout="auto")
-    if packed_product_wins(4):  # the native kernel: column-major up to its MAX_ROWS
+    if 4 <= product_rule(model).max_rows:  # the native kernel: column-major up to its MAX_ROWS
         assert is_packed(model)
     else:
         assert not is_packed(model) and all(p.is_contiguous() for p in model.parameters())  # batch 4: row-major

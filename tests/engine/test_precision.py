@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusedkv.cache import StaticKVCache
-from fusedkv.engine.packing import pack_for_decode, unpack_weights
+from fusedkv.engine.packing import unpack_weights
 from fusedkv.engine.precision import (
     ReducedLinear,
     half_dtype,
@@ -19,6 +19,7 @@ from fusedkv.engine.precision import (
     weight_format,
     weight_nbytes,
 )
+from fusedkv.engine.selection import select_products, set_decode_layout
 from fusedkv.generation import generate
 from tests.conftest import tiny_model
 
@@ -202,10 +203,14 @@ def test_int4_prefill_weight_is_the_former_dequantization_bit_for_bit(in_feature
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 40])
-def test_every_kernel_route_matches_the_dequantized_product(fmt, rows):
-    """GEMV kernel (few rows), oneDNN / dequantised GEMM (many rows), with a bias."""
+@pytest.mark.parametrize("selected", [False, True])
+def test_every_kernel_route_matches_the_dequantized_product(fmt, rows, selected):
+    """GEMV kernel (few rows), oneDNN / dequantised GEMM (many rows), with a bias: the portable products and
+    the ones the runtime selects for this processor (`fusedkv.engine.selection.select_products`)."""
     lin = torch.nn.Linear(48, 40)
     red = ReducedLinear.from_linears([lin], fmt)
+    if selected:
+        select_products(red)
     x = torch.randn(rows, 48)
     ref = x @ red.dequantized(torch.float64).T.float() + lin.bias
     out = red(x)
@@ -220,7 +225,7 @@ def test_weight_bytes_and_layout_requests():
     with torch.no_grad():
         before = reduce_precision(model, "int8")(ids).logits
     assert weight_nbytes(model) < full / 3.5  # int8 + one 16-bit scale per output channel
-    pack_for_decode(model)  # the reduced modules keep their own layout: no-ops
+    set_decode_layout(model, "packed")  # the reduced modules keep their own layout: no-ops
     unpack_weights(model)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)

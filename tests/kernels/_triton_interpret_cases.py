@@ -110,7 +110,7 @@ def test_dispatcher_and_duplicate_sources():
     kv_start = torch.tensor([2])
     # k listed twice (merged into one weighted source) and also used as a V source: 3 V entries -> 2 distinct
     ks, kw, vs, vw = [k, k], [a, None], [v, k, v], [c, None, None]
-    out = decode_attention(q[:, :, None], ks, kw, vs, vw, kv_start, backend="triton",
+    out = decode_attention(q[:, :, None], ks, kw, vs, vw, kv_start, kernel="triton",
                            num_splits=2, block_n=16)
     ref = materialized_attention(q[:, :, None], ks, kw, vs, vw, mask=kv_start_to_mask(kv_start, s))
     assert out.shape == ref.shape

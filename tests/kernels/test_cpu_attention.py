@@ -40,13 +40,13 @@ def test_matches_the_float64_reference(dtype, n_k, n_v, weights, h_q, h_kv, leng
     v_w = [None if shape is None else torch.randn(*shape, generator=g) for _ in range(n_v)]
     q = torch.randn(b, h_q, 1, d, generator=g)
     start = torch.tensor([0, length // 2, length - 1])  # left padding: each row's first real key
-    out = cpu_attention.decode_attention(q, k_src, k_w, v_src, v_w, start, d**-0.5)
+    out = cpu_attention.one_token_attention(q, k_src, k_w, v_src, v_w, start, d**-0.5)
     ref = materialized_attention(q.double(), _double(k_src), _double(k_w), _double(v_src), _double(v_w),
                                  mask=kv_start_to_mask(start, length), scale=d**-0.5)
     assert out.shape == (b, h_q, 1, d) and out.dtype == torch.float32
     # The cache is read exactly as stored (widened, not rounded again): f32 arithmetic is the only error.
     assert (out.double() - ref).abs().max() < 2e-5 * (1 + ref.abs().max())
-    no_padding = cpu_attention.decode_attention(q, k_src, k_w, v_src, v_w, None, d**-0.5)
+    no_padding = cpu_attention.one_token_attention(q, k_src, k_w, v_src, v_w, None, d**-0.5)
     ref_all = materialized_attention(q.double(), _double(k_src), _double(k_w), _double(v_src), _double(v_w),
                                      scale=d**-0.5)
     assert (no_padding.double() - ref_all).abs().max() < 2e-5 * (1 + ref_all.abs().max())
@@ -80,7 +80,7 @@ def test_long_caches_match_the_float64_reference(dtype, d, h_q, h_kv, threads):
     try:
         for n in (1, 2):  # plain reuse (Lite's upper layers), and fusion of two sources with weights
             ws = (k_w[:n], v_w[:n]) if n == 2 else ([None], [None])
-            out = cpu_attention.decode_attention(q, k_src[:n], ws[0], v_src[:n], ws[1], start, d**-0.5)
+            out = cpu_attention.one_token_attention(q, k_src[:n], ws[0], v_src[:n], ws[1], start, d**-0.5)
             ref = materialized_attention(q.double(), _double(k_src[:n]), _double(ws[0]), _double(v_src[:n]),
                                          _double(ws[1]), mask=kv_start_to_mask(start, length), scale=d**-0.5)
             assert (out.double() - ref).abs().max() < 2e-5 * (1 + ref.abs().max()), (n, float((out - ref).abs().max()))
@@ -91,7 +91,7 @@ def test_long_caches_match_the_float64_reference(dtype, d, h_q, h_kv, threads):
 def test_the_selection_gives_it_only_what_it_takes():
     # The kernel no longer declines per call: what it does not take (blocks, scalar weights, 3+ sources, a
     # model that is not f32 on CPU) never reaches it, because the selection decides once.
-    assert not cpu_attention.supports(64, 8, 2, 3, 1) and cpu_attention.supports(64, 8, 2, 2, 2)
+    assert not cpu_attention.fits(64, 8, 2, 3, 1) and cpu_attention.fits(64, 8, 2, 2, 2)
     dense = tiny_model("fusedkv-dense")  # upper layers fuse every lower layer with scalars
     chosen = select_runtime(dense).attention
     plan = dense.config.plan
@@ -101,7 +101,7 @@ def test_the_selection_gives_it_only_what_it_takes():
         assert fits == attn.layer.stores and (chosen[attn.layer.index] == "NativeOneToken") == fits
     for dtype in (torch.float64, torch.bfloat16):  # one-token steps of other dtypes keep PyTorch's paths
         assert "NativeOneToken" not in select_runtime(tiny_model("fusedkv", dtype=dtype)).attention.values()
-    with pytest.raises(ValueError, match="native attention path"):
+    with pytest.raises(ValueError, match="native attention implementation"):
         select_runtime(tiny_model("vanilla", dtype=torch.float64), "native")
 
 

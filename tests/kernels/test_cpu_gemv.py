@@ -127,10 +127,10 @@ def _decode_logits(model, ids):
 def test_native_decode_matches_torch_decode_and_the_full_forward(plan_name, monkeypatch):
     """The same packed model decoded one token at a time with the native kernel and with PyTorch's, and
     scored in one full forward: the same logits up to f32 rounding."""
-    from fusedkv.engine.packing import pack_for_decode
+    from fusedkv.engine.selection import set_decode_layout
     from tests.conftest import tiny_model
 
-    model = pack_for_decode(tiny_model(plan_name))
+    model = set_decode_layout(tiny_model(plan_name), "packed")
     ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(1))
     with_native = _decode_logits(model, ids)
     with torch.no_grad():

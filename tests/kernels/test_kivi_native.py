@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusedkv.engine.native_step import MAX_ROWS, NativeDecodeStep, unsupported
-from fusedkv.engine.packing import set_decode_layout
+from fusedkv.engine.selection import set_decode_layout
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_kivi, native
 from fusedkv.plan import FULL, SLIDING
@@ -134,6 +134,33 @@ def test_attention_query_heads_per_kv_head(bits, per_kv, shape):
     g = torch.Generator().manual_seed(3)
     w = [torch.randn(h_kv, d, generator=g) for _ in range(2)]
     q = torch.randn(batch, h_q, 1, d, generator=g)
+    got = cpu_kivi.attention(q, cache, [0, 1], w, [0, 1], w[::-1], d**-0.5)
+    want = _reference(q, cache, [0, 1], w, [0, 1], w[::-1], d**-0.5)
+    torch.testing.assert_close(got[:, :, 0].double(), want, atol=2e-5, rtol=2e-5)
+
+
+# (head_dim, group, residual) of the AVX2 loops over whole 16-byte units (`cpu_kivi_avx2.h`: nb % 16 == 0 and
+# G % 16 == 0) at every count of value groups its pair weights take (D/G = 1, 2, 4 in vectors, 8 one at a time),
+# and a head whose rows are not whole units at 4 bits (48 channels: the generic vector loops).
+LAYOUTS = {"D/G=1": (32, 32, 64), "D/G=2": (64, 32, 64), "D/G=8": (128, 16, 32), "d48": (48, 16, 32)}
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("at", ["R+1", "2R+3"])
+def test_attention_vector_layouts(bits, layout, at):
+    """Odd and even counts of quantised values (row pairs and a last row alone), GQA (a pair of query heads and
+    one alone), batch 2 and FusedKV's two weighted sources, against float64."""
+    d, g_size, r_len = LAYOUTS[layout]
+    n, h_kv, batch = LENGTHS[at](g_size, r_len), 2, 2
+    h_q = 3 * h_kv
+    cfg = tiny_config(num_hidden_layers=2, num_key_value_heads=h_kv, head_dim=d, num_attention_heads=h_q,
+                      kv_sharing="vanilla", max_position_embeddings=512)
+    cache = KIVICache(cfg, bits, g_size, r_len, max_len=n + 2)
+    _fill(cache, n, batch, h_kv, d, seed=d + n)
+    g = torch.Generator().manual_seed(5)
+    w = [torch.randn(h_kv, d, generator=g) for _ in range(2)]
+    q = torch.randn(batch, h_q, 1, d, generator=g) * 2
     got = cpu_kivi.attention(q, cache, [0, 1], w, [0, 1], w[::-1], d**-0.5)
     want = _reference(q, cache, [0, 1], w, [0, 1], w[::-1], d**-0.5)
     torch.testing.assert_close(got[:, :, 0].double(), want, atol=2e-5, rtol=2e-5)

@@ -20,7 +20,7 @@ CHECK = textwrap.dedent("""
     from fusedkv.generation import generate
     from fusedkv.kernels import native
     from fusedkv.engine.native_step import NativeDecodeStep
-    from fusedkv.engine.packing import set_decode_layout
+    from fusedkv.engine.selection import set_decode_layout
     from tests.conftest import tiny_model
 
     lib = native.library()
@@ -67,6 +67,8 @@ CHECK = textwrap.dedent("""
             kivi.test_attention_matches_float64(bits, "2R+3", shape, "fusedkv")
             for per_kv in (1, 3):  # MHA's constant-group loops, a pair of query heads and one alone
                 kivi.test_attention_query_heads_per_kv_head(bits, per_kv, shape)
+        for layout in kivi.LAYOUTS:  # its loops over whole 16-byte units (cpu_kivi_avx2.h), and what they leave
+            kivi.test_attention_vector_layouts(bits, layout, "2R+3")
         kivi.test_native_step_matches_the_forward("fusedkv", bits, 2, {})
         kivi.test_generate_same_tokens_with_and_without_the_native_step("fusedkv", bits, 3, {})
     print("ok")

@@ -149,19 +149,19 @@ def test_matches_plain_sdpa_for_one_source():
     assert (factored_attention(q, ks[0], None, vs[0], None) - ref).abs().max() < 1e-10
 
 
-def test_decode_attention_torch_backend():
+def test_decode_attention_torch_kernel():
     q, ks, kw, vs, vw = _inputs(3, 2, 2, 1, 12, 8, 2, 2, True, torch.float64)
     kv_start = torch.tensor([0, 4, 12])  # last row fully masked
     kv_end = torch.tensor([12, 10, 12])
     mask = kv_start_to_mask(kv_start, 12, kv_end)
     ref = materialized_attention(q, ks, kw, vs, vw, mask=mask)
-    out4 = decode_attention(q, ks, kw, vs, vw, kv_start, kv_end=kv_end)  # the default backend: torch
-    out3 = decode_attention(q[:, :, 0], ks, kw, vs, vw, kv_start, kv_end=kv_end, backend="torch")
+    out4 = decode_attention(q, ks, kw, vs, vw, kv_start, kv_end=kv_end)  # the default kernel: torch
+    out3 = decode_attention(q[:, :, 0], ks, kw, vs, vw, kv_start, kv_end=kv_end, kernel="torch")
     assert out4.shape == q.shape and out3.shape == q[:, :, 0].shape
     assert (out4 - ref).abs().max() < 1e-10 and (out3 - ref[:, :, 0]).abs().max() < 1e-10
     assert out3[2].abs().max() == 0
     with pytest.raises(ValueError):
-        decode_attention(q, ks, kw, vs, vw, backend="nope")
+        decode_attention(q, ks, kw, vs, vw, kernel="nope")
     with pytest.raises(ValueError):
         decode_attention(torch.randn(3, 4, 2, 8, dtype=torch.float64), ks, kw, vs, vw)
 
@@ -181,10 +181,10 @@ def test_is_triton_available_is_bool():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="interpreter is on")
-def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error():
+def test_triton_kernel_on_cpu_without_interpreter_is_a_clear_error():
     q, ks, kw, vs, vw = _inputs(1, 2, 1, 1, 5, 16, 1, 1, False, torch.float32)
     with pytest.raises(RuntimeError, match="Triton"):
-        decode_attention(q, ks, kw, vs, vw, backend="triton")
+        decode_attention(q, ks, kw, vs, vw, kernel="triton")
 
 
 @pytest.mark.slow  # a fresh interpreter: the fast tier (-m 'not slow') leaves it to the full suite

@@ -52,9 +52,9 @@ def _set_help() -> str:
 
 
 def test_memory_help_examples_run(cli, llama):
-    from fusedkv.train import plan_command
+    from fusedkv.train import memory_command
 
-    examples = _help_examples(plan_command.EPILOG)
+    examples = _help_examples(memory_command.EPILOG)
     assert len(examples) >= 5 and any("--uptrain" in e for e in examples)
     set_example = re.search(r"e\.g\. (--set \S+)", _set_help()).group(1)
     examples.append(["memory", "--preset", "tiny", "--gpus", "1", *set_example.split()])

@@ -43,7 +43,7 @@ Everything is counted tensor by tensor for *this* model and trainer, not from a 
 The fp32 CPU counts are checked against the real peak of a forward + backward + AdamW step, measured
 by `torch.profiler` with `profile_memory=True` (every allocation and free of tensor storage, replayed
 by torch's memory profiler; `measure_peak_cpu`), within 10% for the `tiny` and `nano` presets
-(tests/train/test_memory_plan.py). The bf16 counts follow the same tensor list with autocast's dtypes
+(tests/train/test_memory_estimate.py). The bf16 counts follow the same tensor list with autocast's dtypes
 (fp32 residual stream and norms, bf16 projections and attention) and are not measured here (no GPU).
 
 Time: the token budget divided by (tokens/s per GPU x GPUs). Without a measured throughput, the
@@ -55,11 +55,11 @@ one, labelled as such.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import argtypes
 from ..config import FusedKVConfig
 from .config import TrainConfig
 from .memory_counts import (
@@ -73,31 +73,22 @@ from .memory_counts import (
 )
 
 # The counts are `memory_counts`'; they are named here too, as one entry point for callers and tests.
-__all__ = ["MemoryEstimate", "ParamCount", "RunPlan", "Teacher", "activation_bytes_per_token", "count_parameters",
-           "count_teacher", "estimate", "format_plan", "measure_peak_cpu", "model_config", "parse_bytes", "plan_run",
-           "relative_error", "single_process_estimate"]
+__all__ = ["MemoryEstimate", "ParamCount", "RunEstimate", "Teacher", "activation_bytes_per_token", "count_parameters",
+           "count_teacher", "estimate", "estimate_run", "format_estimate", "measure_peak_cpu", "model_config",
+           "parse_bytes", "relative_error", "single_process_estimate"]
 
 GB = 1e9
 MODES = ("ddp", "fsdp")
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_bytes(text: str) -> float:
-    """'80GB', '80 GiB', '141e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory size {text!r}: expected a number with an optional unit, e.g. 80GB or 141GiB")
+    """'80GB', '80 GiB', '141e9' -> bytes, by the package's one unit rule (`fusedkv.argtypes.parse_bytes`:
+    G = 1e9, GiB = 2**30)."""
     try:
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    except ValueError:
-        raise ValueError(f"memory size {text!r}: {m.group(1)!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"memory size {text!r}: must be positive")
-    return value
+        return float(argtypes.parse_bytes(text))
+    except ValueError as e:
+        raise ValueError(f"memory {e}") from None
 
 
-# ---- the plan ----------------------------------------------------------------------------------------
+# ---- the estimate ------------------------------------------------------------------------------------
 @dataclass
 class MemoryEstimate:
     """Bytes per GPU for one parallel layout; `peak` is what must fit."""
@@ -149,7 +140,7 @@ class MemoryEstimate:
 
 
 @dataclass
-class RunPlan:
+class RunEstimate:
     cfg: TrainConfig
     mc: FusedKVConfig
     params: ParamCount
@@ -209,11 +200,11 @@ def estimate(mc: FusedKVConfig, params: ParamCount, *, mode: str, world: int, se
     )
 
 
-def plan_run(cfg: TrainConfig, gpus: int, gpu_memory: float, dtype: str = "bfloat16",
-             tokens_per_gpu_s: float | None = None, peak_tflops: float | None = None, mfu: float = 0.4,
-             model: FusedKVConfig | None = None, teacher: Teacher | None = None) -> RunPlan:
-    """The plan of `cfg` on `gpus` GPUs; `model` replaces the preset's model (uptraining: the source converted
-    to the plan), `teacher` adds the teacher of a distillation run."""
+def estimate_run(cfg: TrainConfig, gpus: int, gpu_memory: float, dtype: str = "bfloat16",
+                 tokens_per_gpu_s: float | None = None, peak_tflops: float | None = None, mfu: float = 0.4,
+                 model: FusedKVConfig | None = None, teacher: Teacher | None = None) -> RunEstimate:
+    """The memory and time estimate of `cfg` on `gpus` GPUs; `model` replaces the preset's model (uptraining: the
+    source converted to the KV-sharing plan), `teacher` adds the teacher of a distillation run."""
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: must be a positive number of GPUs")
     if dtype not in ("float32", "bfloat16"):
@@ -227,7 +218,7 @@ def plan_run(cfg: TrainConfig, gpus: int, gpu_memory: float, dtype: str = "bfloa
     else:
         mc = model_config(cfg)
     params = count_parameters(mc)
-    plan = RunPlan(cfg, mc, params, gpus, gpu_memory, dtype, cfg.micro_batch_size, accum, teacher=teacher)
+    plan = RunEstimate(cfg, mc, params, gpus, gpu_memory, dtype, cfg.micro_batch_size, accum, teacher=teacher)
     for mode in MODES:
         for ckpt in (False, True):
             plan.estimates[mode, ckpt] = estimate(
@@ -269,7 +260,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-def format_plan(plan: RunPlan) -> str:
+def format_estimate(plan: RunEstimate) -> str:
     cfg, mc, p = plan.cfg, plan.mc, plan.params
     tok_step = cfg.micro_batch_size * cfg.seq_len
     t = plan.teacher

@@ -10,7 +10,7 @@ import pytest
 
 from fusedkv.cli import main
 from fusedkv.train import TrainConfig
-from fusedkv.train import memory_plan as M
+from fusedkv.train import memory_estimate as M
 
 
 def _check(preset: str, checkpointing: bool):
@@ -51,7 +51,7 @@ def test_parameter_count_is_exact():
 
 def test_checkpointing_and_sharding_shrink_the_plan():
     cfg = TrainConfig(preset="1.5b", progress=False)
-    plan = M.plan_run(cfg, gpus=16, gpu_memory=80e9)
+    plan = M.estimate_run(cfg, gpus=16, gpu_memory=80e9)
     ddp, fsdp = plan.estimates["ddp", False], plan.estimates["fsdp", False]
     assert fsdp.weights * 16 == pytest.approx(ddp.weights)
     assert fsdp.optimizer * 16 == pytest.approx(ddp.optimizer)
@@ -141,6 +141,6 @@ def test_mixture_of_experts_and_latent_attention_are_counted():
         assert M.activation_bytes_per_token(mc)["total"] > 0
     p = M.count_parameters(moe)
     assert p.active < p.non_embedding
-    plan = M.plan_run(cfg, gpus=1, gpu_memory=80e9, model=mla)
+    plan = M.estimate_run(cfg, gpus=1, gpu_memory=80e9, model=mla)
     assert plan.estimates["fsdp", False].peak > 0 and plan.mc.kv_lora_rank == 32
     assert M.count_parameters(dense).active == M.count_parameters(dense).non_embedding

@@ -4,7 +4,7 @@ before launching it.
     fusedkv memory --preset 4b --gpus 64 --gpu-memory 80GB --tokens-per-gpu-s 3000
     fusedkv memory --uptrain Llama-3.1-8B/ --plan fusedkv --gpus 8 --set seq_len=4096   # teacher counted too
 
-The counting rules and their references are in `fusedkv.train.memory_plan`.
+The counting rules and their references are in `fusedkv.train.memory_estimate`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import argparse
 
 from .. import argtypes
 from ..errors import UsageError
-from ..flags import add_plan_flag
+from ..flags import add_dtype_flag, add_plan_flag
 from .config import PRESET_NAMES, resolve_config
-from .memory_plan import format_plan, parse_bytes, plan_run
+from .memory_estimate import estimate_run, format_estimate, parse_bytes
 
 EPILOG = """\
 examples:
@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=argtypes.int_range(2), help="training sequence length (default: the preset's)")
     p.add_argument("--micro-batch", type=argtypes.int_range(1, 1_000_000),
                    help="sequences per forward per GPU (default: the preset's)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    add_dtype_flag(p, "bfloat16", ("bfloat16", "float32"),
                    help="bfloat16 autocast (GPU default) or float32 (CPU default)")
     p.add_argument("--activation-checkpointing", choices=("both", "on", "off"), default="both",
                    help="which columns to show (default both)")
@@ -96,12 +96,12 @@ def handle(args) -> int:
         raise UsageError(f"seq_len={cfg.seq_len} is past the context of {args.uptrain} "
                          f"({model.max_position_embeddings} tokens, its max_position_embeddings): the source is the "
                          f"teacher of every window; use --set seq_len=N with N <= {model.max_position_embeddings}")
-    plan = plan_run(cfg, args.gpus, parse_bytes(args.gpu_memory), dtype=args.dtype,
+    plan = estimate_run(cfg, args.gpus, parse_bytes(args.gpu_memory), dtype=args.dtype,
                     tokens_per_gpu_s=args.tokens_per_gpu_s, peak_tflops=args.peak_tflops, mfu=args.mfu,
                     model=model, teacher=teacher)
     keep = {"both": (False, True), "on": (True,), "off": (False,)}[args.activation_checkpointing]
     plan.estimates = {k: v for k, v in plan.estimates.items() if k[1] in keep}
-    print(format_plan(plan))
+    print(format_estimate(plan))
     return 0
 
 
