@@ -155,6 +155,37 @@ def non_empty(text: str) -> str:
     return text
 
 
+def output_file(example: str):
+    """The type of a flag naming a file a command writes (a plot, a JSON report): not an existing directory
+    (`example`, a file name, shows what to give instead). The command writes exactly this path, atomically
+    (`fusedkv.utils.write_atomic`); tests/reliability/test_output_paths.py checks that every output flag of
+    every command has this type or `output_dir`."""
+    import os
+
+    def parse(text: str) -> str:
+        text = non_empty(text)
+        if os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name, e.g. "
+                                             f"{os.path.join(text, example)}")
+        return text
+
+    parse.fusedkv_output = "file"
+    return parse
+
+
+def output_dir(text: str) -> str:
+    """The type of a flag naming a directory a command writes (a run, a model): not an existing file."""
+    import os
+
+    text = non_empty(text)
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a directory")
+    return text
+
+
+output_dir.fusedkv_output = "dir"
+
+
 def _out_of_range(value: int, lo: int, hi: int) -> str:
     if hi == INT_MAX:
         return f"must be at least {lo}, got {value}" if value < lo else f"must be at most {hi:,}, got {value:,}"

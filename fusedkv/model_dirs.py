@@ -13,12 +13,16 @@ are hashed once per process (streamed in 4 MiB blocks) while their size and modi
 Writing a model (`fusedkv convert`, `fusedkv prune`, any command that makes a model directory) goes
 through `check_destination` (before any work: never a file, never the source, never a directory that
 already holds files unless `overwrite`) and `write_directory_atomically` (a temporary directory beside
-the destination, renamed into place once complete), so no command loses a model.
+the destination, renamed into place once complete), so no command loses a model. The writer holds an OS
+lock (`fcntl.flock`) on `<temporary>.lock` while it works; the kernel drops it however the writer ends, so
+the next write to the same destination removes the temporaries of writers that were killed (kill -9, power
+loss) and leaves those of live ones alone.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -132,7 +136,10 @@ def check_checkpoint_dir(path, config=None, model_types: tuple[str, ...] = ("fus
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
         if model_type not in model_types:
-            hint = f"; import it with `fusedkv convert {p} OUT_DIR --kv-sharing PLAN`" if model_type == "qwen3" else ""
+            hint = ""
+            if "fusedkv" in model_types and model_type is not None:  # a Hugging Face checkpoint: import it first
+                hint = (f"; import it first with `fusedkv convert {p} OUT_DIR --plan PLAN` (vanilla keeps its "
+                        "full cache; `fusedkv convert --help` lists the families it reads)")
             wanted = " or ".join(repr(t) for t in model_types)
             raise ValueError(f"{p} holds a {model_type!r} model, not a {wanted} model{hint}")
     weights = sorted(p.glob("*.safetensors"))
@@ -233,13 +240,53 @@ def check_destination(dst: str | Path, overwrite: bool, source: str | Path | Non
                          "them, or choose a new directory")
 
 
+def _temporary_prefix(dst: Path) -> str:
+    return f".{dst.name}.tmp-"
+
+
+def remove_dead_temporaries(dst: str | Path) -> list[Path]:
+    """Remove the temporary directories beside `dst` whose writer is gone (its lock file can be locked);
+    returns them. A live writer holds its lock, so its temporary directory stays."""
+    dst = Path(dst)
+    removed = []
+    if not dst.parent.is_dir():
+        return removed
+    for lock_path in sorted(dst.parent.glob(f"{_temporary_prefix(dst)}*.lock")):
+        try:
+            f = open(lock_path, "a")  # noqa: SIM115 (closed below)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its writer is alive
+            tmp = lock_path.with_name(lock_path.name[: -len(".lock")])
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock_path.unlink(missing_ok=True)
+            removed.append(tmp)
+        finally:
+            f.close()
+    return removed
+
+
 def write_directory_atomically(dst: str | Path, write, overwrite: bool = True) -> None:
     """`write(tmp)` fills a temporary directory beside `dst` (same file system), which then replaces `dst`
     by rename; on any failure the temporary directory is removed and `dst` is untouched. Without
-    `overwrite`, a `dst` that gained files while the model was being made is refused, not replaced."""
+    `overwrite`, a `dst` that gained files while the model was being made is refused, not replaced. The
+    temporaries of killed writers of `dst` are removed first (module docstring)."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    remove_dead_temporaries(dst)
+    fd, lock_name = tempfile.mkstemp(prefix=_temporary_prefix(dst), suffix=".lock", dir=dst.parent)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held until this process ends or finishes below
+    tmp = Path(lock_name[: -len(".lock")])
+    try:
+        tmp.mkdir()
+    except BaseException:
+        os.close(fd)
+        Path(lock_name).unlink(missing_ok=True)
+        raise
     try:
         try:
             write(tmp)
@@ -253,3 +300,6 @@ def write_directory_atomically(dst: str | Path, write, overwrite: bool = True) -
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        Path(lock_name).unlink(missing_ok=True)
+        os.close(fd)

@@ -1,7 +1,9 @@
 """Small helpers every part of the package needs, each written once.
 
-Nothing here knows about models or plans: byte sizes for people, file-safe names, an atomic JSON
-write, an atomic directory replace, where a model's weights live, a quick probe of the Hugging Face hub,
+Nothing here knows about models or plans: byte sizes for people, file-safe names, the one atomic file
+writer (`write_atomic`, and on it JSON, text and figures: every file a command writes goes through it, so a
+killed command never leaves a half-written file and a failed one never replaces a good one), an atomic
+directory replace, where a model's weights live, a quick probe of the Hugging Face hub,
 the processor's instruction-set flags, and the per-user cache directory.
 """
 
@@ -34,17 +36,38 @@ def slug(text: str, max_len: int | None = None, lower: bool = True) -> str:
     return name[:max_len] if max_len else name
 
 
-def write_json_atomic(path: str | Path, obj, indent: int = 1, sort_keys: bool = False) -> None:
-    """Write JSON to `path` through a temporary file in the same directory and `os.replace`, so a killed
-    process never leaves a half-written file that looks complete."""
+def write_atomic(path: str | Path, write) -> Path:
+    """`write(tmp)` fills a temporary file beside `path` (same directory, so same file system), which then
+    replaces `path` by `os.replace`: a killed process never leaves a half-written file that looks complete,
+    and a write that fails leaves the old file as it was. `path` itself is written, exactly (an existing
+    directory there is refused, never written beside). Returns `path`."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(21, "is a directory; give a file name", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_json_atomic(path: str | Path, obj, indent: int = 1, sort_keys: bool = False, **dumps) -> Path:
+    """JSON through `write_atomic` (`dumps`: more json.dumps options, e.g. default=str)."""
+    return write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, **dumps) + "\n")
+
+
+def save_figure(fig, path: str | Path, **savefig) -> Path:
+    """A matplotlib figure through `write_atomic`, at exactly `path`: the format is the path's suffix (PNG
+    without one; matplotlib alone would write `path.png` instead and leave `path` as it was)."""
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    return write_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig))
 
 
 def replace_dir(tmp: str | Path, final: str | Path) -> None:

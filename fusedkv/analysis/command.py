@@ -19,7 +19,8 @@ def register(sub) -> None:
                        "Q/K/V projection gradients over training steps (Fig. 9).")
     p.add_argument("analysis", choices=["dense", "grads"])
     p.add_argument("checkpoint", type=argtypes.non_empty, help="trained checkpoint directory (with its tokenizer)")
-    p.add_argument("--out", default=None, type=argtypes.non_empty, help="PNG path (default: next to the checkpoint)")
+    p.add_argument("--out", default=None, type=argtypes.output_file("analysis.png"),
+                   help="PNG path (default: next to the checkpoint)")
     p.add_argument("--steps", type=argtypes.int_range(1, 1_000_000), default=60,
                    help="grads: training steps to record (default 60)")
     p.add_argument("--from-scratch", action="store_true",

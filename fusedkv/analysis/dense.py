@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..utils import save_figure
+
 
 def dense_coefficients(model) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """(K matrix, V matrix, target layers, source layers), 1-based layer numbers, NaN where a target
@@ -52,6 +54,6 @@ def plot_dense_heatmaps(model, path, title: str = "Dense fusion coefficients") -
                 ax.text(j, i, f"{mat[i, j]:.2f}", ha="center", va="center", fontsize=7)
     fig.colorbar(im, ax=axes, shrink=0.8, label="coefficient (signed)")
     fig.suptitle(title, y=1.04)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    save_figure(fig, path, dpi=130, bbox_inches="tight")
     plt.close(fig)
     return str(path)

@@ -14,6 +14,7 @@ import torch
 
 from ..model.loss import causal_lm_loss
 from ..train.optim import paper_adamw
+from ..utils import save_figure
 
 
 def record_gradient_norms(model, batches, steps: int, lr: float = 1e-3) -> dict[str, list[list[float]]]:
@@ -68,6 +69,6 @@ def plot_gradient_norms(norms: dict[str, list[list[float]]], path, title: str = 
     axes[1].grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return str(path)

@@ -23,7 +23,7 @@ def register(sub) -> None:
                        "DST is written whole or not at all; a non-empty DST is replaced only with --overwrite.")
     p.add_argument("src", type=argtypes.non_empty, help="checkpoint directory (transformers' save_pretrained layout) "
                    "or a .gguf file")
-    p.add_argument("dst", type=argtypes.non_empty, help="output directory (new or empty)")
+    p.add_argument("dst", type=argtypes.output_dir, help="output directory (new or empty)")
     add_plan_flag(p, default=VANILLA, help="the plan of the converted model (default vanilla; +W / +WF for "
                   "models with sliding-window layers)")
     add_fusion_init_flags(p)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from ..model import FusedKVForCausalLM
 from ..model_dirs import check_checkpoint_dir
 from ..quant import KIVICache, check_kivi_settings
 from ..quant.scoring import DecodeScorer
+from ..utils import write_json_atomic
 from .harness import LOCAL_GROUP, PAPER_NUM_FEWSHOT, PAPER_TASKS, paper_average, run_lm_eval
 from .perplexity import text_perplexity, validation_loss, wikitext_perplexity
 from .retrieval import format_retrieval, plot_retrieval, run_retrieval
@@ -69,11 +69,12 @@ def register(sub) -> None:
                    help="comma-separated MQAR key-value pair counts (default 4,8,16)")
     p.add_argument("--retrieval-samples", type=argtypes.positive_int, default=20,
                    help="samples per --retrieval cell (default 20)")
-    p.add_argument("--retrieval-plot", default=None, type=argtypes.non_empty,
+    p.add_argument("--retrieval-plot", default=None, type=argtypes.output_file("retrieval.png"),
                    help="write the --retrieval accuracy-against-length plot (PNG) here")
     p.add_argument("--batch-size", type=argtypes.positive_int, default=4)
     add_kivi_flags(p, "score loss and perplexity token by token through a KIVI 2/4-bit KV cache (fusedkv.quant)")
-    p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="write all results as JSON here")
+    p.add_argument("--json", dest="json_path", type=argtypes.output_file("eval.json"),
+                   help="write all results as JSON here")
     p.set_defaults(func=run)
 
 
@@ -194,7 +195,7 @@ def run(args) -> None:
             print(f"wrote {plot_retrieval({report['plan']: r}, args.retrieval_plot, f'{ckpt} retrieval accuracy')}")
     if args.json_path:
         with writing(args.json_path):
-            Path(args.json_path).write_text(json.dumps(report, indent=1, default=str))
+            write_json_atomic(args.json_path, report, default=str)
 
 
 def _open_val(val: str, ckpt: Path, tok):

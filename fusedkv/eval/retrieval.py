@@ -35,6 +35,7 @@ import torch
 
 from ..data.ruler_tasks import _largest_fitting
 from ..data.synthetic import TextSample, corpus_words, mqar_sample, passkey_sample
+from ..utils import save_figure
 
 DEFAULT_PAIRS = (4, 8, 16)
 
@@ -281,7 +282,7 @@ def plot_retrieval(results: dict[str, dict], path, title: str = "retrieval accur
         labelled[-1].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return str(path)
 

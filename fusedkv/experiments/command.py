@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .. import argtypes
 from ..errors import UsageError
+from ..utils import write_text_atomic
 
 
 def register(sub) -> None:
@@ -22,7 +23,7 @@ def register(sub) -> None:
         "core (one thread per run: `threads: 1`): each trains the next run no other process is training.")
     p.add_argument("experiment", nargs="?", default="main", type=argtypes.non_empty,
                    help="shipped experiment name (main, gqa, swa, moe, mla, quant, long, ...) or YAML path")
-    p.add_argument("--out", default=None, type=argtypes.non_empty,
+    p.add_argument("--out", default=None, type=argtypes.output_dir,
                    help="output directory (default runs/compare-<name>)")
     p.add_argument("--seeds", default=None, type=argtypes.int_list(0, 2**32 - 1),
                    help="comma-separated seeds (default: the file's)")
@@ -75,7 +76,7 @@ def run(args) -> None:
     if claims:
         table += "\n\nVerdicts on the paper's claims:\n\n" + verdict_table(claims)
     plot_curves(results, out / "curves.png", spec.get("description", name))
-    (out / "results.md").write_text(f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
+    write_text_atomic(out / "results.md", f"# {spec.get('description', name)}\n\n{table}\n\n![curves](curves.png)\n")
     print(table)
     print(f"\nwrote {out / 'results.md'} and {out / 'curves.png'}")
     # experiments with `evaluate: retrieval`

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from ..utils import write_json_atomic
+from ..utils import save_figure, write_json_atomic, write_text_atomic
 
 CACHE_KINDS = ("f32", "bf16", "fp8", "kivi4", "kivi2")
 TEACHER = "teacher"
@@ -309,7 +309,7 @@ def plot(results: list[dict], texts: list[str], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -334,7 +334,7 @@ def plot_recovery(results: list[dict], path: Path, title: str) -> bool:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return True
 
@@ -348,5 +348,5 @@ def write_outputs(spec: dict, results: list[dict], out: Path) -> str:
     recovery = plot_recovery(results, out / "recovery.png", title)
     md = (f"# {title}\n\n{body}\n\n![quality against KV bytes](quality_vs_bytes.png)\n"
           + ("\n![recovery](recovery.png)\n" if recovery else ""))
-    (out / "results.md").write_text(md)
+    write_text_atomic(out / "results.md", md)
     return body

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 from ..eval.retrieval import mqar_score
+from ..utils import save_figure, write_text_atomic
 
 
 def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | None = None) -> str | None:
@@ -50,7 +51,7 @@ def retrieval_report(results: list[dict], out_dir, title: str, pairs: list | Non
                  "were scored at (t on seeds - 1 degrees of freedom):\n\n" + paired)
     text += "\n\n" + "\n\n".join(f"## {name} (mean over seeds)\n\n{format_retrieval(r)}"
                                    for name, r in per_run.items())
-    (out_dir / "retrieval.md").write_text(text + "\n\n![retrieval](retrieval.png)\n")
+    write_text_atomic(out_dir / "retrieval.md", text + "\n\n![retrieval](retrieval.png)\n")
     plot_retrieval(per_run, out_dir / "retrieval.png", title)
     return str(out_dir / "retrieval.md")
 
@@ -212,5 +213,5 @@ def plot_curves(results: list[dict], path, title: str) -> None:
         hi = max(tails)
         ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -18,7 +18,7 @@ def register(sub) -> None:
         "below. Input norms come from random windows of the built-in corpus's training works, tokenised with the "
         "checkpoint's tokenizer. Prints the measured sparsity of every matrix.")
     p.add_argument("checkpoint", help="checkpoint directory (config, weights, tokenizer)")
-    p.add_argument("--out", required=True, help="output checkpoint directory (new or empty)")
+    p.add_argument("--out", required=True, type=argtypes.output_dir, help="output checkpoint directory (new or empty)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out if it already holds files (it is replaced only once the pruned model is "
                    "fully written)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .. import argtypes
@@ -12,6 +11,7 @@ from ..flags import add_device_flag, add_dtype_flag, add_kivi_flags, add_plan_fl
 from ..kernels import native
 from ..plan import COMPARED_PLANS, VANILLA
 from ..quant import check_kivi_settings
+from ..utils import write_json_atomic
 
 
 def register(sub) -> None:
@@ -61,8 +61,9 @@ def register(sub) -> None:
     add_dtype_flag(p, "float32", help="weights, activations and KV cache")
     p.add_argument("--threads", type=argtypes.int_range(1, 1024), default=None,
                    help="torch CPU threads (default: torch's choice; 1 avoids OpenMP stalls on a loaded machine)")
-    p.add_argument("--json", dest="json_path", type=argtypes.non_empty, help="also write the rows as JSON here")
-    p.add_argument("--plot", default=None, type=argtypes.non_empty,
+    p.add_argument("--json", dest="json_path", type=argtypes.output_file("bench.json"),
+                   help="also write the rows as JSON here")
+    p.add_argument("--plot", default=None, type=argtypes.output_file("bench.png"),
                    help="PNG of TTFT/TPOT ratios against prompt length")
     p.add_argument("--gpu-suite", action="store_true",
                    help="run the GPU suite instead (kernels vs SDPA, TTFT/TPOT at 8k-128k in bf16); needs CUDA")
@@ -75,6 +76,10 @@ def run(args) -> None:
     # The benchmarks are imported when the command runs, not when the CLI starts (every command pays that).
     if args.gpu_suite:
         from .gpu_suite import main as gpu_main
+
+        if not torch.cuda.is_available():  # bench has no --dry-run: name the suite's own entry point, which has
+            raise UsageError("--gpu-suite needs CUDA, and no CUDA GPU is visible; to run its code paths at tiny "
+                             "sizes on CPU: python -m fusedkv.speed.gpu_suite --dry-run")
 
         return gpu_main([])
     from .inference import BenchShape, format_table, plot, run_inference_bench, shape_config
@@ -127,7 +132,7 @@ def run(args) -> None:
     print(format_table(rows))
     if args.json_path:
         with writing(args.json_path):
-            Path(args.json_path).write_text(json.dumps(rows, indent=1))
+            write_json_atomic(args.json_path, rows)
     if args.plot:
         plot(rows, args.plot)
         print(f"\nplot: {args.plot}")

@@ -24,6 +24,7 @@ from ..generation import generate
 from ..model import FusedKVForCausalLM
 from ..plan import FULL, SLIDING, VANILLA, resolve_plan_choice
 from ..quant import kivi_cache_factory
+from ..utils import save_figure
 
 HF = "hf-qwen3"  # transformers' Qwen3ForCausalLM.generate on the vanilla weights
 
@@ -271,5 +272,5 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

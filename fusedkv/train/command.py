@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..argtypes import Parser, add_debug_flag
+from ..argtypes import Parser, add_debug_flag, output_dir
 from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError, debug_enabled, report, run_command
 from ..flags import add_device_flag, add_plan_flag, add_seed_flag
 from . import full_checkpoint as ckpt_io
@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="RoPE base (paper: 10000; 50000 / 500000 for continued long-context training)",
     )
     g = p.add_argument_group("where and how")
-    g.add_argument("--out", metavar="DIR", help="output directory (default: runs/<preset>-<plan>)")
+    g.add_argument("--out", metavar="DIR", type=output_dir, help="output directory (default: runs/<preset>-<plan>)")
     g.add_argument(
         "--resume",
         nargs="?",

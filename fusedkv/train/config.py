@@ -176,7 +176,9 @@ class TrainConfig:
         need(
             self.global_batch_tokens % self.seq_len == 0,
             "global_batch_tokens",
-            f"must be a multiple of seq_len={self.seq_len} (whole sequences per step)",
+            f"must be a multiple of seq_len={self.seq_len} (whole sequences per step), e.g. "
+            f"{max(1, round(self.global_batch_tokens / self.seq_len)) * self.seq_len} (binary suffixes are: 1Mi = "
+            "2^20 tokens)",
         )
         need(
             self.global_batch_sequences % self.micro_batch_size == 0,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,9 @@ def setup(mode: str, device_pref: str = "auto") -> DistEnv:
                 "would train its own copy; pass --distributed ddp or --distributed fsdp"
             )
         return DistEnv(device=pick_device(device_pref))
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ:  # not under torchrun: one process, said once (a test of the wrapping, or a slip)
+        print(f"note: --distributed {mode} outside torchrun runs one process (world size 1); for N processes "
+              f"launch with `torchrun --nproc_per_node=N -m fusedkv.cli ...`", file=sys.stderr, flush=True)
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )

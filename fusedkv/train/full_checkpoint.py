@@ -2,7 +2,9 @@
 
 A checkpoint is a directory `out_dir/checkpoints/step-NNNNNNNN/` holding
 
-    model.safetensors     full (unsharded) model state dict
+    model.safetensors     full (unsharded) model state dict; a tensor held under two names (a tied head:
+                          lm_head.weight is model.embed_tokens.weight) is stored once, the other name
+                          recorded in the file's metadata (`ALIASES`) and restored as the same tensor on load
     optimizer.pt          full AdamW state, keyed by parameter name (portable across none/DDP/FSDP)
     trainer_state.pt      step, tokens seen, LR-scheduler state, data-loader state, every rank's RNG
                           states (python, numpy, torch CPU, CUDA), the learning curve so far
@@ -48,6 +50,8 @@ FORMAT_VERSION = MANIFEST_FORMAT  # names train/sharded_checkpoint.py uses
 _sha256 = sha256_file
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+# safetensors metadata key: {"alias name": "stored name"} for tensors saved once under their first name.
+ALIASES = "fusedkv_aliases"
 _FILES = ("model.safetensors", "optimizer.pt", "trainer_state.pt", "train_config.json", "model_config.json")
 
 
@@ -106,9 +110,9 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        # safetensors needs contiguous, unshared tensors; the gathered state dict already is on CPU.
         current = tmp / "model.safetensors"
-        save_file({k: v.contiguous() for k, v in model_state.items()}, str(current), metadata={"format": "pt"})
+        tensors, aliases = _unshared(model_state)
+        save_file(tensors, str(current), metadata={"format": "pt", ALIASES: json.dumps(aliases, sort_keys=True)})
         current = tmp / "optimizer.pt"
         torch.save(optim_state, current)
         current = tmp / "trainer_state.pt"
@@ -140,6 +144,36 @@ def save_checkpoint(
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _unshared(state: dict) -> tuple[dict, dict]:
+    """(tensors, aliases) for safetensors, which refuses two names on one memory: a tensor that is another
+    name's very tensor (a tied head) is stored once and listed in `aliases`; any other overlap (views of
+    one buffer) is copied, so each name keeps its own values."""
+    tensors, aliases, seen, storages = {}, {}, {}, set()
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        ptr = t.untyped_storage().data_ptr()
+        t = t.contiguous()
+        tensors[name] = t.clone() if t.numel() and ptr in storages else t
+        storages.add(ptr)
+    return tensors, aliases
+
+
+def _load_model_state(file: Path, map_location) -> dict:
+    """The saved model state dict, every alias restored as the same tensor as the name it was stored under."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get(ALIASES, "{}"))
+    state = load_file(str(file), device=str(map_location))
+    for name, stored in aliases.items():
+        state[name] = state[stored]
+    return state
 
 
 def write_failure(e: BaseException, path: str | Path | None = None) -> str | None:
@@ -192,7 +226,7 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         return {
             "path": path,
             "step": int(manifest["step"]),
-            "model": load_file(str(path / "model.safetensors"), device=str(map_location)),
+            "model": _load_model_state(path / "model.safetensors", map_location),
             "optimizer": torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True),
             "trainer_state": torch.load(
                 path / "trainer_state.pt", map_location=map_location, weights_only=True

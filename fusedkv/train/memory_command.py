@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from .. import argtypes
+from ..errors import UsageError
 from ..flags import add_dtype_flag, add_plan_flag
 from .config import PRESET_NAMES, resolve_config
 from .memory_estimate import estimate_run, format_estimate, parse_bytes
@@ -22,8 +23,10 @@ examples:
   fusedkv memory --preset 1.5b --gpus 8 --gpu-memory 141GB --micro-batch 2 --tokens-per-gpu-s 9000
   fusedkv memory --preset 332m --gpus 8 --peak-tflops 989 --mfu 0.4   # time from an assumed MFU
   fusedkv memory --preset tiny --gpus 1 --gpu-memory 24GB --dtype float32
-  fusedkv memory --uptrain my-llama/ --plan fusedkv --gpus 8 --set seq_len=4096 --set global_batch_tokens=1M \\
+  fusedkv memory --uptrain my-llama/ --plan fusedkv --gpus 8 --set seq_len=4096 --set global_batch_tokens=1Mi \\
       --set max_tokens=2B --peak-tflops 989      # `fusedkv uptrain`: the student and its teacher
+Token counts take K, M, B (10^3, 10^6, 10^9) and Ki, Mi, Gi (2^10, 2^20, 2^30): a global batch is whole
+sequences, so 1Mi (1,048,576 = 256 x 4096) where 1M (1,000,000) is not a multiple of seq_len.
 (`plan-run` is the command's former name, still accepted.)
 """
 
@@ -74,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu", type=argtypes.float_range(0.0, 1.0, lo_open=True), default=0.4,
                    help="model FLOP utilisation with --peak-tflops (default 0.4)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="any TrainConfig field, e.g. --set global_batch_tokens=2M")
+                   help="any TrainConfig field, e.g. --set global_batch_tokens=2Mi (binary: whole sequences)")
 
 
 def handle(args) -> int:
@@ -89,6 +92,10 @@ def handle(args) -> int:
     cfg = resolve_config(overrides=args.sets, preset=args.preset, plan=None if model else args.plan,
                          seq_len=args.seq_len, micro_batch_size=args.micro_batch,
                          init_from=args.uptrain, distill_from=args.uptrain)
+    if model is not None and cfg.seq_len > model.max_position_embeddings:  # as `fusedkv uptrain` refuses it
+        raise UsageError(f"seq_len={cfg.seq_len} is past the context of {args.uptrain} "
+                         f"({model.max_position_embeddings} tokens, its max_position_embeddings): the source is the "
+                         f"teacher of every window; use --set seq_len=N with N <= {model.max_position_embeddings}")
     plan = estimate_run(cfg, args.gpus, parse_bytes(args.gpu_memory), dtype=args.dtype,
                     tokens_per_gpu_s=args.tokens_per_gpu_s, peak_tflops=args.peak_tflops, mfu=args.mfu,
                     model=model, teacher=teacher)

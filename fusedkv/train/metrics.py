@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from ..utils import human_bytes as _human_bytes
+from ..utils import save_figure
 
 FIELDS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_ppl", "elapsed_s")
 
@@ -100,7 +101,7 @@ def plot_learning_curves(history: list[dict], path: Path, title: str) -> Path | 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

@@ -75,6 +75,11 @@ INIT_FROM_MAY_CHANGE = {
 }
 
 
+def same_file(a, b) -> bool:
+    """Two settings that name one file or directory however typed (relative to here, absolute, a link)."""
+    return isinstance(a, str) and isinstance(b, str) and Path(a).exists() and Path(a).resolve() == Path(b).resolve()
+
+
 @contextlib.contextmanager
 def quiet_transformers(quiet: bool):
     """transformers draws progress bars when saving/loading weights; keep library use silent."""
@@ -164,7 +169,7 @@ class RunSetup:
         diffs = [
             f"{k}: saved {saved.get(k)!r}, now {mine[k]!r}"
             for k in mine
-            if k not in RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k]
+            if k not in RESUME_MAY_CHANGE and k in saved and saved[k] != mine[k] and not same_file(saved[k], mine[k])
         ]
         if diffs:
             raise ValueError(

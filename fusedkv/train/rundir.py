@@ -125,11 +125,12 @@ def holds_run(out_dir: str | Path) -> bool:
     return str(Path(out_dir).resolve()) in _HELD
 
 
-def clear_previous_run(out_dir: str | Path) -> list[str]:
-    """Delete the outputs of the run that `--overwrite` replaces; returns the names removed."""
+def clear_previous_run(out_dir: str | Path, names: tuple[str, ...] = RUN_OUTPUTS) -> list[str]:
+    """Delete the outputs (`names`) of the run that `--overwrite` replaces; returns the names removed. The
+    caller has checked everything the new run needs first (`fusedkv train`, `fusedkv uptrain`)."""
     out = Path(out_dir)
     removed = []
-    for name in RUN_OUTPUTS:
+    for name in names:
         p = out / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

@@ -301,7 +301,7 @@ class _Run:
             title = f"{cfg.preset} {mc.kv_sharing} (seed {cfg.seed})"
             png = plot_learning_curves(history, self.out / "learning_curves.png", title)
             result["plot"] = str(png) if png else None
-            (self.out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
+            write_json_atomic(self.out / "summary.json", result)
             if stopped:
                 self.say(
                     f"stopped by {stopped} after step {step}; checkpoint {latest}. Continue with: "

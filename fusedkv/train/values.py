@@ -12,7 +12,8 @@ from pathlib import Path
 
 from huggingface_hub.dataclasses import type_validator
 
-_SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12,
+           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # binary: a batch of 2^k tokens is whole sequences
 _BOOLS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
 
 
@@ -51,9 +52,10 @@ def _read(hint, value):
         return int(value)
     if hint is int and isinstance(value, str):
         s = value.strip().lower().replace("_", "")
-        mult = _SUFFIX.get(s[-1:], 1) if s else 1
+        unit = s[-2:] if s[-2:] in _SUFFIX else s[-1:]
+        mult = _SUFFIX.get(unit, 1) if s else 1
         try:
-            num = float(s[:-1] if mult != 1 else s) * mult  # "2M" tokens, "1e6", "200b"
+            num = float(s[: -len(unit)] if mult != 1 else s) * mult  # "2M" tokens, "1e6", "200b", "1Mi"
         except ValueError:
             return value
         return int(num) if math.isfinite(num) and num.is_integer() else value

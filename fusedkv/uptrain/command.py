@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("src", type=argtypes.non_empty, help="the pretrained model: a Hugging Face checkpoint directory "
                    "(config.json, safetensors, tokenizer), a vanilla fusedkv model, or a .gguf file (imported once "
                    "into OUT.source)")
-    p.add_argument("out", type=argtypes.non_empty, help="output directory (new, or an uptraining run to continue)")
+    p.add_argument("out", type=argtypes.output_dir, help="output directory (new, or an uptraining run to continue)")
     add_plan_flag(p, default=DEFAULT_PLAN, help=f"the KV-sharing plan to convert to (default {DEFAULT_PLAN})")
     add_fusion_init_flags(p)
     p.add_argument("--data", metavar="SPEC",
@@ -88,13 +88,15 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def build(args: argparse.Namespace, command: str = ""):
-    """The `Uptrain` the flags ask for (no file is read but the YAML config)."""
+    """The `Uptrain` the flags ask for (no file is read but the YAML config). Paths are made absolute, so the
+    settings a re-run compares name files, not how they were typed."""
     from .pipeline import Uptrain
 
-    src, out = Path(args.src), Path(args.out)
+    src, out = Path(args.src).absolute(), Path(args.out).absolute()
+    data = str(Path(args.data).absolute()) if args.data and Path(args.data).exists() else args.data
     cfg = resolve_config(
         args.config, [f"{k}={v}" for k, v in DEFAULTS.items()] + list(args.sets),
-        preset=args.preset, data=args.data, max_steps=args.max_steps, seed=args.seed,
+        preset=args.preset, data=data, max_steps=args.max_steps, seed=args.seed,
         init_from=str(out / "converted"), distill_from=str(src), tokenizer=str(src),
         distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature,
         distill_hidden_weight=args.distill_hidden_weight, out_dir=str(out / "train"),

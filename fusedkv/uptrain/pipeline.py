@@ -10,8 +10,14 @@
                          5. the report (rewritten on every run: it is cheap)
 
 A killed run, re-run with the same command, skips the stages that are done and resumes training from its
-last checkpoint. Every check that reads only the inputs runs first (`check`), so bad input is one line
-before anything is written. Under torchrun every rank runs this module; rank 0 alone converts, prepares
+last checkpoint. Every check that reads only the inputs runs first (`check`: the source, the context, the
+batch split), then the data is tokenised and measured (into the shared data cache), so bad input is one line
+before anything in OUT is written. `--overwrite` replaces a run as `fusedkv train --overwrite` does: only
+once the new run is known to start (checked, data ready, the source converted beside the old run) are the
+old run's files removed (`rundir.clear_previous_run`), and the conversion renamed into place. A run that
+failed before making anything (OUT holds its settings only) is no run: a corrected command starts afresh.
+Paths are compared resolved: the same run named by a relative or an absolute path is the same run.
+Under torchrun every rank runs this module; rank 0 alone converts, prepares
 the data and evaluates (before the process group exists, so that a large model's preparation cannot
 outlast its timeout; the other ranks wait for a file), all ranks train (DDP / FSDP2, as `fusedkv
 train`), and rank 0 evaluates the result and reports.
@@ -39,12 +45,19 @@ from ..train import data as data_setup
 from ..train import distributed as D
 from ..train import full_checkpoint as ckpt_io
 from ..train.distill import TEACHER_MODEL_TYPES, check_teacher, load_teacher, teacher_student_configs
-from ..train.run_setup import RESUME_MAY_CHANGE
-from ..train.rundir import RunDirLock
+from ..train.run_setup import RESUME_MAY_CHANGE, same_file
+from ..train.rundir import RunDirLock, clear_previous_run
 from ..utils import write_json_atomic
 from .report import write_report
 
 SETTINGS = "uptrain.json"
+# What a run writes into OUT; --overwrite removes exactly these (the settings first: a run without them is
+# no run to continue).
+OUTPUTS = (SETTINGS, "converted", "train", "eval", "report.md", "report.json", "curves.png")
+# Settings that name files: compared resolved (a run written before they were stored absolute has them as
+# typed, relative to where it was started).
+PATH_SETTINGS = ("src", "train.data", "train.tokenizer", "train.distill_from")
+STAGED = ".converted.new"  # --overwrite converts here first, beside the run it replaces
 STAGES = ("convert", "evaluate before", "train", "evaluate after", "report")
 
 
@@ -88,6 +101,9 @@ def source_config(src: Path, plan: str) -> tuple[FusedKVConfig, FusedKVConfig]:
 def check(run: Uptrain, overwrite: bool) -> None:
     """Every check that needs only the inputs; reads, writes nothing (bad input: one line, exit 2)."""
     src, out = run.src, run.out
+    if not src.exists():
+        raise UsageError(f"SRC {src} does not exist; give the pretrained model's checkpoint directory (config.json, "
+                         "*.safetensors, tokenizer files)")
     check_checkpoint_dir(src, model_types=TEACHER_MODEL_TYPES)
     if not data_setup.has_tokenizer(src):
         raise UsageError(f"{src} has no tokenizer (tokenizer.json / tokenizer_config.json): uptraining reads the "
@@ -98,27 +114,50 @@ def check(run: Uptrain, overwrite: bool) -> None:
                          "the KV cache (see `fusedkv plans`)")
     check_teacher(src, student.vocab_size, run.cfg.tokenizer, run.cfg.data)
     data_setup.plan_data(run.cfg, student.vocab_size)  # the data source, its vocabulary and tokenizer
+    cfg = run.cfg
+    cfg.grad_accum_steps(int(os.environ.get("WORLD_SIZE", "1")))  # the global batch splits into micro-batches
+    context = teacher.max_position_embeddings
+    if cfg.seq_len > context:  # the teacher (transformers' class) reads every training window
+        raise UsageError(f"seq_len={cfg.seq_len} is past the context of {src} ({context} tokens, its "
+                         f"max_position_embeddings): the source is the teacher of every window; use --set "
+                         f"seq_len=N with N <= {context}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"OUT {out} is a file; give a directory for the uptraining run")
     if src.resolve() == out.resolve() or out.resolve() in src.resolve().parents:
         raise UsageError(f"OUT {out} would hold the source {src}; choose another directory")
     saved = out / SETTINGS
-    if overwrite or not out.is_dir() or not any(p.name != ".lock" for p in out.iterdir()):
+    if overwrite or not _holds_results(out):
         return
     if not saved.is_file():
         raise UsageError(f"OUT {out} already holds files that are not an uptraining run; choose a new directory "
                          "or pass --overwrite (deletes them)")
     before, now = json.loads(saved.read_text()), json.loads(json.dumps(run.settings()))
-    diffs = _differences(before, now)
+    diffs = [d for d in _differences(before, now) if not _same_path(before, now, d)]
     if diffs:
         raise UsageError(f"OUT {out} holds an uptraining run with other settings ({'; '.join(diffs[:4])}); re-run "
                          "with the same settings to continue it, --overwrite to start over, or choose a new OUT")
+
+
+def _holds_results(out: Path) -> bool:
+    """OUT holds something a run made (its settings alone, or hidden temporaries, are nothing to keep)."""
+    return out.is_dir() and any(not p.name.startswith(".") and p.name != SETTINGS for p in out.iterdir())
 
 
 def _differences(a, b, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [f"{prefix[:-1]}: was {a!r}, now {b!r}"]
+
+
+def _same_path(before: dict, now: dict, diff: str) -> bool:
+    """A difference in a setting that names a file, which both values name (resolved from here)."""
+    key = diff.split(":", 1)[0]
+    if key not in PATH_SETTINGS:
+        return False
+    a, b = before, now
+    for part in key.split("."):
+        a, b = (a or {}).get(part), (b or {}).get(part)
+    return same_file(a, b)
 
 
 def run_uptrain(run: Uptrain, overwrite: bool = False, progress: bool = True) -> dict:
@@ -192,32 +231,52 @@ class _nothing:
 
 
 def _prepare(run: Uptrain, overwrite: bool, say, device, progress: bool) -> None:
-    """Stages 1-2 (rank 0): convert, tokenise the data, evaluate the source and the converted model."""
-    if overwrite:  # checked inputs, lock held: only now is the old run removed
-        for name in ("converted", "train", "eval", "report.md", "report.json", "curves.png", SETTINGS):
-            p = run.out / name
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    """Stages 1-2 (rank 0): tokenise the data (and refuse too little of it), convert, evaluate the source and
+    the converted model. The lock is held: nothing else writes into OUT."""
+    _dataset(run)  # before OUT is touched: the data cache is shared, outside OUT
+    staged = run.out / STAGED
+    shutil.rmtree(staged, ignore_errors=True)  # a killed --overwrite's conversion
+    if overwrite and _holds_results(run.out):
+        # --overwrite: the new run is known to start once its source is converted; only then is the old removed
+        say(f"uptrain [1/5] convert {run.src} -> {run.converted} (plan {run.plan}; replaces the run in {run.out})")
+        _convert(run, staged, progress)
+        removed = clear_previous_run(run.out, OUTPUTS)
+        os.replace(staged, run.converted)
+        say(f"uptrain: --overwrite removed the previous run's {', '.join(n for n in removed if n != 'converted')}")
+    elif not _holds_results(run.out):
+        clear_previous_run(run.out, (SETTINGS,))  # the settings of a run that made nothing: start afresh
     write_json_atomic(run.out / SETTINGS, run.settings())
     if (run.converted / "config.json").is_file():
-        say(f"uptrain [1/5] convert: done ({run.converted})")
+        if not overwrite:
+            say(f"uptrain [1/5] convert: done ({run.converted})")
     else:
         say(f"uptrain [1/5] convert {run.src} -> {run.converted} (plan {run.plan})")
-        if run.calibration is not None:
-            from ..calibrate import Calibration, convert_calibrated
-
-            convert_calibrated(run.src, run.converted, run.plan, Calibration(**run.calibration), progress=progress)
-        else:
-            convert_qwen3(run.src, run.converted, kv_sharing=run.plan, fusion_init=run.fusion_init)
+        _convert(run, run.converted, progress)
     _evaluate(run, "teacher", run.src, device, progress, say)
     _evaluate(run, "before", run.converted, device, progress, say)
 
 
+def _convert(run: Uptrain, dst: Path, progress: bool = False) -> None:
+    if run.calibration is not None:
+        from ..calibrate import Calibration, convert_calibrated
+
+        convert_calibrated(run.src, dst, run.plan, Calibration(**run.calibration), overwrite=True, progress=progress)
+    else:
+        convert_qwen3(run.src, dst, kv_sharing=run.plan, fusion_init=run.fusion_init, overwrite=True)
+
+
 def _dataset(run: Uptrain):
-    """The prepared data the trainer uses (tokenised with the source's tokenizer; made once, then reused)."""
+    """The prepared data the trainer uses (tokenised with the source's tokenizer; made once, then reused); a
+    split too short for one training or validation window is refused, naming both."""
     cfg = run.cfg
-    vocab = FusedKVConfig.from_pretrained(run.converted).vocab_size
+    vocab = source_config(run.src, run.plan)[1].vocab_size  # the converted model's
     spec, data_dir, tokenizer = data_setup.plan_data(cfg, vocab)
-    return data_setup.prepare(spec, data_dir, vocab, tokenizer), spec
+    ds = data_setup.prepare(spec, data_dir, vocab, tokenizer)
+    for split, tokens in (("training", ds.train), ("validation", ds.val)):
+        if len(tokens) < cfg.seq_len + 1:
+            raise UsageError(f"the {split} split of {spec} has {len(tokens)} tokens, fewer than seq_len + 1 = "
+                             f"{cfg.seq_len + 1}; use more data or a shorter seq_len (--set seq_len=N)")
+    return ds, spec
 
 
 def _evaluate(run: Uptrain, which: str, model_dir: Path, device, progress: bool, say, steps: int | None = None):

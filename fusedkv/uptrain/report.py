@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from ..train.distill import teacher_student_configs
-from ..utils import write_json_atomic
+from ..utils import save_figure, write_json_atomic, write_text_atomic
 
 
 def recovered_share(teacher: float, before: float, after: float) -> float | None:
@@ -47,7 +47,7 @@ def write_report(run, summary: dict, after: dict, say) -> dict:
     png = _plot(report, run.out / "curves.png")
     report["plot"] = str(png) if png else None
     write_json_atomic(run.out / "report.json", report)
-    (run.out / "report.md").write_text(format_report(report))
+    write_text_atomic(run.out / "report.md", format_report(report))
     say(f"uptrain [5/5] report: {run.out / 'report.md'}")
     say(format_table(report))
     return report
@@ -118,6 +118,6 @@ def _plot(report: dict, path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path

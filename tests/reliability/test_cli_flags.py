@@ -89,7 +89,7 @@ def test_compare_refuses_malformed_yaml(cli, tmp_path, text, fragment):
 
 def test_analyze_checks_paths_and_the_context(cli, tiny_ckpt, bad_files, tmp_path):
     assert_one_line_error(cli("analyze", "grads", tiny_ckpt, "--out", bad_files["a-directory"]), 2,
-                          "give a PNG file name")
+                          "is a directory; give a file name")
     assert_one_line_error(cli("analyze", "grads", tiny_ckpt, "--seq-len", "100000"), 2,
                           "--seq-len 100000 exceeds the model context 64")
     assert_one_line_error(cli("analyze", "grads", bad_files["a-directory"]), 2, "no config.json")

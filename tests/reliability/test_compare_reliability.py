@@ -101,3 +101,25 @@ def test_a_user_file_extends_a_shipped_experiment(cli, tmp_path, nano):
     assert [r["name"] for r in load_experiment(str(spec))["runs"]] == ["local"]
     spec.write_text("extends: no-such-parent\n")
     assert_one_line_error(cli("compare", spec, *QUICK), 2, "extends: 'no-such-parent' is neither a file")
+
+
+def _row(name="vanilla", seed=0, key="k0", val_loss=3.5, **extra):
+    return {"name": name, "seed": seed, "key": key, "val_loss": val_loss, "val_ppl": 33.1, **extra}
+
+
+@pytest.mark.parametrize("rows,fragments", [
+    # issue 41, defect 5: a second row of one run replaced its loss (the table's mean from the wrong row)
+    ([_row(), _row(name="fusedkv", key="k1"), _row(val_loss=9.0)], ("rows 0 and 2", "'vanilla' seed 0")),
+    ([_row(), _row(name="other", key="k0")], ("rows 0 and 1", "key k0")),
+    ([_row(), _row(name="fusedkv", key="k1", val_loss="3.1")], ("row 1", "'fusedkv' seed 0", "val_loss '3.1'")),
+    ([_row(val_loss=float("nan"))], ("row 0", "val_loss nan")),
+    ([_row(val_loss=True)], ("row 0", "val_loss True")),
+    ([_row(val_ppl="x")], ("row 0", "val_ppl 'x'")),
+    ([_row(seed="0")], ("row 0", "seed '0'")),
+], ids=["duplicate-run", "duplicate-key", "string-loss", "nan-loss", "bool-loss", "string-ppl", "string-seed"])
+def test_a_record_with_a_duplicate_or_a_non_number_is_refused_naming_the_row(cli, tmp_path, rows, fragments):
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps(rows))  # NaN as JSON's NaN, as json.dumps writes it
+    r = cli("compare", "main", "--record", record, "--finished-only", "--out", tmp_path / "out", *QUICK)
+    assert_one_line_error(r, 2, "--record", *fragments)
+    assert not (tmp_path / "out").exists()

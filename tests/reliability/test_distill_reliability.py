@@ -146,10 +146,12 @@ def test_uptrain_does_not_continue_a_run_with_other_settings(cli, models, tmp_pa
     out.mkdir()
     (out / "uptrain.json").write_text(json.dumps({"src": str(models["teacher"].resolve()), "plan": "fusedkv-lite",
                                                   "fusion_init": "equivalent", "train": {}}))
+    (out / "converted").mkdir()  # the run made something (settings alone are no run: issue 41, defect 9)
+    (out / "converted" / "config.json").write_text("{}")
     result = cli("uptrain", models["teacher"], out, "--plan", "fusedkv", "--data", models["corpus"], "--preset",
                  "nano", "--quiet", timeout=300)
     assert_one_line_error(result, 2, "other settings", "plan: was 'fusedkv-lite', now 'fusedkv'", "--overwrite")
-    assert sorted(p.name for p in out.iterdir()) == ["uptrain.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["converted", "uptrain.json"]
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

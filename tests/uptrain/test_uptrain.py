@@ -26,10 +26,11 @@ RECIPE = ("--preset", "nano", "--set", "threads=1", "--set", "eval_every=2", "--
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128)
 
 
-def _qwen3():
+def _qwen3(tied: bool = False):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return Qwen3ForCausalLM(Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=128))
+    return Qwen3ForCausalLM(Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                        tie_word_embeddings=tied))
 
 
 def _llama():
@@ -72,8 +73,8 @@ def tokenizer_dir(tmp_path_factory, corpus) -> Path:
     return out
 
 
-def _checkpoint(root: Path, model_type: str, build, tokenizer_dir: Path) -> Path:
-    path = root / model_type
+def _checkpoint(root: Path, model_type: str, build, tokenizer_dir: Path, name: str | None = None) -> Path:
+    path = root / (name or model_type)
     if not (path / "config.json").is_file():
         torch.manual_seed(0)
         model = build()
@@ -141,8 +142,9 @@ def test_uptrain_end_to_end(model_type, build, tmp_path, corpus, tokenizer_dir):
 @pytest.mark.slow
 def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     """SIGKILL in the middle of training; the same command finishes the run from its last checkpoint, with
-    the report of an uninterrupted run (same steps, same structure)."""
-    src = _checkpoint(tmp_path, "qwen3", _qwen3, tokenizer_dir)
+    the report of an uninterrupted run (same steps, same structure). The source ties its embeddings, as
+    Qwen3-0.6B and SmolLM2 do: its mid-training checkpoints are saved and the head stays tied (issue 41, 4)."""
+    src = _checkpoint(tmp_path, "qwen3", lambda: _qwen3(tied=True), tokenizer_dir, name="qwen3-tied")
     out = tmp_path / "run"
     args = [src, out, "--plan", "fusedkv-lite", "--data", corpus, "--max-steps", 6, *RECIPE]
     env = _env(tmp_path, FUSEDKV_TRAIN_STEP_SLEEP="1.5")  # time to kill it between steps
@@ -161,6 +163,10 @@ def test_uptrain_resumes_after_a_kill(tmp_path, corpus, tokenizer_dir):
     assert "convert: done" in proc.stdout and "resuming" in proc.stdout
     report = _check_report(out, "fusedkv-lite", 6)
     assert len(report["curve"]) == 6
+    from fusedkv import FusedKVForCausalLM
+
+    final = FusedKVForCausalLM.from_pretrained(out / "train" / "final")
+    assert final.lm_head.weight is final.model.embed_tokens.weight
 
 
 @pytest.mark.slow
