@@ -6,7 +6,8 @@ layers read K^1, V^1, K^n, V^n from them (eq. 4-5). Only the upper layers see ne
 can keep the lower ones, and the token embedding under them, at the teacher's weights:
 
 * frozen: the token embedding (and with it a tied LM head: one tensor) and layers [0, split), where
-  `split` is the first layer that reads another layer's K/V (the lower half under fusedkv and Lite);
+  `split` is the first layer that reads another layer's K/V (the lower half under fusedkv and Lite; 0
+  under a plan where every layer stores, as a GQA conversion that pooled every layer's K/V heads);
 * trained: layers [split, L) (their query / output projections, MLPs, norms and fusion weights), the
   final norm, and an untied LM head.
 
@@ -18,26 +19,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import UsageError
-
 
 def frozen_split(plan) -> int:
-    """The first layer that reads another layer's K/V: every layer below it stores its own and is frozen."""
-    for layer in plan.layers:
-        if not layer.stores:
-            return layer.index
-    return len(plan.layers)
+    """The first layer that reads another layer's K/V: every layer below it stores its own and is frozen. A
+    plan in which every layer stores gives 0: a model converted to it (GQA: every layer's K/V heads pooled)
+    changed every layer, so only the embedding stays."""
+    return next((layer.index for layer in plan.layers if not layer.stores), 0)
 
 
 def freeze_lower_layers(model: nn.Module) -> int:
-    """Freeze the embedding and the layers below `frozen_split` in place; returns the split. A plan in which
-    every layer stores (vanilla, GQA) has no converted part to train apart from the rest: refused."""
+    """Freeze the embedding and the layers below `frozen_split` in place; returns the split."""
     inner = model.model
     split = frozen_split(inner.plan)
-    if split in (0, len(inner.layers)):
-        raise UsageError(f"freeze_lower_layers: the plan {inner.config.kv_sharing!r} has no layers below a "
-                         "reconstruction layer to freeze (every layer stores its own K/V, or the first does "
-                         "not); use --set freeze_lower_layers=false")
     inner.embed_tokens.requires_grad_(False)
     for layer in inner.layers[:split]:
         layer.requires_grad_(False)
