@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..data.loader import STATE_VERSION, _check_length, _gather, _open
 from ..utils import write_json_atomic
 
-FORMAT = 1
+FORMAT = 2  # 2: the tail mass stored (tail.f32)
 # float16 keeps a log-probability to 2^-11 of its value (bfloat16: 2^-8): the bound above uses it.
 FP16_REL = 2.0**-11
 
