@@ -74,15 +74,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=";".join(VARIANTS), help="names from VARIANTS, separated by ;")
     p.add_argument("--curve-steps", type=int, default=0)
+    p.add_argument("--no-fill", action="store_true", help="the store already holds the timed windows")
     args = p.parse_args()
     _no_saving()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "speed.jsonl"
-    names = args.variants.split(",")
-    if args.rounds:
+    names = args.variants.split(";")
+    if args.rounds and not args.no_fill:
         t = time.time()
         run(args, "fill", args.steps, **{"teacher_topk": 64, "freeze_lower_layers": True})  # fills the store
         print(f"store filled for the timed windows in {time.time() - t:.0f} s", flush=True)

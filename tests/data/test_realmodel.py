@@ -15,7 +15,8 @@ def fake_stdlib(tmp_path, monkeypatch):
     code = "\n".join(f"def function_number_{i}(argument_one, argument_two):  # held out {i}" for i in range(40))
     files = {"os.py": "import sys\n" + "\n".join(f"x_{i} = 'a line of ordinary library code number {i}'"
                                                     for i in range(60)),
-             "json/decoder.py": "\n".join(f"def decode_{i}(s):  return s.strip()  # decoder line {i:04d}" for i in range(30)),
+             "json/decoder.py": "\n".join(f"def decode_{i}(s):  return s.strip()  # decoder line {i:04d}"
+                                          for i in range(30)),
              "email/message.py": code, "pydoc_data/topics.py": "topics = {}", "test/test_os.py": "assert True",
              "idlelib/idle_test/test_x.py": "assert True", "site-packages/pkg/mod.py": "x = 1",
              "copier.py": code + "\n" + "\n".join(f"y_{i} = 'something different enough here {i}'" for i in range(10))}
