@@ -192,7 +192,7 @@ def prepare_dataset(
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
     if isinstance(val_docs, str) and val_docs == "default":
-        val_docs = BUILTIN_VAL_DOCS if isinstance(src, BuiltinSource) else None
+        val_docs = BUILTIN_VAL_DOCS if isinstance(src, BuiltinSource) else getattr(src, "val_docs", None)
     val_names = None if val_docs is None else sorted(set(val_docs))
 
     tok_obj = None
@@ -261,7 +261,7 @@ def prepare_dataset(
         raise ValueError(f"held-out document names not found in {src.spec!r}: {missing}. "
                          f"Names look like {BUILTIN_VAL_DOCS[0]!r}; check the spelling.")
     val_split = "documents"
-    if writers[False].num_documents == 0:
+    if writers[False].num_documents == 0 and not getattr(src, "eval_only", False):  # heldout:KIND is all validation
         for w in writers.values():
             w.abort()
         raise ValueError(f"every document of {src.spec!r} was held out for validation; lower "

@@ -1,6 +1,6 @@
-"""Spec strings -> document sources: the one reader of `--data` specs (`builtin`, a path, `hf:NAME...`,
-`mix:builtin:...`), above both the plain sources (`fusedkv.data.sources`) and the synthetic mixture
-(`fusedkv.data.synthetic`), which it dispatches to."""
+"""Spec strings -> document sources: the one reader of `--data` specs (`builtin`, `stdlib`, `heldout:KIND`,
+a path, `hf:NAME...`, `mix:builtin:...`), above the plain sources (`fusedkv.data.sources`), the real-model
+texts (`fusedkv.data.realmodel`) and the synthetic mixture (`fusedkv.data.synthetic`), which it dispatches to."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def resolve_source(spec: str | Path | Source, text_field: str = "text") -> Sourc
     s = str(spec)
     if s == "builtin":
         return BuiltinSource()
+    if s == "stdlib" or s.startswith("heldout:"):  # real-model uptraining text (fusedkv.data.realmodel)
+        from .realmodel import HeldoutSource, StdlibSource
+
+        return StdlibSource() if s == "stdlib" else HeldoutSource(s.partition(":")[2])
     if s.startswith(MIX_PREFIX):  # the corpus + synthetic retrieval documents (fusedkv.data.synthetic)
         return MixtureSource.from_spec(s)
     if s.startswith("hf:"):

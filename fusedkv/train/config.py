@@ -66,6 +66,13 @@ class TrainConfig:
     distill_alpha: float = 0.5
     distill_temperature: float = 1.0
     distill_hidden_weight: float = 0.0
+    # Faster uptraining (docs/uptraining.md has the measurements). freeze_lower_layers: the embedding (a tied
+    # head with it) and every layer below the first reconstruction layer keep their weights; no graph is kept
+    # for them (fusedkv.train.freeze). teacher_topk=K > 0: the teacher's top-K log-probabilities are stored
+    # next to the prepared data once and read back by every later run (fusedkv.train.teacher_cache); the
+    # batches then come from a fixed grid of seq_len windows. 0: the live teacher on random windows.
+    freeze_lower_layers: bool = False
+    teacher_topk: int = 0
 
     # ---- data ----------------------------------------------------------------------------------
     data: str | None = None  # source spec (builtin, file, dir, .jsonl, .parquet, hf:...) or prepared dir
@@ -212,6 +219,11 @@ class TrainConfig:
              "must be a positive number")
         need(math.isfinite(self.distill_hidden_weight) and self.distill_hidden_weight >= 0, "distill_hidden_weight",
              "must be >= 0 (0: logits only)")
+        need(self.teacher_topk >= 0, "teacher_topk", "must be >= 0 (0: the live teacher; e.g. 64)")
+        need(not (self.teacher_topk and self.distill_hidden_weight > 0), "teacher_topk",
+             "stores logits only: it cannot serve distill_hidden_weight > 0; set one of them to 0")
+        need(not self.teacher_topk or self.distill_from is not None, "teacher_topk",
+             "stores a teacher's logits: it needs distill_from")
         if self.init_from is None:
             self.model_config()  # the model's own checks (head counts, plan, source map ...), up front
 

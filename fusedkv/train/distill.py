@@ -43,6 +43,7 @@ from ..model.loss import IGNORE_INDEX, lm_loss
 from ..model_dirs import check_checkpoint_dir
 from ..plan import VANILLA
 from .data import has_tokenizer, is_prepared_dir
+from .teacher_cache import topk_kl
 
 # What --distill-from takes: a fusedkv model, or a checkpoint of any imported family, run by transformers itself.
 TEACHER_MODEL_TYPES = (FusedKVConfig.model_type, *MODEL_TYPES)
@@ -145,8 +146,12 @@ class Distiller:
     runs under); refuses a teacher whose vocabulary or layer count does not match the student's."""
 
     def __init__(self, teacher_dir: str, student_config, device, alpha: float = 0.5, temperature: float = 1.0,
-                 hidden_weight: float = 0.0):
+                 hidden_weight: float = 0.0, store=None):
         check_checkpoint_dir(teacher_dir, model_types=TEACHER_MODEL_TYPES)
+        if store is not None and hidden_weight > 0:
+            raise ValueError("teacher_topk stores the teacher's logits only: it cannot serve the hidden-state term; "
+                             "use --set teacher_topk=0 with distill_hidden_weight > 0")
+        self.store, self.device = store, device  # a teacher_cache.TeacherTopK, or None: the live teacher
         self.teacher = load_teacher(teacher_dir, device)
         tc = self.teacher.config
         if tc.vocab_size != student_config.vocab_size:
@@ -158,7 +163,9 @@ class Distiller:
         self.alpha, self.temperature, self.hidden_weight = alpha, temperature, hidden_weight
         self.last_parts: dict = {}
 
-    def __call__(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, model, input_ids: torch.Tensor, labels: torch.Tensor, windows=None) -> torch.Tensor:
+        if self.store is not None:
+            return self._from_store(model, input_ids, labels, windows)
         want_hidden = self.hidden_weight > 0
         with torch.no_grad():
             t_out = self.teacher(input_ids=input_ids, use_cache=False, output_hidden_states=want_hidden)
@@ -170,6 +177,38 @@ class Distiller:
         if aux is not None:
             loss = loss + _unwrap(model).config.router_aux_loss_coef * aux
         return loss
+
+
+    def _from_store(self, model, input_ids, labels, windows) -> torch.Tensor:
+        """The loss with the teacher's stored top-k (teacher_cache): windows not stored yet are run first."""
+        if windows is None:
+            raise ValueError("teacher_topk: the batches must say which stored windows they are (WindowBatches)")
+        w = windows.cpu().numpy()
+        self.store.fill(self.teacher, w, self.device)
+        t_logp, t_ids, t_tail = self.store.lookup(w, input_ids.device)
+        s_out = model(input_ids=input_ids, use_cache=False)
+        loss, self.last_parts = topk_distillation_loss(s_out.logits, t_logp, t_ids, t_tail, labels, self.alpha,
+                                                       self.temperature)
+        aux = getattr(s_out, "aux_loss", None)
+        if aux is not None:
+            loss = loss + _unwrap(model).config.router_aux_loss_coef * aux
+        return loss
+
+
+def topk_distillation_loss(student_logits, teacher_logp, teacher_ids, teacher_tail, labels, alpha: float = 0.5,
+                           temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """`distillation_loss` with the teacher given as its stored top-k log-probabilities and ids ([B, T, K]) and
+    the mass outside them ([B, T]):
+    the KL term on the K tokens plus the tail bucket (`teacher_cache.topk_kl`, whose module docstring states
+    the truncation's bound), averaged over the counted positions; the LM term as before."""
+    s = student_logits.flatten(0, 1)
+    counted = labels.flatten() != IGNORE_INDEX
+    n = counted.sum().clamp(min=1)
+    kl = topk_kl(s, teacher_logp.flatten(0, 1), teacher_ids.flatten(0, 1), teacher_tail.flatten(), counted,
+                 temperature) / n * temperature**2
+    lm = lm_loss(s.float(), labels.flatten())
+    loss = alpha * kl + (1.0 - alpha) * lm
+    return loss, {"kl": float(kl.detach()), "lm": float(lm.detach()), "hidden": 0.0}
 
 
 def _unwrap(model):

@@ -37,8 +37,10 @@ from . import full_checkpoint as ckpt_io
 from . import sharded_checkpoint as dcp_io
 from .config import TrainConfig, normalise
 from .distill import TEACHER_MODEL_TYPES, Distiller, check_teacher
+from .freeze import freeze_lower_layers
 from .optim import build_optimizer, build_scheduler
 from .rundir import clear_previous_run, find_resume_checkpoint
+from .teacher_cache import TeacherTopK, WindowBatches
 
 # Fields a resumed run may change; any other difference would make it a different experiment.
 RESUME_MAY_CHANGE = {
@@ -101,7 +103,7 @@ class Prepared:
     cfg: TrainConfig  # as the run uses it: values adopted from the checkpoint or init_from filled in
     mc: FusedKVConfig  # the model config (final: data-dependent token ids filled in)
     ds: object  # the prepared dataset (train/val token streams, tokenizer)
-    batches: TokenBatches  # this rank's stream of global-batch rows (its position is checkpointed)
+    batches: TokenBatches | WindowBatches  # this rank's stream of global-batch rows (its position is checkpointed)
     model: torch.nn.Module  # the plain FusedKVForCausalLM (FSDP2 shards it in place)
     wrapped: torch.nn.Module  # what the training step calls: DDP(model), or model itself
     opt: torch.optim.Optimizer
@@ -266,7 +268,8 @@ class RunSetup:
 
         accum = cfg.grad_accum_steps(env.world_size)
         total = cfg.total_steps()
-        batches = TokenBatches(
+        # teacher_topk: windows on the teacher store's grid (fusedkv.train.teacher_cache), else random windows.
+        batches = (WindowBatches if cfg.teacher_topk else TokenBatches)(
             ds.train,
             cfg.seq_len,
             accum * cfg.micro_batch_size,
@@ -278,8 +281,14 @@ class RunSetup:
         model, wrapped, opt, sched = self.build(mc, ckpt)
         distiller = None  # replaces the trainer's compute_loss when distilling
         if cfg.distill_from is not None:
+            store = None
+            if cfg.teacher_topk:  # every rank opens the same store (filling a window is idempotent)
+                store = TeacherTopK(Path(ds.out_dir) / "teacher", cfg.distill_from, ds.train.tokens, cfg.seq_len,
+                                    cfg.teacher_topk, cfg.distill_temperature, mc.vocab_size)
+                self.say(f"teacher top-{cfg.teacher_topk} store: {store.dir} ({store.count_filled()} of "
+                         f"{store.num_windows} windows stored)")
             distiller = Distiller(cfg.distill_from, mc, env.device, cfg.distill_alpha, cfg.distill_temperature,
-                                  cfg.distill_hidden_weight)
+                                  cfg.distill_hidden_weight, store=store)
             self.say(f"distilling from {cfg.distill_from} (alpha {cfg.distill_alpha:g}, temperature "
                      f"{cfg.distill_temperature:g}, hidden-state weight {cfg.distill_hidden_weight:g})")
         # Config validated, data ready, model built: only now may an old run be replaced. Nothing in
@@ -338,6 +347,9 @@ class RunSetup:
             else:
                 model = FusedKVForCausalLM(mc)
         model.to(env.device).train()
+        if cfg.freeze_lower_layers:  # before the optimiser and the DDP/FSDP wrap: they see the trained set only
+            split = freeze_lower_layers(model)
+            self.say(f"frozen: the embedding and layers 1-{split} (they store K/V under the plan)")
         if cfg.grad_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
         if cfg.compile:

@@ -149,14 +149,15 @@ class _Run:
     def _train_step(self, step: int) -> tuple[float, float]:
         """One optimiser step over this rank's rows of the global batch: (mean loss, gradient norm)."""
         env, mb, accum = self.env, self.cfg.micro_batch_size, self.state.accum
-        x_all, y_all = next(self.state.batches)
+        x_all, y_all, *windows = next(self.state.batches)  # WindowBatches also says which stored windows
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
             x = x_all[i * mb : (i + 1) * mb].to(env.device, non_blocking=True)
             y = y_all[i * mb : (i + 1) * mb].to(env.device, non_blocking=True)
+            extra = {"windows": windows[0][i * mb : (i + 1) * mb]} if windows else {}
             with D.grad_sync(self.state.wrapped, env, sync=i == accum - 1):
                 with autocast(self.use_bf16, env.device):
-                    loss = (self.state.distiller or compute_loss)(self.state.wrapped, x, y)
+                    loss = (self.state.distiller or compute_loss)(self.state.wrapped, x, y, **extra)
                 # Every micro-batch has the same number of tokens, so the mean of the micro-batch
                 # means is the global-batch mean (DDP/FSDP average over ranks on top).
                 (loss / accum).backward()
