@@ -55,7 +55,7 @@ def write_atomic(path: str | Path, write) -> Path:
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    return write_atomic(path, lambda tmp: tmp.write_text(text))
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_json_atomic(path: str | Path, obj, indent: int = 1, sort_keys: bool = False, **dumps) -> Path:

@@ -14,8 +14,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fusedkv"
 SHARED = {"--device", "--dtype", "--seed", "--fusion-init"}
 # Definitions not yet moved to fusedkv.flags, each with its reason.
 NOT_YET_SHARED = {
-    ("fusedkv/uptrain/command.py", "--seed"),  # uptrain/ is another helper's this session (lead)
-    ("fusedkv/uptrain/command.py", "--device"),
     ("fusedkv/serving/command.py", "--dtype"),  # vLLM's own dtype words ("auto" = the checkpoint's)
     ("fusedkv/serving/offline.py", "--dtype"),
 }

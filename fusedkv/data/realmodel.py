@@ -26,6 +26,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..utils import write_text_atomic
 from .sources import BUILTIN_VAL_DOCS, BuiltinSource, Source, _file_fingerprint, read_text_file
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -122,9 +123,7 @@ def write_heldout(out_dir) -> dict[str, Path]:
     paths = {}
     for kind in HELDOUT_KINDS:
         paths[kind] = out / f"{kind}.txt"
-        tmp = paths[kind].with_suffix(".tmp")
-        tmp.write_text("\n\n".join(t for _, t in iter_heldout(kind)), encoding="utf-8")
-        tmp.replace(paths[kind])
+        write_text_atomic(paths[kind], "\n\n".join(t for _, t in iter_heldout(kind)))
     return paths
 
 

@@ -215,6 +215,7 @@ def gguf_import(path: Path) -> Path:
     from ..convert import convert_checkpoint
     from ..convert.sources import source_directory
     from ..plan import VANILLA
+    from ..utils import write_text_atomic
 
     root = Path(os.environ.get("FUSEDKV_CACHE", "~/.cache/fusedkv")).expanduser() / "serve" / path.stem
     source = source_directory(path, root / "source")
@@ -222,7 +223,7 @@ def gguf_import(path: Path) -> Path:
     target = root / VANILLA
     if not (target / "config.json").is_file() or (root / "imported-from.json").read_text() != stamp:
         convert_checkpoint(source, target, overwrite=True)
-        (root / "imported-from.json").write_text(stamp)
+        write_text_atomic(root / "imported-from.json", stamp)
     print(f"fusedkv serve: serving {path.name} as imported into {target}", flush=True)
     return target
 

@@ -171,9 +171,10 @@ def test_step_with_reduced_weights_matches_module_decode(plan, fmt):
     """bf16 / int8 / int4 block weights: the step runs the modules' own block kernels, so teacher-forced logits
     match module-by-module decode of the same reduced model closely, for a left-padded batch. The two agree
     bit for bit until an f32 ulp of difference upstream (norms, attention) flips the bf16 rounding of one
-    input element of a product (2^-8 of it); int4's coarse weights make the flip show up to ~1.5e-3 (measured
-    1.3e-3 relative on this batch), so its bound is looser; a layout error would be of order 1."""
-    tol = 3e-3 if fmt == "int4" else 1e-4
+    input element of a product (2^-8 of it); int4's coarse weights make the flip show more (measured 1.3e-3
+    relative on this batch with AVX-512's bf16 dot products, 4.6e-3 with AVX2's portable loop), so its bound is
+    looser; a layout error would be of order 1."""
+    tol = 1e-2 if fmt == "int4" else 1e-4
     model = reduce_precision(tiny_model(plan, attention_bias=plan == "vanilla"), fmt)
     ids, mask = _padded_batch(seed=4)
     prompt = 6
