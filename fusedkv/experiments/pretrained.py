@@ -4,7 +4,8 @@ An experiment file with a `source:` (a pretrained model: a transformers checkpoi
 is run here by `fusedkv compare` instead of the training runner. It names
 
     models:  the teacher (the source, imported with --plan vanilla) and half-cache plans made from it by
-             `fusedkv uptrain` (plan, --fusion-init, training settings): one resumable uptraining run each;
+             `fusedkv uptrain` (plan, --fusion-init, training settings): one resumable uptraining run each,
+             or by `fusedkv convert` alone (`train: false`: the conversion before any training);
     rows:    a model read through a KV cache kind: f32, bf16 (a 16-bit cache), fp8 (vLLM's e4m3 cache,
              `fusedkv.quant.fp8`), kivi4 / kivi2 (`fusedkv.quant.kivi`), or PLAN+kivi4 combinations;
     texts:   held-out texts (data specs or files), each scored on its first `windows` windows of `window`
@@ -107,13 +108,30 @@ def uptrain_command(src: Path, model: dict, out: Path) -> list[str]:
     return cmd
 
 
+def convert_command(src: Path, model: dict, out: Path) -> list[str]:
+    """`fusedkv convert` for a model the file does not train (`train: false`): the conversion as it starts."""
+    cmd = [sys.executable, "-m", "fusedkv.cli", "convert", str(src), str(out), "--plan", model["plan"], "--overwrite"]
+    for key in ("fusion_init", "calib_data", "calib_tokens", "sources"):
+        if key in model:
+            cmd += [f"--{key.replace('_', '-')}", str(model[key])]
+    return cmd
+
+
 def model_dir(name: str, spec: dict, src: Path, out: Path, progress: bool) -> Path:
-    """The model `name` ready to score: the teacher's import, or its uptrained model (trained now, resuming a
-    killed run, when not finished)."""
+    """The model `name` ready to score: the teacher's import, a conversion (`train: false`), or its uptrained
+    model (trained now, resuming a killed run, when not finished)."""
     if name == TEACHER:
         return teacher_dir(src, out)
     model = next(m for m in spec["models"] if m["name"] == name)
     run = out / "models" / name
+    if model.get("train") is False:
+        if not (run / "config.json").is_file():
+            cmd = convert_command(src, model, run)
+            if progress:
+                print(f"converting {name}: {' '.join(cmd[1:])}", flush=True)
+            if subprocess.run(cmd).returncode != 0:
+                raise UsageError(f"converting {name!r} failed; see the message above")
+        return run
     final = run / "train" / "final"
     if (run / "report.json").is_file() and final.is_dir():
         return final

@@ -11,7 +11,9 @@ its `bytes_per_element` is what the engine stores, one byte). Values beyond e4m3
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
+from transformers.cache_utils import DynamicLayer
+
+from .storage import StorageLayersCache
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -35,23 +37,11 @@ class FP8Layer(DynamicLayer):
                               *args, **kwargs)
 
 
-class FP8Cache(Cache):
-    """A transformers `Cache` with an `FP8Layer` for each of the plan's storage layers (reconstruction layers
-    hold nothing and read the storage layers' rounded K/V)."""
+class FP8Cache(StorageLayersCache):
+    """A transformers `Cache` with an `FP8Layer` for each of the plan's storage layers (reconstruction layers hold
+    nothing and read the storage layers' rounded K/V)."""
 
     bytes_per_element = 1
 
     def __init__(self, config, k_scale: float = 1.0, v_scale: float = 1.0):
-        storage = set(config.plan.storage_layers)
-        layers = [FP8Layer(k_scale, v_scale) if i in storage else DummyLayer() for i in range(config.num_hidden_layers)]
-        super().__init__(layers=layers)
-        self._first_storage = min(storage)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        layer = self.layers[layer_idx]
-        if not isinstance(layer, FP8Layer):
-            layer = self.layers[self._first_storage]
-        return layer.get_seq_length()
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
+        super().__init__(config, lambda: FP8Layer(k_scale, v_scale))

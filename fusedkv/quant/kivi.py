@@ -43,7 +43,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+from transformers.cache_utils import CacheLayerMixin
+
+from .storage import StorageLayersCache
 
 SUPPORTED_BITS = (2, 4)
 DEFAULT_GROUP_SIZE = 32  # KIVI's G and the FusedKV paper's setting
@@ -424,7 +426,7 @@ class KIVILayer(CacheLayerMixin):
             self._view()
 
 
-class KIVICache(Cache):
+class KIVICache(StorageLayersCache):
     """A transformers `Cache` with a `KIVILayer` for each of the plan's storage layers (reconstruction
     layers hold nothing); `group_size` None: `default_group_size` of the model's head dimension. Pass it
     as `cache=` to the model, to `model.generate(past_key_values=...)`,
@@ -439,21 +441,8 @@ class KIVICache(Cache):
         if group_size is None:
             group_size = default_group_size(config.head_dim, residual_length)
         check_kivi_settings(bits, group_size, residual_length, config.head_dim)
-        storage = set(config.plan.storage_layers)
-        layers = [KIVILayer(bits, group_size, residual_length) if i in storage else DummyLayer()
-                  for i in range(config.num_hidden_layers)]
-        super().__init__(layers=layers)
+        super().__init__(config, lambda: KIVILayer(bits, group_size, residual_length))
         self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
-        self._first_storage = min(storage)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        layer = self.layers[layer_idx]
-        if not isinstance(layer, KIVILayer):
-            layer = self.layers[self._first_storage]
-        return layer.get_seq_length()
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
 
     def set_padding(self, attention_mask: torch.Tensor) -> None:
         """Declare the prompt's left padding ([B, T] mask, 1 = real token) before the prompt is stored, so

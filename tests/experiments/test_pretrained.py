@@ -118,3 +118,15 @@ def test_uptrained_model_row_resumes_through_uptrain(tmp_path, source):
     assert rows["lite"]["plan"] == "fusedkv-lite" and rows["lite"]["kv_bytes_per_token"] == 256
     assert len(rows["lite"]["curve"]) >= 2 and (out / "recovery.png").is_file()
     assert (out / "models" / "lite" / "report.json").is_file()
+
+
+def test_the_shipped_smollm2_experiment_is_valid():
+    from fusedkv.experiments.runner import load_experiment
+
+    spec = load_experiment("smollm2")
+    pretrained.check(spec, "smollm2")
+    assert pretrained.is_pretrained(spec) and spec["source"].endswith(".gguf")
+    models = {m["name"]: m for m in spec["models"]}
+    assert models["fusedkv-calibrated"]["train"] is False and "train" not in models["fusedkv-uptrained"]
+    cmd = pretrained.uptrain_command(Path("src"), models["lite-uptrained"], Path("out"))
+    assert cmd[cmd.index("--plan") + 1] == "fusedkv-lite" and "--calib-data" in cmd and "seq_len=512" in cmd
