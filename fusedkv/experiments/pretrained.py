@@ -199,8 +199,7 @@ def text_windows(text: str, tokenizer_dir: Path, window: int, windows: int) -> t
 @torch.inference_mode()
 def score(model, kind: str, ids: torch.Tensor, batch: int = 8) -> float:
     """Mean next-token loss (nats) over the windows, read through a cache of `kind`."""
-    import torch.nn.functional as F
-
+    from ..model.loss import lm_loss
     from ..quant.scoring import DecodeScorer
 
     make = cache_factory(kind)
@@ -211,7 +210,7 @@ def score(model, kind: str, ids: torch.Tensor, batch: int = 8) -> float:
             logits = model(x).logits
         else:
             logits = DecodeScorer(model, lambda cfg, b=x.shape[0], t=x.shape[1]: make(cfg, b, t))(x).logits
-        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
+        total += lm_loss(logits, y, "sum").item()
         count += y.numel()
     return total / count
 

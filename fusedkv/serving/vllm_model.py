@@ -452,9 +452,11 @@ class FusedKVForCausalLM(nn.Module):
                 av, bv = v[0] + v[1] * av, v[1] * bv
                 carried[chain] = ((ak, bk), (av, bv))
                 k, v = [ak, bk], [av, bv]
-            # Tensor parallel: this rank's KV heads' rows (`rank_heads`).
-            attn.served = ([None if w is None else w[attn.kv_heads].detach().contiguous() for w in k],
-                           [None if w is None else w[attn.kv_heads].detach().contiguous() for w in v])
+            # Tensor parallel: this rank's KV heads' rows (`rank_heads`); MLA's latent is not split by head (its
+            # layers run unsplit: tensor parallel is refused for MLA), so it keeps every row.
+            heads = getattr(attn, "kv_heads", slice(None))
+            attn.served = ([None if w is None else w[heads].detach().contiguous() for w in k],
+                           [None if w is None else w[heads].detach().contiguous() for w in v])
 
 
 def _join(prefix: str, name: str) -> str:

@@ -60,4 +60,4 @@ def test_the_real_stdlib_corpus_shares_no_long_line_with_the_held_out_texts():
         assert not name.startswith(("stdlib/email/", "stdlib/pydoc_data/", "stdlib/test/"))
         lines = R._long_lines(text)
         n, shared = n + len(lines), shared + len(lines & held)
-    assert n > 100_000 and shared <= R.MAX_SHARED * n
+    assert n > 50_000 and shared <= R.MAX_SHARED * n  # 90k long lines in CPython 3.11's library

@@ -76,7 +76,7 @@ def test_device_cuda_on_a_cpu_build_is_refused_up_front(cli, tiny_ckpt, tmp_path
 
 @pytest.mark.parametrize("device", ["banana", "mps"])
 def test_device_that_is_no_device(cli, tiny_ckpt, device):
-    assert_one_line_error(cli("generate", tiny_ckpt, "--device", device), 2, f"--device {device}")
+    assert_one_line_error(cli("generate", tiny_ckpt, "--device", device), 2, f"--device: device '{device}'")
 
 
 @pytest.mark.slow
