@@ -215,6 +215,11 @@ def score(model, kind: str, ids: torch.Tensor, batch: int = 8) -> float:
     return total / count
 
 
+def row_file(out: Path, name: str) -> Path:
+    """Where a row's scores are cached: OUT/rows/NAME.json (spaces and '+' made file-name safe)."""
+    return out / "rows" / f"{name.replace(' ', '_').replace('+', 'plus')}.json"
+
+
 def key_of(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -227,7 +232,7 @@ def row_result(row: dict, spec: dict, src: Path, out: Path, progress: bool) -> d
     model_spec = next(m for m in spec["models"] if m["name"] == row["model"])
     key = key_of(model_spec, row["cache"], spec["texts"], spec.get("window", 512), spec.get("windows", 8),
                  str(src))
-    path = out / "rows" / f"{name.replace(' ', '_').replace('+', 'plus')}.json"
+    path = row_file(out, name)
     if path.is_file() and json.loads(path.read_text()).get("key") == key:
         return json.loads(path.read_text())
     directory = model_dir(row["model"], spec, src, out, progress)
@@ -271,7 +276,7 @@ def run(spec: dict, out: Path, source: str | None, only: list[str] | None, finis
     results = []
     for row in rows:
         name = row_name(row)
-        cached = out / "rows" / f"{name.replace(' ', '_').replace('+', 'plus')}.json"
+        cached = row_file(out, name)
         if finished_only:
             if cached.is_file():
                 results.append(json.loads(cached.read_text()))
