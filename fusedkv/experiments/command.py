@@ -91,7 +91,8 @@ def _run_pretrained(spec: dict, args) -> None:
 
     name = spec.get("name", Path(args.experiment).stem)
     out = Path(args.out or f"runs/compare-{name}")
-    results = pretrained.run(spec, out, args.source, args.runs, args.finished_only)
+    results = pretrained.run(spec, out, args.source, args.runs, args.finished_only,
+                              task_limit=args.task_limit)
     if not results:
         raise UsageError(f"no row of {name!r} has finished yet; run it without --finished-only")
     print(pretrained.write_outputs(spec, results, out))

@@ -14,10 +14,10 @@ is run here by `fusedkv compare` instead of the training runner. It names
 
 Every piece is cached in OUT and keyed by what it computes, so the experiment runs in pieces (`--runs`
 names rows; a row runs the model it needs), a killed uptraining resumes (it is `fusedkv uptrain`), and a
-finished row is never scored twice. The table (perplexity per text, its ratio to the teacher's, KV bytes per
-token and per cent of the bf16 teacher's) goes to OUT/results.md and results.json; quality against bytes to
-OUT/quality_vs_bytes.png; each uptrained model's validation loss against training tokens to
-OUT/recovery.png.
+finished row is never scored twice. The table (perplexity per text, its ratio to the teacher's with a 95%
+paired bootstrap interval over the windows, KV bytes per token and per cent of the bf16 teacher's) goes to
+OUT/results.md and results.json; quality against bytes to OUT/quality_vs_bytes.png; each uptrained model's
+validation loss against training tokens to OUT/recovery.png.
 """
 
 from __future__ import annotations
@@ -146,6 +146,9 @@ def model_dir(name: str, spec: dict, src: Path, out: Path, progress: bool) -> Pa
 
 
 # ---- scoring --------------------------------------------------------------------------------------------
+UNQUANTISED = ("f32", "bf16")
+
+
 def cache_factory(kind: str):
     """config -> a cache of this kind for one batch of windows (None: the full-sequence forward, f32)."""
     if kind == "f32":
@@ -197,22 +200,31 @@ def text_windows(text: str, tokenizer_dir: Path, window: int, windows: int) -> t
 
 
 @torch.inference_mode()
-def score(model, kind: str, ids: torch.Tensor, batch: int = 8) -> float:
-    """Mean next-token loss (nats) over the windows, read through a cache of `kind`."""
+def score(model, kind: str, ids: torch.Tensor, batch: int = 8) -> list[float]:
+    """Each window's mean next-token loss (nats), read through a cache of `kind` (windows of equal length:
+    their mean is the text's loss)."""
     from ..model.loss import lm_loss
     from ..quant.scoring import DecodeScorer
 
     make = cache_factory(kind)
-    total = count = 0.0
+    losses = []
     for i in range(0, ids.shape[0], batch):
         x, y = ids[i:i + batch, :-1], ids[i:i + batch, 1:]
         if make is None:
             logits = model(x).logits
         else:
             logits = DecodeScorer(model, lambda cfg, b=x.shape[0], t=x.shape[1]: make(cfg, b, t))(x).logits
-        total += lm_loss(logits, y, "sum").item()
-        count += y.numel()
-    return total / count
+        losses += [lm_loss(logits[j:j + 1], y[j:j + 1]).item() for j in range(x.shape[0])]
+    return losses
+
+
+def paired_interval(rows: list[float], refs: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the perplexity ratio exp(mean(row) - mean(ref)), resampling the
+    windows in pairs (both rows scored the same windows, so a window's difficulty cancels)."""
+    diffs = torch.tensor(rows, dtype=torch.float64) - torch.tensor(refs, dtype=torch.float64)
+    pick = torch.randint(len(diffs), (draws, len(diffs)), generator=torch.Generator().manual_seed(seed))
+    lo, hi = torch.quantile(diffs[pick].mean(1), torch.tensor([0.025, 0.975], dtype=torch.float64)).exp().tolist()
+    return lo, hi
 
 
 def row_file(out: Path, name: str) -> Path:
@@ -238,14 +250,16 @@ def row_result(row: dict, spec: dict, src: Path, out: Path, progress: bool) -> d
     directory = model_dir(row["model"], spec, src, out, progress)
     model = FusedKVForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     t0 = time.time()
-    losses = {}
+    losses, windows = {}, {}
     for text in spec["texts"]:
         ids = text_windows(text, directory, spec.get("window", 512), spec.get("windows", 8))
-        losses[text] = score(model, row["cache"], ids)
+        windows[text] = score(model, row["cache"], ids)
+        losses[text] = sum(windows[text]) / len(windows[text])
         if progress:
             print(f"  {name}: {text} ppl {math.exp(losses[text]):.3f}", flush=True)
     result = dict(key=key, name=name, model=row["model"], cache=row["cache"], plan=model.config.kv_sharing,
-                  checkpoint=str(directory), loss=losses, ppl={t: math.exp(v) for t, v in losses.items()},
+                  checkpoint=str(directory), loss=losses, window_loss=windows,
+                  ppl={t: math.exp(v) for t, v in losses.items()},
                   kv_bytes_per_token=kv_bytes_per_token(model.config, row["cache"]), seconds=time.time() - t0,
                   date=time.strftime("%Y-%m-%d"), curve=_curve(out / "models" / row["model"]))
     write_json_atomic(path, result)
@@ -263,9 +277,29 @@ def _curve(run: Path) -> list:
     return ([(0, start)] if start is not None else []) + curve
 
 
+def model_tasks(model: str, directory: Path, spec: dict, src: Path, out: Path, task_limit: int,
+                compute: bool) -> dict | None:
+    """A model's accuracy on the local lm-eval tasks, cached in OUT/tasks/MODEL.json. lm-eval scores a
+    full-sequence forward, which reads no cache: one score per model, whatever rows read it through."""
+    from .runner import _task_scores
+
+    path = out / "tasks" / f"{model}.json"
+    key = key_of(next(m for m in spec["models"] if m["name"] == model), str(src), task_limit)
+    if path.is_file() and json.loads(path.read_text()).get("key") == key:
+        return json.loads(path.read_text())["tasks"]
+    if not compute:
+        return None
+    from ..model import FusedKVForCausalLM
+
+    scores = _task_scores(FusedKVForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), directory,
+                          task_limit)
+    write_json_atomic(path, {"key": key, "model": model, "task_limit": task_limit, "tasks": scores})
+    return scores
+
+
 # ---- the experiment ---------------------------------------------------------------------------------------
 def run(spec: dict, out: Path, source: str | None, only: list[str] | None, finished_only: bool,
-        progress: bool = True) -> list[dict]:
+        progress: bool = True, task_limit: int = 0) -> list[dict]:
     check(spec, spec.get("name", "experiment"))
     out.mkdir(parents=True, exist_ok=True)
     src = source_checkpoint(source or spec["source"], out)
@@ -284,6 +318,12 @@ def run(spec: dict, out: Path, source: str | None, only: list[str] | None, finis
                 print(f"not finished: {name}", flush=True)
             continue
         results.append(row_result(row, spec, src, out, progress))
+    for r in results:  # on the rows that read the model unquantised (the tasks read no cache)
+        if task_limit and r["cache"] in UNQUANTISED:
+            tasks = model_tasks(r["model"], Path(r["checkpoint"]), spec, src, out, task_limit,
+                                compute=not finished_only)
+            if tasks:
+                r["tasks"] = tasks
     return results
 
 
@@ -298,6 +338,8 @@ def table(results: list[dict], texts: list[str]) -> str:
                next((r for r in results if r["model"] == TEACHER), None))
     head = ["row", "plan", "KV cache", "KV bytes / token", "% of bf16 teacher"]
     head += [f"ppl {label(t)}" for t in texts] + ([f"x teacher {label(t)}" for t in texts] if ref else [])
+    tasks = sorted({t for r in results for t in r.get("tasks", {})})
+    head += [f"{t} acc %" for t in tasks]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     base = ref["kv_bytes_per_token"] if ref else None
     for r in sorted(results, key=lambda r: -r["kv_bytes_per_token"]):
@@ -305,9 +347,25 @@ def table(results: list[dict], texts: list[str]) -> str:
                  f"{100 * r['kv_bytes_per_token'] / base:.1f}" if base else "-"]
         cells += [f"{r['ppl'][t]:.3f}" for t in texts]
         if ref:
-            cells += [f"{r['ppl'][t] / ref['ppl'][t]:.3f}" for t in texts]
+            cells += [_ratio_cell(r, ref, t) for t in texts]
+        cells += [f"{100 * r['tasks'][t]:.1f}" if t in r.get("tasks", {}) else "-" for t in tasks]
         lines.append("| " + " | ".join(cells) + " |")
+    if tasks:
+        lines.append("\nTask accuracies: the local lm-eval tasks (`fusedkv.eval.harness.LOCAL_TASKS`), zero-shot, "
+                     "scored by lm-eval on the model's full-sequence forward, which reads no cache; shown on the "
+                     "rows with an unquantised cache.")
     return "\n".join(lines)
+
+
+def _ratio_cell(row: dict, ref: dict, text: str) -> str:
+    """The perplexity ratio to the reference row, with its paired per-window bootstrap interval when both rows
+    kept their windows' losses."""
+    cell = f"{row['ppl'][text] / ref['ppl'][text]:.3f}"
+    a, b = row.get("window_loss", {}).get(text), ref.get("window_loss", {}).get(text)
+    if row is ref or not a or not b or len(a) != len(b):
+        return cell
+    lo, hi = paired_interval(a, b)
+    return f"{cell} [{lo:.2f}, {hi:.2f}]"
 
 
 def plot(results: list[dict], texts: list[str], path: Path, title: str) -> None:

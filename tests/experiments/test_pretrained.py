@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,17 @@ def test_cache_rows_table_plot_and_reuse(tmp_path, source):
     # bytes per token: 4 layers x 2 KV heads x 16 dims x (K, V)
     assert [results[c]["kv_bytes_per_token"] for c in ("f32", "bf16", "fp8")] == [1024, 512, 256]
     assert "| teacher fp8 | vanilla | fp8 | 256 | 50.0 |" in (out / "results.md").read_text()
+    # The local lm-eval tasks: once per model, on its unquantised rows.
+    from fusedkv.eval.harness import LOCAL_TASKS
+
+    assert set(results["f32"]["tasks"]) == set(LOCAL_TASKS) and results["bf16"]["tasks"] == results["f32"]["tasks"]
+    assert "tasks" not in results["fp8"] and len(list((out / "tasks").iterdir())) == 1
+    # Each window's loss is kept (their mean is the text's), and the ratio column carries its paired interval.
+    fp8 = results["fp8"]
+    windows = fp8["window_loss"][str(text)]
+    assert len(windows) > 1 and sum(windows) / len(windows) == pytest.approx(fp8["loss"][str(text)], rel=1e-6)
+    fp8_line = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("| teacher fp8"))
+    assert re.search(r"\| \d\.\d{3} \[\d\.\d\d, \d\.\d\d\] \|", fp8_line), fp8_line
     assert (out / "quality_vs_bytes.png").stat().st_size > 5_000
     # A second run scores nothing again; --runs runs a piece; --finished-only trains and scores nothing.
     stamp = {p.name: p.stat().st_mtime_ns for p in (out / "rows").iterdir()}
@@ -130,3 +142,13 @@ def test_the_shipped_smollm2_experiment_is_valid():
     assert models["fusedkv-calibrated"]["train"] is False and "train" not in models["fusedkv-uptrained"]
     cmd = pretrained.uptrain_command(Path("src"), models["lite-uptrained"], Path("out"))
     assert cmd[cmd.index("--plan") + 1] == "fusedkv-lite" and "--calib-data" in cmd and "seq_len=512" in cmd
+
+
+def test_paired_interval_is_the_ratio_when_every_window_moves_alike():
+    from fusedkv.experiments.pretrained import paired_interval
+
+    ref = [2.0, 3.5, 2.7, 4.1]
+    assert paired_interval(ref, ref) == pytest.approx((1.0, 1.0))
+    assert paired_interval([x + 0.1 for x in ref], ref) == pytest.approx((math.exp(0.1),) * 2)
+    lo, hi = paired_interval([2.1, 3.4, 2.9, 4.1], ref)
+    assert lo < math.exp((0.1 - 0.1 + 0.2 + 0.0) / 4) < hi and lo < 1 < hi

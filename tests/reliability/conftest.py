@@ -47,6 +47,19 @@ class CLI:
 
 
 @pytest.fixture(scope="session")
+def data(tmp_path_factory) -> Path:
+    """A prepared nano corpus (120k characters of the built-in text, a 512-token BPE) for the runs the
+    reliability cases train: one preparation per session, shared by every module that trains."""
+    from fusedkv.data import prepare_dataset, read_builtin_text
+
+    text = tmp_path_factory.mktemp("corpus") / "small.txt"
+    text.write_text(read_builtin_text(limit_chars=120_000))
+    out = tmp_path_factory.mktemp("data") / "nano-512"
+    prepare_dataset(str(text), out, vocab_size=512, num_proc=1)
+    return out
+
+
+@pytest.fixture(scope="session")
 def cli(tmp_path_factory):
     runner = CLI(tmp_path_factory.mktemp("cli-cases"))
     yield runner

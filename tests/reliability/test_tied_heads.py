@@ -102,17 +102,6 @@ def test_final_model_directory_round_trips_the_head(tied, tmp_path):
 
 
 # ---- through the commands ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    from fusedkv.data import prepare_dataset, read_builtin_text
-
-    text = tmp_path_factory.mktemp("corpus") / "small.txt"
-    text.write_text(read_builtin_text(limit_chars=60_000))
-    out = tmp_path_factory.mktemp("data") / "nano-512"
-    prepare_dataset(str(text), out, vocab_size=512, num_proc=1)
-    return out
-
-
 def _train(out: Path, data: Path, steps: int, tied: bool, fmt: str, resume=False) -> dict:
     from fusedkv.train import train
     from tests.train.train_helpers import nano_config

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from fusedkv import FusedKVForCausalLM
-from fusedkv.data import prepare_dataset, read_builtin_text
 from tests import _cli as cli_process
 from tests.train.train_helpers import wait_for
 
@@ -34,15 +33,6 @@ def env(tmp_path_factory) -> dict:
     )
     e.pop("FUSEDKV_DEBUG", None)
     return e
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    text = tmp_path_factory.mktemp("corpus") / "small.txt"
-    text.write_text(read_builtin_text(limit_chars=120_000))
-    out = tmp_path_factory.mktemp("data") / "nano-512"
-    prepare_dataset(str(text), out, vocab_size=512, num_proc=1)
-    return out
 
 
 def start(env, *args, step_sleep: float = 0.0):
