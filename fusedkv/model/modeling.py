@@ -23,7 +23,8 @@ from transformers.modeling_outputs import (
     MoeModelOutputWithPast,
 )
 
-from ..config import FusedKVConfig, rope_parameters_by_type
+from ..config import FusedKVConfig
+from ..config_fields import rope_parameters_by_type
 from ..plan import SLIDING
 from .attention import Attention, KVState
 from .fusion import KVFusion, link_iterative_chains

@@ -28,7 +28,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-from ..config import rope_parameters_by_type
+from ..config_fields import rope_parameters_by_type
 from ..model.fusion import KVFusion
 from ..model.layers import apply_rope, rope_inv_freq, rope_tables
 from ..plan import SLIDING, LayerKV
