@@ -42,7 +42,7 @@ Everything is counted tensor by tensor for *this* model and trainer, not from a 
 
 The fp32 CPU counts are checked against the real peak of a forward + backward + AdamW step, measured
 by `torch.profiler` with `profile_memory=True` (every allocation and free of tensor storage, replayed
-by torch's memory profiler; `measure_peak_cpu`), within 10% for the `tiny` and `nano` presets
+by torch's memory profiler; `memory_measure.measure_peak_cpu`), within 10% for the `tiny` and `nano` presets
 (tests/train/test_memory_estimate.py). The bf16 counts follow the same tensor list with autocast's dtypes
 (fp32 residual stream and norms, bf16 projections and attention) and are not measured here (no GPU).
 
