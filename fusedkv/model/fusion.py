@@ -43,7 +43,8 @@ class KVSources:
 
     `keys` / `values`: [B, H_kv, S, D] (a storage layer's own cache, or its sources' post-RoPE K/V);
     weights: [H_kv, D] each, or None for plain reuse (weight 1). Built once per layer and forward by
-    the layer (`KVFusion.sources`), already in this form: implementations do not re-normalise it."""
+    the layer (`KVFusion.sources`), already in this form: implementations do not re-normalise it. A served
+    layer takes its fusion frozen once (`KVFusion.frozen`) and puts it on each step's paged caches (`on`)."""
 
     keys: tuple[torch.Tensor, ...]
     key_weights: tuple[torch.Tensor | None, ...]

@@ -209,6 +209,9 @@ class CrossLayerAttention:
         """The layer's fusion over its sources' key and value caches of this step (split as the backend splits
         them); an 8-bit cache's codes viewed in their fp8 format, each source layer's scale folded into its
         weight."""
+        if self.fusion is None:
+            raise RuntimeError("this FusedKV reconstruction layer has no fusion weights: serving's weight loading "
+                               "gives them (CrossLayerAttention.take)")
         sources = self.fusion.on([self.split(layers[n].kv_cache)[0] for n in self.k_layers],
                                  [self.split(layers[n].kv_cache)[1] for n in self.v_layers])
         if self.fp8 is None:
