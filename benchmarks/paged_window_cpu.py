@@ -21,8 +21,8 @@ import torch
 
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import factored_attention
-from fusedkv.serving.paged import native_paged_attention, query_rows
 from fusedkv.serving.paged_blocks import TRANSPOSED, gather_blocks
+from fusedkv.serving.paged_native import native_paged_attention, query_rows
 
 
 def engines(batch: int, seq: int, window: int, h_kv: int = 2, g: int = 2, d: int = 64, bs: int = 32) -> dict:

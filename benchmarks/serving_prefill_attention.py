@@ -48,8 +48,17 @@ def main() -> None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from fusedkv.kernels.reference import factored_attention
-    from fusedkv.serving.paged import fused_chunk_attention
+    from fusedkv.model.attention import ReferenceAttention
+    from fusedkv.model.fusion import KVSources
     from fusedkv.serving.paged_blocks import block_layout, gather_blocks, split_cpu_kv_cache
+    from fusedkv.serving.paged_gathered import attend_chunk
+
+    def fused_chunk_attention(q, keys, kw, values, vw, scale):
+        """A chunk over [s, H_kv, D] rows as a served layer attends it (`attend_chunk`: the model's attention)."""
+        sources = KVSources(tuple(k.transpose(0, 1)[None] for k in keys), tuple(kw),
+                            tuple(v.transpose(0, 1)[None] for v in values), tuple(vw))
+        attention = ReferenceAttention(scale, q.shape[1] != keys[0].shape[1])
+        return attend_chunk(q, sources, keys[0].shape[0], 0, attention, None)
 
     torch.manual_seed(0)
     # A bf16 product first: oneDNN asks the kernel for the AMX tile state, which vLLM's "amx" op assumes was

@@ -5,7 +5,7 @@ configs keep working. The plan is given by name (`kv_sharing`) or by a custom 1-
 (`kv_source_map`); `config.plan` turns either into a validated `KVSharingPlan`.
 
 Every invalid combination raises `ValueError` naming the field and the fix, at construction time, so
-bad configs never reach torch.
+bad configs never reach torch: field types here, every other check in `fusedkv.config_fields`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import typing
 from huggingface_hub.dataclasses import strict, type_validator
 from transformers import PreTrainedConfig
 
+from .config_fields import MAX_LAYERS, check_config, rope_parameters_by_type
 from .plan import (
-    ATTENTION_TYPES,
     CUSTOM,
     DEFAULT_PLAN,
     FULL,
@@ -31,34 +31,6 @@ from .plan import (
     custom_plan,
     resolve_plan_choice,
 )
-
-FUSION_INITS = ("equivalent", "normal", "iterative")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # DeepSeekMoE routing
-MAX_LAYERS = 4096
-
-
-# `hidden_act` values the MLP computes exactly as transformers' ACT2FN does (the same functions); others
-# (parametrised or clipped ones) are refused at config time.
-ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python",
-               "gelu_python_tanh", "gelu_accurate", "quick_gelu", "relu", "relu2", "sigmoid", "tanh")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")  # longrope's switching is not reproduced
-
-
-def rope_parameters_by_type(config) -> dict[str | None, dict]:
-    """{attention type: its RoPE parameters}: one entry (key None) when every layer shares one RoPE, else
-    one per attention type (Gemma 3: a separate base for the sliding layers), transformers' layout of
-    `rope_parameters`. Raises ValueError for a RoPE fusedkv does not compute."""
-    params = config.rope_parameters
-    by_type = {t: params[t] for t in (FULL, SLIDING) if t in params} or {None: params}
-    for key, p in by_type.items():
-        where = "rope_parameters" + (f"[{key!r}]" if key else "")
-        if not isinstance(p, dict) or "rope_theta" not in p:
-            raise ValueError(f"{where}={p!r}: expected a dict with rope_type and rope_theta")
-        if p.get("rope_type", "default") not in ROPE_TYPES:
-            raise ValueError(f"{where}: rope_type {p.get('rope_type')!r} is not supported; one of {ROPE_TYPES}")
-        if p.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"{where}: partial_rotary_factor={p['partial_rotary_factor']} is not supported")
-    return by_type
 
 
 def _admitting_ints(hint):
@@ -238,178 +210,8 @@ class FusedKVConfig(PreTrainedConfig):
         self.check()
 
     def check(self) -> None:
-        """Raise ValueError naming the offending field and the fix."""
-        def need(cond: bool, msg: str):
-            if not cond:
-                raise ValueError(msg)
-
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, f"{name}={v!r}: must be a positive integer")
-        need(
-            self.head_dim is not None,
-            f"head_dim is unset and hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-            f"{self.num_attention_heads}; set head_dim explicitly",
-        )
-        need(
-            self.head_dim > 0 and self.head_dim % 2 == 0,
-            f"head_dim={self.head_dim}: RoPE rotates channel pairs, so head_dim must be a positive even number",
-        )
-        need(
-            self.num_attention_heads % self.num_key_value_heads == 0,
-            f"num_attention_heads={self.num_attention_heads} is not divisible by num_key_value_heads="
-            f"{self.num_key_value_heads}; each KV head must serve the same number of query heads",
-        )
-        need(
-            self.kv_sharing in (*PLAN_NAMES, CUSTOM),
-            f"kv_sharing={self.kv_sharing!r}: unknown plan; choose one of {', '.join(PLAN_NAMES)} or {CUSTOM!r} "
-            "with a kv_source_map",
-        )
-        need(
-            (self.kv_sharing == CUSTOM) == (self.kv_source_map is not None),
-            "kv_source_map is given only with kv_sharing='custom' (and kv_sharing='custom' needs a kv_source_map)",
-        )
-        need(self.fusion_init in FUSION_INITS, f"fusion_init={self.fusion_init!r}: choose one of {FUSION_INITS}")
-        need(
-            len(self.layer_types) == self.num_hidden_layers,
-            f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}",
-        )
-        need(
-            all(t in ATTENTION_TYPES for t in self.layer_types),
-            f"layer_types: entries must be in {ATTENTION_TYPES}",
-        )
-        need(
-            "sliding_attention" not in self.layer_types or (self.sliding_window or 0) > 0,
-            "layer_types has sliding_attention layers but sliding_window is not a positive integer",
-        )
-        need(
-            "sliding_attention" not in self.layer_types or self.sliding_window < self.max_position_embeddings,
-            f"sliding_window={self.sliding_window} is not below max_position_embeddings="
-            f"{self.max_position_embeddings}: the window would cover the whole context; lower sliding_window or "
-            "make those layers full_attention",
-        )
-        need(
-            "sliding_attention" not in self.layer_types or self.kv_lora_rank is None,
-            "sliding-window layers are not implemented with MLA (kv_lora_rank is set); use full_attention layers",
-        )
-        need(
-            len(self.fusion_iterative_init) == 2,
-            "fusion_iterative_init must be [carry, fixed], the two coefficients of the iterative recurrence",
-        )
-        self._check_moe(need)
-        self._check_mla(need)
-        self._check_family_features(need)
-        plan = self.plan  # builds and validates the source map
-        if self.fusion_init == "iterative":
-            for layer in plan.layers:
-                if not layer.stores:
-                    need(
-                        layer.channel_weighted and len(layer.k_sources) == 2
-                        and len(layer.v_sources) == 2,
-                        f"fusion_init='iterative' needs two-source channel fusion in every reconstruction layer; "
-                        f"layer {layer.index + 1} is not (use kv_sharing='fusedkv')",
-                    )
-
-    def _check_moe(self, need) -> None:
-        need(isinstance(self.num_experts, int) and self.num_experts >= 0,
-             f"num_experts={self.num_experts!r}: must be 0 (dense MLP) or a positive number of experts")
-        if self.num_experts == 0:
-            return
-        need(
-            isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts,
-            f"num_experts_per_tok={self.num_experts_per_tok!r}: each token is routed to between 1 and "
-            f"num_experts={self.num_experts} experts; lower num_experts_per_tok or raise num_experts",
-        )
-        for name in ("moe_intermediate_size", "decoder_sparse_step"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, f"{name}={v!r}: must be a positive integer")
-        bad = [i for i in (self.mlp_only_layers or []) if not 0 <= i < self.num_hidden_layers]
-        need(not bad, f"mlp_only_layers={self.mlp_only_layers}: entries are 0-based layer indices below "
-                      f"num_hidden_layers={self.num_hidden_layers}; {bad} are not")
-        need(self.router_aux_loss_coef >= 0, f"router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0")
-        self._check_routing(need)
-
-    # ---- DeepSeekMoE routing (the fields of the block above) ----------------------------------------
-    def _check_routing(self, need) -> None:
-        need(self.topk_method in TOPK_METHODS, f"topk_method={self.topk_method!r}: choose one of {TOPK_METHODS}")
-        need(self.n_shared_experts >= 0, f"n_shared_experts={self.n_shared_experts}: must be >= 0")
-        need(self.routed_scaling_factor > 0, f"routed_scaling_factor={self.routed_scaling_factor}: must be > 0")
-        if self.topk_method == "greedy" and self.n_group is None:
-            return
-        need(self.topk_method == "greedy" or (self.n_group is not None and self.topk_group is not None),
-             f"topk_method={self.topk_method!r} routes within expert groups: set n_group and topk_group")
-        groups, chosen = self.n_group or 1, self.topk_group or 1
-        need(groups > 0 and self.num_experts % groups == 0,
-             f"n_group={self.n_group}: must be a positive divisor of num_experts={self.num_experts}")
-        need(0 < chosen <= groups, f"topk_group={self.topk_group}: must be between 1 and n_group={groups}")
-        per_group = self.num_experts // groups
-        need(self.num_experts_per_tok <= chosen * per_group,
-             f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {chosen * per_group} experts in "
-             f"topk_group={chosen} groups of {per_group}; raise topk_group or lower num_experts_per_tok")
-        need(self.topk_method != "noaux_tc" or per_group >= 2,
-             f"topk_method='noaux_tc' scores each group by its top-2 experts: num_experts / n_group = {per_group} "
-             "must be at least 2")
-
-    def _check_mla(self, need) -> None:
-        if self.kv_lora_rank is None:
-            need(not self.rope_interleave, "rope_interleave applies to MLA's RoPE key (kv_lora_rank set) only")
-            return
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, f"{name}={v!r}: MLA needs a positive integer")
-        need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0),
-             f"q_lora_rank={self.q_lora_rank!r}: a positive integer, or None for a full-rank query projection")
-        need(self.qk_rope_head_dim % 2 == 0,
-             f"qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates channel pairs, so it must be even")
-        need(self.head_dim == self.qk_rope_head_dim,
-             f"head_dim={self.head_dim}: with MLA head_dim is the RoPE width and must equal qk_rope_head_dim="
-             f"{self.qk_rope_head_dim}; leave head_dim unset")
-        heads = self.num_attention_heads
-        need(
-            self.kv_lora_rank < heads * (self.qk_nope_head_dim + self.v_head_dim),
-            f"kv_lora_rank={self.kv_lora_rank} does not compress: the latent must be smaller than the "
-            f"{heads * (self.qk_nope_head_dim + self.v_head_dim)} K/V channels it expands to "
-            "(num_attention_heads * (qk_nope_head_dim + v_head_dim)); lower kv_lora_rank",
-        )
-        need(self.fusion_init != "iterative",
-             "fusion_init='iterative' is not implemented for MLA; use 'equivalent' (the same starting point)")
-        for layer in self.plan.layers:
-            # The latent yields both the keys and the values, so "K from one layer, V from another"
-            # (fusedkv-lite, the reversed plan) has no MLA counterpart (paper App. A.6).
-            need(
-                layer.stores or (layer.k_sources == layer.v_sources and layer.k_fusion == layer.v_fusion),
-                f"layer {layer.index + 1} reads K from layers {[s + 1 for s in layer.k_sources]} and V from "
-                f"{[s + 1 for s in layer.v_sources]}: with MLA (kv_lora_rank set) keys and values come from one "
-                "shared latent, so a layer must take K and V from the same sources with the same fusion; "
-                "fusedkv-lite does not apply to MLA, use fusedkv, yoco, cla or fusedkv-dense",
-            )
-        need(
-            self.q_lora_rank is None or self.q_lora_rank < heads * (self.qk_nope_head_dim + self.qk_rope_head_dim),
-            f"q_lora_rank={self.q_lora_rank} is not below the query width num_attention_heads * "
-            f"(qk_nope_head_dim + qk_rope_head_dim) = {heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)}; "
-            "lower it or set q_lora_rank=None",
-        )
-        need(
-            self.num_key_value_heads == heads,
-            f"num_key_value_heads={self.num_key_value_heads}: MLA gives every query head its own key and value "
-            f"from the shared latent, so it must equal num_attention_heads={heads} (the latent replaces GQA)",
-        )
-
-    def _check_family_features(self, need) -> None:
-        need(self.hidden_act in ACTIVATIONS,
-             f"hidden_act={self.hidden_act!r}: supported activations are {', '.join(ACTIVATIONS)}")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-            v = getattr(self, name)
-            need(v is None or v > 0, f"{name}={v!r}: must be positive, or None (off)")
-        need(self.num_experts == 0 or self.hidden_act == "silu",
-             f"hidden_act={self.hidden_act!r}: the mixture-of-experts layers compute SiLU experts only")
-        need(self.embedding_multiplier > 0, f"embedding_multiplier={self.embedding_multiplier!r}: must be positive")
-        rope_parameters_by_type(self)  # raises ValueError naming what it cannot compute
-        need(self.kv_lora_rank is None or not (self.attn_logit_softcapping or self.use_post_norms
-                                               or self.rms_norm_unit_offset or self.query_pre_attn_scalar),
-             "attn_logit_softcapping, use_post_norms, rms_norm_unit_offset and query_pre_attn_scalar are not "
-             "implemented with MLA (kv_lora_rank is set)")
+        """Raise ValueError naming the offending field and the fix (`fusedkv.config_fields.check_config`)."""
+        check_config(self)
 
     def extra_block_features(self) -> list[str]:
         """The imported families' fields this config sets away from the Qwen3 block (defaults): what the

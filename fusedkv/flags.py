@@ -7,7 +7,7 @@
   (`kv_group` resolves a group left unset against the model's head dimension).
 * `--device` (cpu, cuda, cuda:N or auto; whether it exists is `fusedkv.errors.check_device`'s, when the command
   runs), `--dtype` (`DTYPES`, a command narrowing or extending them), `--seed` (`argtypes.seed`) and
-  `--fusion-init` (`fusedkv.config.FUSION_INITS`): one definition each, the default and help per command.
+  `--fusion-init` (`fusedkv.config_fields.FUSION_INITS`): one definition each, the default and help per command.
 * The calibration flags of a conversion (`--fusion-init calibrated`, `--calib-data`, `--calib-tokens`,
   `--sources`).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from . import argtypes
-from .config import FUSION_INITS
+from .config_fields import FUSION_INITS
 from .plan import CUSTOM, GQA, PLAN_CHOICES, resolve_plan_choice
 from .quant import DEFAULT_GROUP_SIZE, DEFAULT_RESIDUAL_LENGTH, default_group_size
 

@@ -59,8 +59,7 @@ def test_the_check_finds_a_plan_literal(tmp_path):
 # nothing outside the plan module compares their names. Known exceptions, each with its reason:
 FUSION_MODE_EXCEPTIONS = {
     ("fusedkv/quant/kivi.py", "channel"),  # KIVI's quantisation axis (per channel), another concept
-    ("fusedkv/serving/vllm_model.py", "reuse"),  # serving: issue 40.2, helper serving (use `not layer.weighted`)
-    ("fusedkv/serving/preflight.py", "reuse"),  # serving: issue 40.2, helper serving (use `not layer.weighted`)
+    ("fusedkv/quant/kivi_codes.py", "channel"),  # the same axis, where the arithmetic lives
     ("fusedkv/train/memory_counts.py", "reuse"),  # helper reliab's file this session (lead: `layer.weight_shape`)
 }
 
@@ -203,6 +202,10 @@ ALLOWED_BRANCHES = {
     # The Triton decode kernel's arithmetic per input dtype (exact f32 products; the interpreter's bf16 dot is
     # wrong, so it upcasts): how the one kernel computes, not a choice between kernels.
     ("fusedkv/kernels/triton_decode.py", "decode_step"),
+    ("fusedkv/kernels/triton_paged_decode.py", "paged_decode_step"),  # the same kernel over paged blocks (serving)
+    # The native paged kernel writes f32 rows: an output buffer of another dtype or layout receives a copy
+    # (storage, not a choice of kernel: the serving layer's path was chosen once, `select_paths`).
+    ("fusedkv/serving/paged_native.py", "native_paged_attention"),
     # The launch heuristic's processor count, cached per device (lru_cache: read once).
     ("fusedkv/kernels/triton_decode_blocks.py", "_num_sms"),
     # int4 GEMM weights: the f32 buffer is cast once more only for another GEMM dtype (storage, not a kernel).

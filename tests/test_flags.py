@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fusedkv import argtypes, flags
-from fusedkv.config import FUSION_INITS
+from fusedkv.config_fields import FUSION_INITS
 from fusedkv.train.memory_estimate import parse_bytes as memory_bytes
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fusedkv"

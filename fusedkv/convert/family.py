@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ACTIVATIONS, FusedKVConfig, rope_parameters_by_type
+from ..config import FusedKVConfig
+from ..config_fields import ACTIVATIONS, rope_parameters_by_type
 
 
 class UnsupportedField(ValueError):

@@ -23,7 +23,8 @@ generation budget inside its ``max_seq_length``; to reproduce its exact prompt s
 ``length - max_new_tokens``.
 
 The essay haystack defaults to the packaged public-domain corpus (``fusedkv.data.sources``, KJV
-prose); pass ``haystack_text`` to use any other text. The generators are data, used by the evaluation
+prose); pass ``haystack_text`` to use any other text. The haystacks and the sizing search are
+``fusedkv.data.ruler_haystack``. The generators are data, used by the evaluation
 (`fusedkv.eval.ruler`) and by the synthetic training documents (`fusedkv.data.synthetic`).
 """
 
@@ -31,21 +32,25 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import string
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
-from ._ruler_words import ADJECTIVES, NOUNS, VERBS, word_pool
-from .sources import iter_kjv_books
+from ._ruler_words import ADJECTIVES, NOUNS, word_pool
+from .ruler_haystack import (
+    NOISE,
+    REAL_WORDS,
+    essay_words,
+    insert_at,
+    largest_fitting,
+    repeat_context,
+    sentences,
+)
 
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
 # RULER samples needle depths from 40 evenly spaced percentages.
 DEPTHS = [round(100 * i / 39) / 100 for i in range(40)]
-_REAL_WORDS = frozenset(ADJECTIVES) | frozenset(NOUNS) | frozenset(VERBS)
 _KIND = {"numbers": ("number", "numbers"), "uuids": ("uuid", "uuids"), "words": ("word", "words")}
 
 
@@ -102,119 +107,6 @@ def _random_value(kind: str, rng: random.Random) -> str:
     raise ValueError(f"unknown needle type {kind!r}")
 
 
-def _insert(units: list[str], items: list[tuple[float, str]]) -> list[str]:
-    """Insert each (fraction, text) before unit ``round(fraction * len(units))``; ties keep their order."""
-    at: dict[int, list[str]] = {}
-    for frac, text in sorted(items, key=lambda x: x[0]):  # sorted() is stable
-        at.setdefault(min(len(units), max(0, round(frac * len(units)))), []).append(text)
-    out: list[str] = []
-    for i in range(len(units) + 1):
-        out.extend(at.get(i, ()))
-        if i < len(units):
-            out.append(units[i])
-    return out
-
-
-def _largest_fitting(build: Callable[[int], str], count: Callable[[str], int], limit: int, n_min: int,
-                     n_max: int, hint: int | None) -> tuple[int, str, int]:
-    """Largest n in [n_min, n_max] whose ``build(n)`` has at most ``limit`` tokens.
-
-    Gallops from ``hint`` (the previous sample's answer) and then bisects, so a sample typically costs a
-    handful of tokenizations. Token count is only nearly monotone in n; only verified n are returned.
-    """
-    memo: dict[int, tuple[bool, str, int]] = {}
-
-    def fits(n: int) -> bool:
-        if n not in memo:
-            text = build(n)
-            c = count(text)
-            memo[n] = (c <= limit, text, c)
-        return memo[n][0]
-
-    if not fits(n_min):
-        raise ValueError(f"length {limit} tokens is too short for this task's template "
-                         f"(the smallest prompt has {memo[n_min][2]} tokens)")
-    lo, hi = n_min, None
-    if hint is not None and n_min < hint <= n_max:
-        step = max(1, hint // 64)
-        if fits(hint):
-            lo = hint
-        else:
-            hi = hint
-            while hi - step > lo:
-                if fits(hi - step):
-                    lo = hi - step
-                    break
-                hi, step = hi - step, step * 2
-    if hi is None:
-        step = max(1, lo // 64)
-        while True:
-            probe = min(lo + step, n_max)
-            if probe == lo:
-                return lo, memo[lo][1], memo[lo][2]
-            if fits(probe):
-                lo, step = probe, step * 2
-            else:
-                hi = probe
-                break
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, memo[lo][1], memo[lo][2]
-
-
-_NOISE_SENTS = NOISE.replace(". ", ".\0").split("\0")
-
-
-def _repeat_context(n: int, items: list[tuple[float, str]]) -> str:
-    """RULER's repeated-noise haystack with needles, counted in noise *sentences* (n of them).
-
-    RULER repeats the five-sentence noise line and inserts needles between lines; counting sentences
-    instead gives five times finer needle depths in short prompts. The layout stays one noise line per
-    repetition, with each needle on its own line.
-    """
-    out = _insert([_NOISE_SENTS[j % len(_NOISE_SENTS)] for j in range(n)], [(f, "\x01" + t) for f, t in items])
-    parts = []
-    for k, u in enumerate(out):
-        nxt = out[k + 1] if k + 1 < len(out) else None
-        newline = u.startswith("\x01") or u == _NOISE_SENTS[-1] or (nxt is not None and nxt.startswith("\x01"))
-        parts.append(u.lstrip("\x01") + ("" if nxt is None else "\n" if newline else " "))
-    return "".join(parts)
-
-
-def _sentences(words: list[str]) -> list[str]:
-    """Split text into sentences; over-long ones are cut at 40 words so depth stays fine-grained."""
-    out = []
-    for sent in re.split(r"(?<=[.!?])\s+", " ".join(words)):
-        w = sent.split()
-        out.extend(" ".join(w[i : i + 40]) for i in range(0, len(w), 40))
-    return out
-
-
-@lru_cache(maxsize=4)
-def _essay_words(text: str | None) -> tuple[str, ...]:
-    if text is None:
-        text = default_haystack_text()
-    words = text.split()
-    if len(words) < 50:
-        raise ValueError("haystack text is too short (need at least 50 words)")
-    return tuple(words)
-
-
-def default_haystack_text() -> str:
-    """The King James prose of the packaged public-domain corpus (it reads more like RULER's essays than the
-    plays), cleaned of verse numbers."""
-    text = "\n".join(t for _, t in iter_kjv_books())
-    # Drop chapter headings ("Genesis 3") and verse numbers: stray small numbers would look like
-    # (wrong) needle values to the model.
-    text = re.sub(r"^\s*\d+ ", "", text, flags=re.M)
-    text = re.sub(r"^\s*(?:\d )?[A-Z][A-Za-z ]+ \d+\s*$", "", text, flags=re.M)
-    return text
-
-
 # --------------------------------------------------------------------------------------- task builders
 def _niah_builder(spec: TaskSpec, rng: random.Random, depth: float | None, words: Sequence[str] | None):
     n_keys = max(spec.num_keys, spec.num_queries)
@@ -268,12 +160,12 @@ def _niah_builder(spec: TaskSpec, rng: random.Random, depth: float | None, words
 
     def build(n: int) -> str:
         if spec.haystack == "repeat":
-            return head + _repeat_context(n, items) + tail
+            return head + repeat_context(n, items) + tail
         if spec.haystack == "needle":
             units, sep = [distractor(j) for j in range(n)], "\n"
         else:
-            units, sep = _sentences([words[j % len(words)] for j in range(n)]), " "
-        return head + sep.join(_insert(units, items)) + tail
+            units, sep = sentences([words[j % len(words)] for j in range(n)]), " "
+        return head + sep.join(insert_at(units, items)) + tail
 
     return build, answers, first_gold
 
@@ -304,11 +196,11 @@ def _vt_builder(rng: random.Random, length_tokens: int, num_hops: int = 4):
     prefix = ""
     if length_tokens >= 2048:  # RULER prepends one solved example; it only fits in longer prompts
         ex_names, ex_chain, ex_value = _vt_chain(rng, num_hops, 3)
-        ex_units = _insert([NOISE] * 5, [(rng.random(), s) for s in ex_chain])
+        ex_units = insert_at([NOISE] * 5, [(rng.random(), s) for s in ex_chain])
         prefix = _vt_prompt("\n".join(ex_units), ex_value, num_hops + 1) + " " + " ".join(ex_names) + "\n\n"
 
     def build(n: int) -> str:
-        units = _insert([NOISE] * n, list(zip(fracs, chain)))
+        units = insert_at([NOISE] * n, list(zip(fracs, chain)))
         return prefix + _vt_prompt("\n".join(units), value, num_hops + 1)
 
     return build, names
@@ -331,7 +223,7 @@ def _cwe_builder(rng: random.Random, length_tokens: int, sample_key: str, num_cw
     # Each list entry costs >= 2 tokens, so length/2 distinct words always suffice. Real English words
     # come first in the per-sample order; pseudo-words are only reached by long prompts.
     pool = word_pool(length_tokens // 2)
-    real = [w for w in pool if w in _REAL_WORDS]
+    real = [w for w in pool if w in REAL_WORDS]
     ex_words = rng.sample(real, ex_n)
     ex_list = ex_words[:num_cw] * ex_cw + ex_words[num_cw:] * ex_ucw
     rng.shuffle(ex_list)
@@ -405,7 +297,7 @@ def generate_task(
     def count(text: str) -> int:
         return len(tokenizer(text)["input_ids"])
 
-    words = _essay_words(haystack_text) if spec.kind == "niah" and spec.haystack == "essay" else None
+    words = essay_words(haystack_text) if spec.kind == "niah" and spec.haystack == "essay" else None
     samples: list[Sample] = []
     hint = None
     for i in range(num_samples):
@@ -423,7 +315,7 @@ def generate_task(
         else:
             build, outputs, n_min = _fwe_builder(rng, length_tokens, key)
             n_max = 8 * length_tokens
-        hint, text, ntok = _largest_fitting(build, count, length_tokens, n_min, n_max, hint)
+        hint, text, ntok = largest_fitting(build, count, length_tokens, n_min, n_max, hint)
         samples.append(Sample(task=task_name, input=text, outputs=list(outputs), length=ntok,
                               max_length=length_tokens, depth=sample_depth, max_new_tokens=spec.max_new_tokens))
     return samples

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..data.ruler_tasks import _largest_fitting
+from ..data.ruler_haystack import largest_fitting
 from ..data.synthetic import TextSample, corpus_words, mqar_sample, passkey_sample
 from ..utils import save_figure
 
@@ -57,7 +57,7 @@ def _filled_samples(tokenizer, prefix: str, length: int, num_samples: int, words
         def build(n: int, key=key, start=start) -> TextSample:
             return make(random.Random(key), [words[(start + j) % len(words)] for j in range(n)])
 
-        hint, _, _ = _largest_fitting(lambda n: build(n).text, _count(tokenizer), length, 0, 2 * length, hint)
+        hint, _, _ = largest_fitting(lambda n: build(n).text, _count(tokenizer), length, 0, 2 * length, hint)
         samples.append(build(hint))
     return samples
 

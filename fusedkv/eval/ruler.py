@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from fusedkv.data.ruler_tasks import TASKS, Sample, TaskSpec, default_haystack_text, generate_task
+from fusedkv.data.ruler_haystack import default_haystack_text
+from fusedkv.data.ruler_tasks import TASKS, Sample, TaskSpec, generate_task
 from fusedkv.utils import model_device as _model_device
 
 __all__ = ["TASKS", "Sample", "TaskSpec", "default_haystack_text", "format_table", "generate_predictions",

@@ -51,7 +51,8 @@ def run(args) -> None:
     from ..train.config import parse_overrides
     from .record import load as load_record
     from .report import paired_table, plot_curves, retrieval_report, summary_table
-    from .runner import load_experiment, run_experiment
+    from .runner import run_experiment
+    from .spec import load_experiment
     from .verdicts import check_claims, experiment_claims, verdict_table
 
     _check_experiment_file(args.experiment)

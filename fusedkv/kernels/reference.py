@@ -49,6 +49,7 @@ __all__ = [
     "factored_attention",
     "factored",
     "kv_start_to_mask",
+    "weigh_rows",
 ]
 
 
@@ -176,6 +177,16 @@ def fuse_sources(sources: list[Tensor], weights: list[Tensor | None], dtype: tor
             term = term * w.to(term.dtype)[None, :, None, :]
         out = term if out is None else out + term
     return out
+
+
+def weigh_rows(x: Tensor, w: Tensor | None) -> Tensor:
+    """One side of the factored identity on token rows ``x`` [T, H_q, D]: ``w (.) x`` with ``w`` [H_kv, D] applied
+    to each kv head's query heads (a key weight on the queries, a value weight on the outputs); None: ``x``."""
+    if w is None:
+        return x
+    t, h, d = x.shape
+    h_kv = w.shape[0]
+    return (x.view(t, h_kv, h // h_kv, d) * w[None, :, None, :].to(x.dtype)).view(t, h, d)
 
 
 def materialized_attention(

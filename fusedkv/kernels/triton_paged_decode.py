@@ -191,7 +191,7 @@ def paged_decode_attention(
     vw = [None] * len(vs) if v_weights is None else list(v_weights)
     if not 1 <= len(ks) <= 2 or not 1 <= len(vs) <= 2:
         raise ValueError(f"the paged kernel takes 1 or 2 K and 1 or 2 V caches, got {len(ks)} and {len(vs)}; "
-                         "use the gathered path (fusedkv.serving.paged.paged_cross_layer_attention) for more")
+                         "use the gathered path (fusedkv.serving.paged_gathered) for more")
     if len(kw) != len(ks) or len(vw) != len(vs):
         raise ValueError(f"one weight (or None) per cache: {len(ks)} K caches with {len(kw)} weights, "
                          f"{len(vs)} V caches with {len(vw)} weights")

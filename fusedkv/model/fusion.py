@@ -25,6 +25,7 @@ Initialisation (paper App. A.3, Table 5):
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,8 @@ class KVSources:
 
     `keys` / `values`: [B, H_kv, S, D] (a storage layer's own cache, or its sources' post-RoPE K/V);
     weights: [H_kv, D] each, or None for plain reuse (weight 1). Built once per layer and forward by
-    the layer (`KVFusion.sources`), already in this form: implementations do not re-normalise it."""
+    the layer (`KVFusion.sources`), already in this form: implementations do not re-normalise it. A served
+    layer takes its fusion frozen once (`KVFusion.frozen`) and puts it on each step's paged caches (`on`)."""
 
     keys: tuple[torch.Tensor, ...]
     key_weights: tuple[torch.Tensor | None, ...]
@@ -53,6 +55,66 @@ class KVSources:
     def own(cls, k: torch.Tensor, v: torch.Tensor) -> KVSources:
         """A storage layer's sources: its own K and V, unweighted."""
         return cls((k,), (None,), (v,), (None,))
+
+    # ---- one fusion over other tensors: serving's paged caches (the weights are fixed once loaded) ----------
+    def on(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> KVSources:
+        """The same weights over other tensors of the same sources (serving: one step's views of the source
+        layers' paged caches, or rows gathered from them), one per weight, in order."""
+        if len(keys) != len(self.key_weights) or len(values) != len(self.value_weights):
+            raise ValueError(f"{len(keys)} keys and {len(values)} values for a fusion of {len(self.key_weights)} "
+                             f"and {len(self.value_weights)} sources")
+        return KVSources(tuple(keys), self.key_weights, tuple(values), self.value_weights)
+
+    def kv_heads(self, heads: slice) -> KVSources:
+        """Restricted to the KV heads `heads` (tensor parallel: one rank's heads; the fusion is per KV head, Eq.
+        4-5): the weights' rows and the tensors' head dimension (dim 1)."""
+        def rows(ws):
+            return tuple(None if w is None else w[heads] for w in ws)
+
+        return KVSources(tuple(x[:, heads] for x in self.keys), rows(self.key_weights),
+                         tuple(x[:, heads] for x in self.values), rows(self.value_weights))
+
+    def scaled(self, key_scales: Sequence[float], value_scales: Sequence[float], shape: tuple[int, int]) -> KVSources:
+        """Each source's dequantisation scale folded into its weight ([H_kv, D] = `shape` where it had none): an
+        8-bit cache holds x / scale, and w (.) x = (w * scale) (.) code since Eq. 4-5 are linear in the sources.
+        A scale of 1 leaves the weight as it is."""
+        def fold(ws, scales):
+            return tuple(w if scale == 1.0 else w.float() * scale if w is not None
+                         else torch.full(shape, float(scale), device=self._device()) for w, scale in zip(ws, scales))
+
+        return KVSources(self.keys, fold(self.key_weights, key_scales), self.values,
+                         fold(self.value_weights, value_scales))
+
+    def distinct(self, key_ids: Sequence[Hashable],
+                 value_ids: Sequence[Hashable]) -> tuple[KVSources, tuple[Hashable, ...], tuple[Hashable, ...]]:
+        """Sources named twice (`key_ids` / `value_ids`: which source each entry is) merged into one entry,
+        a (.) X + b (.) X = (a + b) (.) X: (the merged value over no tensors, the distinct key ids, value ids).
+        A kernel then reads each source once."""
+        def merge(ws, ids):
+            out: dict[Hashable, torch.Tensor | None] = {}
+            for w, i in zip(ws, ids):
+                if i not in out:
+                    out[i] = w
+                    continue
+                one = torch.ones(self._shape(), device=self._device())
+                prev = one if out[i] is None else out[i].float()
+                out[i] = prev + (one if w is None else w.float())
+            return tuple(out.values()), tuple(out)
+
+        kw, k_ids = merge(self.key_weights, key_ids)
+        vw, v_ids = merge(self.value_weights, value_ids)
+        return KVSources((), kw, (), vw), k_ids, v_ids
+
+    def _device(self) -> torch.device:
+        """Where new weights go: with the tensors, else with the other weights."""
+        found = (*self.keys, *(w for w in (*self.key_weights, *self.value_weights) if w is not None))
+        return found[0].device if found else torch.device("cpu")
+
+    def _shape(self) -> tuple[int, ...]:
+        w = next((w for w in (*self.key_weights, *self.value_weights) if w is not None), None)
+        if w is None:
+            raise ValueError("a source named twice without weights has no [H_kv, D] shape to merge into")
+        return tuple(w.shape)
 
 
 class KVFusion(nn.Module):
@@ -96,6 +158,14 @@ class KVFusion(nn.Module):
             return (f_k, c_k), (f_v, c_v)
         (a_k, b_k), (a_v, b_v) = self.chain[0]._unrolled()
         return (c_k * a_k + f_k, c_k * b_k), (c_v * a_v + f_v, c_v * b_v)
+
+    @torch.no_grad()
+    def frozen(self) -> KVSources:
+        """This layer's fusion as fixed weights over no tensors yet (`KVSources.on` puts them on some): what a
+        served layer takes once its checkpoint has loaded (the iterative chain unrolled, as `weights`)."""
+        key_weights, value_weights = self.weights()
+        fixed = lambda ws: tuple(None if w is None else w.detach().contiguous() for w in ws)  # noqa: E731
+        return KVSources((), fixed(key_weights), (), fixed(value_weights))
 
     @staticmethod
     def _make(shape: tuple[int, ...] | None) -> nn.Parameter | None:
@@ -143,3 +213,15 @@ class KVFusion(nn.Module):
                 coeffs = (1.0 / w.shape[0],) * w.shape[0]
             value = torch.tensor(coeffs, dtype=w.dtype, device=w.device).view(-1, *([1] * (w.dim() - 1)))
             hf_init.copy_(w, value.expand_as(w))
+
+
+def link_iterative_chains(fusions: Iterable[KVFusion], init: str) -> None:
+    """With the iterative variant (`init`, paper App. A.3), make each layer's fusion (in layer order) continue
+    the recurrence of the previous one reading the same sources; its `weights` then unroll the chain. Any
+    other initialisation leaves the layers independent."""
+    if init != "iterative":
+        return
+    previous: dict[tuple[int, ...], KVFusion] = {}
+    for fusion in fusions:
+        fusion.link_iterative(previous.get(fusion.layer.k_sources))
+        previous[fusion.layer.k_sources] = fusion

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ..config import rope_parameters_by_type
+from ..config_fields import rope_parameters_by_type
 
 
 class RMSNorm(nn.Module):

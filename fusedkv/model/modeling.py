@@ -23,10 +23,11 @@ from transformers.modeling_outputs import (
     MoeModelOutputWithPast,
 )
 
-from ..config import FusedKVConfig, rope_parameters_by_type
+from ..config import FusedKVConfig
+from ..config_fields import rope_parameters_by_type
 from ..plan import SLIDING
 from .attention import Attention, KVState
-from .fusion import KVFusion
+from .fusion import KVFusion, link_iterative_chains
 from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_tables
 from .loss import lm_loss, shift_labels
 from .mla import MLA
@@ -110,20 +111,11 @@ class FusedKVModel(FusedKVPreTrainedModel):
         self.rope_keys = [t.attention_type if t.attention_type in self.rope_types else self.rope_types[0]
                           for t in self.plan.layers]
         self.dynamic_rope = any(p.get("rope_type") == "dynamic" for p in rope_parameters_by_type(config).values())
-        if config.fusion_init == "iterative":
-            self._link_iterative_chains()
+        # The iterative variant (paper App. A.3): each layer's fusion continues the previous one's recurrence.
+        link_iterative_chains((d.self_attn.fusion for d in self.layers if not d.self_attn.layer.stores),
+                              config.fusion_init)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def _link_iterative_chains(self) -> None:
-        """The iterative variant (paper App. A.3): each reconstruction layer continues the recurrence of the
-        previous one reading the same sources; its fusion unrolls the chain into two-source weights."""
-        previous = {}
-        for layer in self.layers:
-            attn = layer.self_attn
-            if not attn.layer.stores:
-                attn.fusion.link_iterative(previous.get(attn.layer.k_sources))
-                previous[attn.layer.k_sources] = attn.fusion
 
     def _apply(self, fn, recurse=True):
         # Moving or casting the model invalidates what the runtime chose for its old device and dtype

@@ -128,7 +128,7 @@ def check_tensor_parallel(config, value: str) -> None:
 def reads_other_layers(config) -> bool:
     """Some reconstruction layer reads more than one layer's plain K and V (Lite, FusedKV, dense, custom)."""
     return any(not layer.stores and not (layer.k_sources == layer.v_sources and len(layer.k_sources) == 1
-                                         and layer.k_fusion == layer.v_fusion == "reuse")
+                                         and not layer.weighted)
                for layer in config.plan.layers)
 
 

@@ -16,7 +16,7 @@ other layers' latents, so this module serves MLA with the model's own arithmetic
   * attention: the batch's one-token (decode) requests together in the absorbed form, as `fusedkv generate`
     decodes (`fusedkv.engine.backends.absorbed_attention`: W_UK on the query, W_UV on the output, fusion
     weights on both, so no latent is expanded per head), their latents gathered and padded to the longest;
-    prefill chunks per request in the model's `MLA.expanded_attention` (per head K/V through kv_b_proj,
+    prefill chunks per request in the model's `ExpandedAttention` (per head K/V through kv_b_proj,
     SDPA with the causal pattern of a chunk that may start mid-sequence). Greedy tokens equal `fusedkv
     generate`'s in float32. The gathers copy the latents (vLLM's MLA op cannot read these caches, above).
 
@@ -34,10 +34,9 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from ..engine.backends import absorbed_attention
-from ..kernels.reference import fuse_sources
 from ..model.fusion import KVSources
 from ..model.layers import apply_rope, rope_inv_freq, rope_tables
-from ..model.mla import MLA
+from ..model.mla import MLA, ExpandedAttention
 from ..plan import LayerKV
 
 CACHE_HEAD_SIZE = 32  # a head size vLLM's CPU attention backend accepts (its spec is checked at start-up)
@@ -71,10 +70,16 @@ class ServedMLA(MLA):
             heads = latent_cache_heads(config)
             self.attn = Attention(heads, CACHE_HEAD_SIZE, 1.0, num_kv_heads=heads, cache_config=cache_config,
                                   prefix=f"{prefix}.attn")
+        # What the attention reads: a storage layer its own (c, k_R), a reconstruction layer its fusion as loaded.
+        self.frozen_fusion = KVSources((), (None,), (), (None,)) if layer.stores else None
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"duplicate layer name {prefix!r}")
         context[prefix] = self
+
+    def freeze_fusion(self) -> None:
+        """Take the layer's fusion as loaded (`KVFusion.frozen`: MLA's latent is not split by head, so every row)."""
+        self.frozen_fusion = self.fusion.frozen()
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states[None]  # [1, T, hidden]: the model's layout, one batch row of all tokens
@@ -112,15 +117,11 @@ class ServedMLA(MLA):
         if new is not None:
             own = rows[self.value_layers[0]]
             own[meta.slot_mapping[:n].long(), :width] = new[:n].to(own.dtype)
-        if self.layer.stores:
-            latent_w, rope_w = [None], [None]
-        else:
-            latent_w, rope_w = self.fusion.value_weights(), self.fusion.key_weights()
         starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         decodes = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
         if decodes:
-            self._decode_rows(decodes, starts, q_nope, q_rope, out, rows, meta, block_size, latent_w, rope_w)
+            self._decode_rows(decodes, starts, q_nope, q_rope, out, rows, meta, block_size)
         for i in range(len(starts) - 1):
             a, b = starts[i], starts[i + 1]
             if b - a <= 1:  # none, or a decode row (above)
@@ -128,16 +129,17 @@ class ServedMLA(MLA):
             s, q_len = seq_lens[i], b - a
             blocks = meta.block_table[i, : -(-s // block_size)].long()
             slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:s]
-            latent = fuse_sources([rows[name][slots, :r][None, None] for name in self.value_layers], latent_w)
-            k_rope = fuse_sources([rows[name][slots, r:width][None, None] for name in self.key_layers], rope_w)
+            sources = self.frozen_fusion.on(
+                [rows[name][slots, r:width][None, None].to(q_nope.dtype) for name in self.key_layers],
+                [rows[name][slots, :r][None, None].to(q_nope.dtype) for name in self.value_layers])
             # Query j of this chunk sits at position s - q_len + j and sees keys 0 .. s - q_len + j.
             mask = torch.arange(s)[None, :] <= torch.arange(s - q_len, s)[:, None]
-            o = self.expanded_attention(q_nope[None, :, a:b], q_rope[None, :, a:b], latent.to(q_nope.dtype),
-                                        k_rope.to(q_nope.dtype), mask, False)
+            # The model's own MLA attention (fuse, expand per head, SDPA).
+            o = ExpandedAttention()(self, q_nope[None, :, a:b], q_rope[None, :, a:b], sources, mask, False)
             out[a:b] = o[0].transpose(0, 1).reshape(q_len, -1).to(out.dtype)
 
 
-    def _decode_rows(self, requests, starts, q_nope, q_rope, out, rows, meta, block_size, latent_w, rope_w):
+    def _decode_rows(self, requests, starts, q_nope, q_rope, out, rows, meta, block_size):
         """Every one-token request of the batch at once, absorbed (DeepSeek-V2 Sec. 2.1.2: W_UK on the query,
         W_UV on the output, so the latents are never expanded per head): each request's slots gathered and
         padded to the longest, the padding masked, the fusion weights on the query and the output."""
@@ -155,8 +157,8 @@ class ServedMLA(MLA):
             # (a masked key's probability is 0, but 0 x NaN is NaN: a freed slot may hold anything)
             return rows[name][slots, lo:hi].to(q_nope.dtype).masked_fill_(~valid[..., None], 0)[:, None]
 
-        sources = KVSources(tuple(gather(n, r, width) for n in self.key_layers), tuple(rope_w),
-                            tuple(gather(n, 0, r) for n in self.value_layers), tuple(latent_w))
+        sources = self.frozen_fusion.on([gather(n, r, width) for n in self.key_layers],
+                                        [gather(n, 0, r) for n in self.value_layers])
         tokens = torch.tensor([starts[i] for i in requests])
         o = absorbed_attention(self, q_nope[:, tokens].transpose(0, 1)[:, :, None],  # [R, N, 1, d]
                                q_rope[:, tokens].transpose(0, 1)[:, :, None], sources, valid[:, None, None, :])

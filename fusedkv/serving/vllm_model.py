@@ -5,32 +5,20 @@ Same architecture as `fusedkv.model`: the Qwen3 block and every feature of the i
 Q/K/V and MLP biases, QK-norm or none, Gemma's RMSNorm (1 + w) and its post-norms, embedding scaling,
 the gated MLP with the config's `hidden_act` (transformers' own function), `query_pre_attn_scalar`,
 attention and final logit soft-capping (vLLM's attention and logits processor apply them), sliding-window
-layers (vLLM's per-layer window) and RoPE of every scaling type with a base per attention type. RoPE
-tables come from the model's own `rope_inv_freq` / `rope_tables` and are applied with its `apply_rope`,
-so a scaled RoPE rotates exactly as in transformers. Every layer follows the plan (`config.plan`, paper
-Sec. 3.2):
+layers (vLLM's per-layer window) and RoPE of every scaling type with a base per attention type. Each layer's
+attention follows the plan: multi-head (`vllm_attention`) or latent (`vllm_mla`); its MLP is the gated MLP or a
+mixture of experts (`vllm_moe`).
 
-  * a storage layer projects Q/K/V and is a plain vLLM `Attention`: it writes its cache blocks;
-  * a reconstruction layer projects only Q. Its `Attention` names its first K source as
-    `kv_sharing_target_layer_name`, so vLLM gives it no cache blocks of its own (the cache holds only
-    storage layers: 2x the sequences or the context in the same memory for half plans). When it
-    reuses one layer's K and V as they are (CLA, YOCO) that is all vLLM needs. When it reads other
-    layers or fuses (Lite, FusedKV, dense, custom source maps) its backend impl is replaced by
-    `paged.CrossLayerAttention`, which reads the source caches without writing any fused K/V.
-
-The iterative fusion variant (paper Sec. 3.4: K^i = c_i (.) K^{i-1} + f_i (.) K^1, starting from
-K^n) is linear in its two sources, so its chain is unrolled once after loading into per-layer
-two-source weights and served like FusedKV.
+The iterative fusion variant (paper Sec. 3.4: K^i = c_i (.) K^{i-1} + f_i (.) K^1, starting from K^n) is
+linked as the transformers model links it (`fusedkv.model.fusion.link_iterative_chains`), so each layer's frozen
+fusion is the chain unrolled by the model's own code into two-source weights, served like FusedKV.
 
 Imports from the project only what runs under vLLM's transformers (where the project's HF model does
-not): `fusedkv.config`, `fusedkv.plan`, the fusion module `fusedkv.model.fusion.KVFusion` (the same
-parameters and expansion as the transformers model's, so checkpoints load by name), the RoPE functions
-of `fusedkv.model.layers` and the reference kernels.
+not): `fusedkv.config`, `fusedkv.plan`, the model's fusion, attention and RoPE modules and the reference kernels.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
@@ -38,29 +26,19 @@ from torch import nn
 from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationMode, VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
-from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
-from ..config import rope_parameters_by_type
-from ..model.fusion import KVFusion
-from ..model.layers import apply_rope, rope_inv_freq, rope_tables
-from ..plan import SLIDING, LayerKV
+from ..model.fusion import link_iterative_chains
+from ..plan import LayerKV
 from .paged import CrossLayerAttention, select_paths
-from .parallel import rank_heads
 from .plugin import check_servable
+from .vllm_attention import FusedKVAttention, attention_layer_name, make_norm
 from .vllm_mla import make_mla
 from .vllm_moe import FusedSparseMoE, choose_moe_path, make_moe_mlp
 
@@ -92,116 +70,6 @@ def check_parallel(config, parallel) -> None:
     if parallel.tensor_parallel_size != 1 and (config.kv_lora_rank is not None or getattr(config, "num_experts", 0)):
         raise ValueError("tensor parallel with the FusedKV plugin runs multi-head attention models with dense MLPs; "
                          "latent attention (MLA) and mixture-of-experts models run with tensor parallel size 1")
-
-
-def attention_layer_name(prefix: str, index: int) -> str:
-    return f"{prefix}.layers.{index}.self_attn.attn"
-
-
-def make_norm(config, dim: int) -> nn.Module:
-    """RMSNorm, or Gemma's x / rms(x) * (1 + w) (`rms_norm_unit_offset`): vLLM's layers, residual add fused."""
-    return (GemmaRMSNorm if config.rms_norm_unit_offset else RMSNorm)(dim, eps=config.rms_norm_eps)
-
-
-@functools.lru_cache(maxsize=16)
-def _rope_cache(inv_freq: tuple[float, ...], scaling: float, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin) [max_positions, D] of the model's `rope_tables`, shared by every layer with this RoPE
-    (like vLLM's own rotary cache)."""
-    positions = torch.arange(max_positions, device=device)[None]
-    cos, sin = rope_tables(positions, torch.tensor(inv_freq, dtype=torch.float64), dtype, scaling)
-    return cos[0, 0], sin[0, 0]
-
-
-class Rotary(nn.Module):
-    """The model's RoPE for one attention type (`fusedkv.model.layers`: `rope_inv_freq` with transformers'
-    scaling functions, `rope_tables`, `apply_rope`), tables precomputed up to max_position_embeddings.
-    Dynamic NTK equals the unscaled RoPE up to there, which is as far as the server goes
-    (`FusedKVModel` refuses a longer max_model_len)."""
-
-    def __init__(self, config, layer_type: str):
-        super().__init__()
-        by_type = rope_parameters_by_type(config)
-        inv_freq, scaling = rope_inv_freq(config, layer_type if layer_type in by_type else None)
-        self.cos, self.sin = _rope_cache(tuple(inv_freq.tolist()), scaling, config.max_position_embeddings,
-                                         torch.get_default_dtype(), torch.empty(0).device)
-        self.head_dim = config.head_dim
-
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each x: [T, H * D] -> rotated, the same shape (the tables are looked up once for all)."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
-        return tuple(apply_rope(x.view(x.shape[0], -1, self.head_dim), cos.to(x.dtype), sin.to(x.dtype)).view(x.shape)
-                     for x in xs)
-
-
-class FusedKVAttention(nn.Module):
-    def __init__(self, config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str):
-        super().__init__()
-        self.layer = layer
-        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        # Tensor parallel: this rank's heads; a reconstruction layer fuses only its KV heads (`parallel`).
-        self.num_heads, self.num_kv_heads, self.kv_heads = rank_heads(
-            total_heads, total_kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
-        o_bias = bias if config.attention_output_bias is None else config.attention_output_bias
-        # QK-norm (Qwen3, Gemma 3) or none (Llama, Mistral, Qwen2, Gemma 2).
-        self.qk_norm = config.use_qk_norm
-        if layer.stores:
-            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
-                                              bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-            if self.qk_norm:
-                self.k_norm = make_norm(config, self.head_dim)
-        else:
-            self.q_proj = ColumnParallelLinear(config.hidden_size, total_heads * self.head_dim, bias=bias,
-                                               quant_config=quant_config, prefix=f"{prefix}.q_proj")
-            # The model's own fusion module, whole on every rank (its parameter names are the checkpoint's); the
-            # weights the attention reads are expanded from it once after loading, this rank's KV heads (`served`).
-            self.fusion = KVFusion(layer, total_kv_heads, self.head_dim, config.tie_rope_pairs)
-            self.served: tuple[list, list] = ([None] * len(layer.k_sources), [None] * len(layer.v_sources))
-        if self.qk_norm:
-            self.q_norm = make_norm(config, self.head_dim)
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.rotary = Rotary(config, layer.attention_type)
-        target = None if layer.stores else attention_layer_name(model_prefix, layer.k_sources[0])
-        # Gemma scales scores by query_pre_attn_scalar^-1/2; Gemma 2 soft-caps them; window layers see the
-        # last `sliding_window` positions (p - W < k <= p, vLLM's convention as the model's).
-        scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
-        window = config.sliding_window if layer.attention_type == SLIDING else None
-        self.attn = Attention(self.num_heads, self.head_dim, scale, num_kv_heads=self.num_kv_heads,
-                              cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
-                              logits_soft_cap=config.attn_logit_softcapping, per_layer_sliding_window=window,
-                              kv_sharing_target_layer_name=target)
-        # Plain reuse of one layer's K and V is vLLM's own KV sharing; anything else reads the sources.
-        plain_reuse = layer.k_sources == layer.v_sources and len(layer.k_sources) == 1 and (
-            layer.k_fusion == layer.v_fusion == "reuse")
-        if not layer.stores and not plain_reuse:
-            self.attn.impl = CrossLayerAttention(
-                self.attn.impl, [attention_layer_name(model_prefix, s) for s in layer.k_sources],
-                [attention_layer_name(model_prefix, s) for s in layer.v_sources], lambda: self.served)
-
-    def _heads_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        by_head = x.view(*x.shape[:-1], x.shape[-1] // self.head_dim, self.head_dim)
-        return norm(by_head).view(x.shape)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.layer.stores:
-            qkv, _ = self.qkv_proj(hidden_states)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            if self.qk_norm:
-                q, k = self._heads_norm(q, self.q_norm), self._heads_norm(k, self.k_norm)
-            q, k = self.rotary(positions, q, k)
-            out = self.attn(q, k, v)
-        else:
-            q, _ = self.q_proj(hidden_states)
-            if self.qk_norm:
-                q = self._heads_norm(q, self.q_norm)
-            (q,) = self.rotary(positions, q)
-            out = self.attn(q, None, None)
-        out, _ = self.o_proj(out)
-        return out
 
 
 def make_attention(config, layer: LayerKV, cache_config, quant_config, model_prefix: str, prefix: str) -> nn.Module:
@@ -295,6 +163,9 @@ class FusedKVModel(nn.Module):
             DecoderLayer(config, layer, vllm_config.cache_config, vllm_config.quant_config, prefix,
                          f"{prefix}.layers.{layer.index}", moe_path)
             for layer in self.plan.layers)
+        # The iterative variant: each layer's fusion continues the previous one's recurrence, as in the model.
+        link_iterative_chains((d.self_attn.fusion for d in self.layers if not d.self_attn.layer.stores),
+                              config.fusion_init)
         self.norm = make_norm(config, config.hidden_size)
         # Gemma scales the embeddings by sqrt(hidden_size) rounded to the model's dtype first, as the model does.
         self.embedding_multiplier = float(config.embedding_multiplier)
@@ -421,7 +292,9 @@ class FusedKVForCausalLM(nn.Module):
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the FusedKV model of this config; the "
                                  "checkpoint and its config.json disagree (re-save it with save_pretrained)")
-        self._serve_fusion_weights()
+        for decoder in self.model.layers:  # what each reconstruction layer attends over, frozen once loaded
+            if not decoder.self_attn.layer.stores:
+                decoder.self_attn.freeze_fusion()
         # How every reconstruction layer attends, decided here once (the engine's selection); the storage layers'
         # attention modules by name, whose rows of a step the native path's prefill chunks may read.
         attns = [getattr(d.self_attn, "attn", None) for d in self.model.layers]
@@ -432,31 +305,6 @@ class FusedKVForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
-
-    @torch.no_grad()
-    def _serve_fusion_weights(self) -> None:
-        """Per-layer [H_kv, D] source weights, once: the checkpoint's fusion, or for the iterative
-        variant its chain unrolled (paper Sec. 3.4) into weights on (K^1, K^n)."""
-        carried: dict[tuple[int, ...], tuple] = {}
-        for decoder in self.model.layers:
-            attn = decoder.self_attn
-            if attn.layer.stores:
-                continue
-            k, v = attn.fusion.key_weights(), attn.fusion.value_weights()
-            if self.config.fusion_init == "iterative":
-                # K^i = f_i K^1 + c_i K^{i-1}, K^{i-1} = A K^1 + B K^n  =>  (f_i + c_i A) K^1 + (c_i B) K^n.
-                chain = attn.layer.k_sources
-                one = torch.ones_like(k[0])
-                (ak, bk), (av, bv) = carried.get(chain, ((torch.zeros_like(one), one), (torch.zeros_like(one), one)))
-                ak, bk = k[0] + k[1] * ak, k[1] * bk
-                av, bv = v[0] + v[1] * av, v[1] * bv
-                carried[chain] = ((ak, bk), (av, bv))
-                k, v = [ak, bk], [av, bv]
-            # Tensor parallel: this rank's KV heads' rows (`rank_heads`); MLA's latent is not split by head (its
-            # layers run unsplit: tensor parallel is refused for MLA), so it keeps every row.
-            heads = getattr(attn, "kv_heads", slice(None))
-            attn.served = ([None if w is None else w[heads].detach().contiguous() for w in k],
-                           [None if w is None else w[heads].detach().contiguous() for w in v])
 
 
 def _join(prefix: str, name: str) -> str:

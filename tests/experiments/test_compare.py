@@ -115,7 +115,7 @@ def test_retrieval_report_marks_significance_only_on_one_seeds_table(tmp_path):
 
 
 def retrieval_path() -> str:
-    from fusedkv.experiments.runner import EXPERIMENTS_DIR
+    from fusedkv.experiments.spec import EXPERIMENTS_DIR
 
     return str(EXPERIMENTS_DIR / "retrieval")
 
@@ -123,7 +123,7 @@ def retrieval_path() -> str:
 def test_compatibility_experiments_build_the_variants_they_name():
     """Each pair of paper App. A.6 is the main table's budget with the variant's model; the cache fractions
     (against MHA of the same shape, at the training context) are the ones the results table reports."""
-    from fusedkv.experiments.runner import _merge
+    from fusedkv.experiments.spec import merge_fields
     from fusedkv.train import TrainConfig
 
     main_base = load_experiment("main")["base"]
@@ -139,11 +139,11 @@ def test_compatibility_experiments_build_the_variants_they_name():
         got = {}
         for run in spec["runs"]:
             own = {k: v for k, v in run.items() if k != "name"}
-            c = TrainConfig.from_dict(_merge(spec["base"], own)).model_config()
+            c = TrainConfig.from_dict(merge_fields(spec["base"], own)).model_config()
             got[run["name"]] = c.kv_cache_fraction(context=c.max_position_embeddings)
         assert got == pytest.approx(fractions), name
     moe_run = {k: v for k, v in load_experiment("moe")["runs"][1].items() if k != "name"}
-    moe = TrainConfig.from_dict(_merge(main_base, moe_run)).model_config()
+    moe = TrainConfig.from_dict(merge_fields(main_base, moe_run)).model_config()
     assert (moe.num_experts, moe.num_experts_per_tok) == (8, 2)
 
 

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from fusedkv.cli import main
-from fusedkv.experiments.runner import RunLock, selected_runs
+from fusedkv.experiments.runner import RunLock
+from fusedkv.experiments.spec import selected_runs
 from tests.experiments.nano_experiments import nano_experiment
 
 RUNS = [{"name": "teacher", "plan": "vanilla"}, {"name": "lite", "plan": "fusedkv-lite"},

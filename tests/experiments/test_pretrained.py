@@ -133,7 +133,7 @@ def test_uptrained_model_row_resumes_through_uptrain(tmp_path, source):
 
 
 def test_the_shipped_smollm2_experiment_is_valid():
-    from fusedkv.experiments.runner import load_experiment
+    from fusedkv.experiments.spec import load_experiment
 
     spec = load_experiment("smollm2")
     pretrained.check(spec, "smollm2")

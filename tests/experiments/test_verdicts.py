@@ -170,7 +170,7 @@ def test_claims_are_checked_when_the_file_is_read(entry, msg):
 
 
 def test_the_shipped_claims_are_well_formed():
-    from fusedkv.experiments.runner import load_experiment
+    from fusedkv.experiments.spec import load_experiment
 
     for name in ("main", "long", "uptrain", "retrieval", "passkey"):
         spec = load_experiment(name)

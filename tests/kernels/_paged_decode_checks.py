@@ -155,7 +155,7 @@ def check_batch(seq_lens, query_lens, h_kv, g, n_k, n_v, weighted, device, *, us
                 tol=1e-5, scale=None, window=None, softcap=None):
     """`paged_cross_layer_attention` over a vLLM batch (decode rows and prefill chunks mixed); with a `window`,
     the keys left of every query's window hold NaN (never read)."""
-    from fusedkv.serving.paged import paged_cross_layer_attention
+    from fusedkv.serving.paged_triton import paged_cross_layer_attention
 
     dev, ref = make_paged(seq_lens, h_kv, g, n_k, n_v, weighted, dtype=dtype, device=device,
                           query_lens=query_lens, seed=1)

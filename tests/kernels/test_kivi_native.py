@@ -16,7 +16,8 @@ from fusedkv.generation import generate
 from fusedkv.kernels import cpu_kivi, native
 from fusedkv.plan import FULL, SLIDING
 from fusedkv.quant import KIVICache, kivi_cache_factory
-from fusedkv.quant.kivi import KIVILayer, dequantize
+from fusedkv.quant.kivi import KIVILayer
+from fusedkv.quant.kivi_codes import dequantize
 from tests.conftest import tiny_config, tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native CPU kernels are not built here")

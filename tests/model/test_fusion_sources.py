@@ -107,3 +107,52 @@ def test_unrolled_iterative_model_decodes_like_its_full_forward(path, decode_ker
         steps, _ = incremental_logits(model, ids, mask, width)
     for k, step in enumerate(steps[1:]):
         assert (step[:, 0] - full[:, width + k]).abs().max() < 1e-4
+
+
+def test_frozen_fusion_as_served_equals_the_carried_recurrence():
+    """What a served layer takes (`KVFusion.frozen`, put on other tensors with `on`, a tensor-parallel rank's
+    heads with `kv_heads`) fuses exactly as the carried recurrence: one implementation of the fusion."""
+    model = _iterative_model()
+    c = model.config
+    g = torch.Generator().manual_seed(2)
+    shape = (1, c.num_key_value_heads, 4, c.head_dim)
+    records = {i: (torch.randn(shape, generator=g, dtype=torch.float64),
+                   torch.randn(shape, generator=g, dtype=torch.float64)) for i in c.plan.storage_layers}
+    carried = _carried(model, records)
+    heads = slice(1, 2)  # one rank's KV head of two
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if attn.layer.stores:
+            continue
+        frozen = attn.fusion.frozen()
+        assert not frozen.keys and all(not w.requires_grad for w in frozen.key_weights + frozen.value_weights)
+        src = frozen.on([records[s][0] for s in attn.layer.k_sources], [records[s][1] for s in attn.layer.v_sources])
+        k, v = fuse_sources(src.keys, src.key_weights), fuse_sources(src.values, src.value_weights)
+        torch.testing.assert_close(k, carried[attn.layer.index][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(v, carried[attn.layer.index][1], rtol=1e-12, atol=1e-12)
+        rank = src.kv_heads(heads)
+        torch.testing.assert_close(fuse_sources(rank.values, rank.value_weights),
+                                   carried[attn.layer.index][1][:, heads], rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="sources"):
+            frozen.on([records[attn.layer.k_sources[0]][0]], [])
+
+
+def test_distinct_and_scaled_sources_fuse_as_the_plain_sum():
+    """A source named twice is read once with its weights summed (`distinct`); an 8-bit cache's scale folded into
+    the weight (`scaled`) gives the fusion of the dequantised values."""
+    from fusedkv.model.fusion import KVSources
+
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    w = [torch.rand(2, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    named = KVSources((), (w[0], None, w[1]), (), (w[2],))
+    merged, k_ids, v_ids = named.distinct(["a", "b", "a"], ["b"])
+    assert (k_ids, v_ids) == (("a", "b"), ("b",))
+    want = fuse_sources([x, y, x], [w[0], None, w[1]])
+    torch.testing.assert_close(fuse_sources([x, y], list(merged.key_weights)), want, rtol=1e-6, atol=1e-6)
+    plain = KVSources((x, y), (w[0], None), (y,), (w[2],))
+    codes = plain.on([x / 0.25, y / 4.0], [y / 0.5]).scaled([0.25, 4.0], [0.5], (2, 4))
+    torch.testing.assert_close(fuse_sources(list(codes.keys), list(codes.key_weights)),
+                               fuse_sources([x, y], [w[0], None]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fuse_sources(list(codes.values), list(codes.value_weights)), fuse_sources([y], [w[2]]),
+                               rtol=1e-6, atol=1e-6, check_dtype=False)

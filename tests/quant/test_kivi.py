@@ -8,8 +8,8 @@ from transformers.cache_utils import Cache, DummyLayer
 from fusedkv.cache import kv_cache_nbytes
 from fusedkv.generation import generate
 from fusedkv.quant import KIVICache, kivi_cache_factory, kivi_cache_nbytes
-from fusedkv.quant.kivi import (
-    KIVILayer,
+from fusedkv.quant.kivi import KIVILayer
+from fusedkv.quant.kivi_codes import (
     dequantize,
     pack_codes,
     quantize_keys,

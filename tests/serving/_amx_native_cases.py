@@ -14,7 +14,6 @@ from vllm import _custom_ops as ops
 from fusedkv.engine.selection import select_paged_attention
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import native_paged_attention, query_rows
 from fusedkv.serving.paged_blocks import (
     AMX_PACKED_KEYS,
     AMX_PACKED_VALUES,
@@ -24,6 +23,7 @@ from fusedkv.serving.paged_blocks import (
     layout_index,
     split_cpu_kv_cache,
 )
+from fusedkv.serving.paged_native import native_paged_attention, query_rows
 
 BF16 = torch.bfloat16
 AMX = [AMX_PACKED_KEYS, AMX_PACKED_VALUES]

@@ -5,9 +5,9 @@
 import torch
 
 from fusedkv.kernels.triton_paged_decode import paged_decode_attention
-from fusedkv.serving.paged import with_scales
 from fusedkv.serving.paged_blocks import FP8_FORMATS
 from tests.serving import test_fp8_paged_cache as cases
+from tests.serving.test_fp8_paged_cache import with_scales
 
 for kv_cache_dtype in ("fp8", "fp8_e5m2"):
     fmt = FP8_FORMATS[kv_cache_dtype]
@@ -20,8 +20,8 @@ for kv_cache_dtype in ("fp8", "fp8_e5m2"):
         kw, vw = weights[:n_k], weights[2:2 + n_v]
         scale = cases.D ** -0.5
         got = paged_decode_attention(
-            q[rows], [c[0] for c in caches[:n_k]], with_scales(kw, cases.SCALES["k"][:n_k], cases.H_KV, cases.D, "cpu"),
-            [c[1] for c in caches[:n_v]], with_scales(vw, cases.SCALES["v"][:n_v], cases.H_KV, cases.D, "cpu"),
+            q[rows], [c[0] for c in caches[:n_k]], with_scales(kw, cases.SCALES["k"][:n_k], cases.H_KV, cases.D),
+            [c[1] for c in caches[:n_v]], with_scales(vw, cases.SCALES["v"][:n_v], cases.H_KV, cases.D),
             torch.tensor([tables[r] for r in decode], dtype=torch.int32),
             torch.tensor([cases.SEQS[r][0] for r in decode], dtype=torch.int32), scale)
         want = cases.reference(plain, q, qsl, kw, vw, n_k, n_v, scale)[rows]

@@ -17,8 +17,10 @@ from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
 
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import CrossLayerAttention, StorageAttention, select_paths
+from fusedkv.model.fusion import KVSources
+from fusedkv.serving.paged import CrossLayerAttention, select_paths
 from fusedkv.serving.paged_blocks import split_cpu_kv_cache
+from fusedkv.serving.paged_native import StorageAttention
 
 H_KV, H_Q, D, BS = 2, 4, 64, 32
 # (tokens already in the cache, query tokens this step), per request
@@ -67,8 +69,10 @@ def check(dtype, compiled: bool, seed: int) -> None:
                                      isa=isa, layer_name=n)
     k_w = [torch.rand(H_KV, D, generator=g) + 0.5 for _ in range(2)]
     v_w = [torch.rand(H_KV, D, generator=g) + 0.5 for _ in range(2)]
-    fused = CrossLayerAttention(cpu_impl(dtype), ["l0", "l1"], ["l0", "l1"], lambda: (k_w, v_w))
-    lite = CrossLayerAttention(cpu_impl(dtype), ["l1"], ["l0"], lambda: ([None], [None]))
+    fused = CrossLayerAttention(cpu_impl(dtype), ["l0", "l1"], ["l0", "l1"])
+    fused.take(KVSources((), tuple(k_w), (), tuple(v_w)))  # as serving's weight loading does
+    lite = CrossLayerAttention(cpu_impl(dtype), ["l1"], ["l0"])
+    lite.take(KVSources((), (None,), (), (None,)))
     select_paths([fused, lite], dtype, torch.device("cpu"), BS, storage, compiled)  # as serving's loading does
     assert fused.path == "native" and fused.step_rows and lite.path == "vllm_op", (fused.path, lite.path)
     assert all(isinstance(storage[n].impl, StorageAttention) for n in storage)

@@ -19,6 +19,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from _paged_decode_checks import make_paged, max_error, poison_left_of_window, reference  # noqa: E402
 
+from fusedkv.model.fusion import KVSources  # noqa: E402
 from fusedkv.serving.paged import CrossLayerAttention, select_paths  # noqa: E402
 
 H_KV, G, D = 2, 2, 16
@@ -34,7 +35,8 @@ def run(impl_cls, meta_cls, extra, query_lens, window=None, softcap=None, other_
     impl = impl_cls(num_heads=H_KV * G, head_size=D, scale=scale, num_kv_heads=H_KV, alibi_slopes=None,
                     sliding_window=window, kv_cache_dtype="auto", logits_soft_cap=softcap)
     # FusedKV: K from layers 1 and 2, V from layers 0 and 1 (make_paged's convention), weighted.
-    layer = CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"], lambda: (dev["k_weights"], dev["v_weights"]))
+    layer = CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"])
+    layer.take(KVSources((), tuple(dev["k_weights"]), (), tuple(dev["v_weights"])))  # as serving's loading does
     select_paths([layer], torch.float32, torch.device("cpu"), block_size=16)  # as serving's weight loading does
     assert layer.on_gpu and layer.path == "triton", impl_cls
     t = dev["q"].shape[0]
@@ -95,7 +97,8 @@ def run_fp8(impl_cls, meta_cls, extra, query_lens, kv_cache_dtype):
     for cache_dtype, layers in ((kv_cache_dtype, coded), ("auto", plain)):
         impl = impl_cls(num_heads=H_KV * G, head_size=D, scale=D**-0.5, num_kv_heads=H_KV, alibi_slopes=None,
                         sliding_window=None, kv_cache_dtype=cache_dtype)
-        layer = CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"], lambda: (dev["k_weights"], dev["v_weights"]))
+        layer = CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"])
+        layer.take(KVSources((), tuple(dev["k_weights"]), (), tuple(dev["v_weights"])))
         select_paths([layer], torch.float32, torch.device("cpu"), block_size=16)
         output = torch.full_like(dev["q"], float("nan"))
         with override_forward_context(ForwardContext(no_compile_layers=layers, attn_metadata={n: meta for n in layers},
@@ -121,7 +124,7 @@ for bad in (dict(alibi_slopes=[0.5] * (H_KV * G)), dict(sinks=torch.zeros(H_KV *
     impl = TritonAttentionImpl(**{**dict(num_heads=H_KV * G, head_size=D, scale=D**-0.5, num_kv_heads=H_KV,
                                          alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"), **bad})
     try:
-        CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"], lambda: ([None, None], [None, None]))
+        CrossLayerAttention(impl, ["l1", "l2"], ["l0", "l1"])
     except NotImplementedError as e:
         assert "no ALiBi or sinks" in str(e), e
     else:

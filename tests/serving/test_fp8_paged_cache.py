@@ -1,7 +1,7 @@
 """FusedKV and Lite reconstruction layers over vLLM's 8-bit KV caches (`--kv-cache-dtype fp8` / `fp8_e4m3` /
 `fp8_e5m2`): the storage layers' blocks hold fp8(x / scale) as vLLM writes them (`quantize_fp8`, one scale per
 layer for keys and one for values), and every attention path of a reconstruction layer reads the codes in place
-and dequantises them with the source layers' scales (folded into the fusion weights: `with_scales`). Each path
+and dequantises them with the source layers' scales (folded into the fusion weights: `KVSources.scaled`). Each path
 must equal plain attention over the same quantised cache dequantised (`dequantize_fp8`): what fusedkv computes for
 the model with that cache.
 
@@ -22,7 +22,7 @@ import torch
 
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import native_paged_attention, paged_cross_layer_attention, query_rows, with_scales
+from fusedkv.model.fusion import KVSources
 from fusedkv.serving.paged_blocks import (
     FP8_FORMATS,
     dequantize_fp8,
@@ -30,11 +30,18 @@ from fusedkv.serving.paged_blocks import (
     quantize_fp8,
     split_cpu_kv_cache,
 )
+from fusedkv.serving.paged_native import native_paged_attention, query_rows
+from fusedkv.serving.paged_triton import paged_cross_layer_attention
 from tests.serving.test_paged_kernel_shapes import KEYS_TRANSPOSED, ROWS, write_blocks
 
 BS, D, H_KV, H_Q = 32, 32, 2, 4
 SEQS = [(70, 1), (40, 5), (1, 1), (33, 33)]  # (sequence length after this step, query tokens this step)
 SCALES = {"k": [0.05, 0.2], "v": [0.1, 0.03]}  # per source layer (vLLM keeps one float per layer and side)
+
+
+def with_scales(weights: list, scales: list[float], h_kv: int, d: int) -> list:
+    """One side's fusion weights with each source layer's scale folded in, as a served layer folds them."""
+    return list(KVSources((), tuple(weights), (), ()).scaled(scales, (), (h_kv, d)).key_weights)
 
 
 def batch(fmt: torch.dtype, seed: int):
@@ -91,8 +98,8 @@ def test_native_kernel_reads_fp8_blocks_in_place(kv_cache_dtype, layout, n_k, n_
     scale = D ** -0.5
     out = torch.full_like(q, float("nan"))
     seq_lens = torch.tensor([s for s, _ in SEQS], dtype=torch.int32)
-    native_paged_attention(q, [c[0] for c in caches[:n_k]], with_scales(kw, SCALES["k"][:n_k], H_KV, D, "cpu"),
-                           [c[1] for c in caches[:n_v]], with_scales(vw, SCALES["v"][:n_v], H_KV, D, "cpu"),
+    native_paged_attention(q, [c[0] for c in caches[:n_k]], with_scales(kw, SCALES["k"][:n_k], H_KV, D),
+                           [c[1] for c in caches[:n_v]], with_scales(vw, SCALES["v"][:n_v], H_KV, D),
                            query_rows(qsl, seq_lens, q.shape[0]), torch.tensor(tables, dtype=torch.int32), scale,
                            kernel_layout(layout), out)
     torch.testing.assert_close(out, reference(plain, q, qsl, kw, vw, n_k, n_v, scale), atol=2e-5, rtol=2e-5)
@@ -122,8 +129,8 @@ def test_gathered_path_dequantises_fp8_blocks(kv_cache_dtype):
     kw, vw = weights[:2], weights[2:]
     scale = D ** -0.5
     seq_lens = torch.tensor([s for s, _ in SEQS], dtype=torch.int32)
-    out = paged_cross_layer_attention(q, [c[0] for c in caches], with_scales(kw, SCALES["k"], H_KV, D, "cpu"),
-                                      [c[1] for c in caches], with_scales(vw, SCALES["v"], H_KV, D, "cpu"), qsl,
+    out = paged_cross_layer_attention(q, [c[0] for c in caches], with_scales(kw, SCALES["k"], H_KV, D),
+                                      [c[1] for c in caches], with_scales(vw, SCALES["v"], H_KV, D), qsl,
                                       seq_lens, torch.tensor(tables, dtype=torch.int32), scale, use_kernel=False)
     torch.testing.assert_close(out, reference(plain, q, qsl, kw, vw, 2, 2, scale), atol=2e-5, rtol=2e-5)
 

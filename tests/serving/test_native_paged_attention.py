@@ -1,5 +1,5 @@
 """The native kernel that FusedKV reconstruction layers use over vLLM's paged CPU cache
-(`cpu_paged_attention.c` through `fusedkv.serving.paged.native_paged_attention`) equals the plain
+(`cpu_paged_attention.c` through `fusedkv.serving.paged_native.native_paged_attention`) equals the plain
 reference: materialised fused K/V, then softmax attention, per sequence with its causal rows.
 
 The cache is laid out as vLLM's CPU backend lays it out ([num_blocks, H_kv, block, 2 * D], keys in
@@ -19,8 +19,8 @@ import torch
 
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import native_paged_attention, query_rows
 from fusedkv.serving.paged_blocks import kernel_layout, split_cpu_kv_cache
+from fusedkv.serving.paged_native import native_paged_attention, query_rows
 from tests.conftest import tiered
 from tests.serving.test_paged_kernel_shapes import AMX, KEYS_TRANSPOSED, ROWS, write_blocks
 

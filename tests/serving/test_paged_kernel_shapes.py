@@ -13,7 +13,6 @@ import torch
 
 from fusedkv.kernels import native
 from fusedkv.kernels.reference import materialized_attention
-from fusedkv.serving.paged import native_paged_attention, query_rows
 from fusedkv.serving.paged_blocks import (
     AMX_PACKED_KEYS,
     AMX_PACKED_VALUES,
@@ -22,6 +21,7 @@ from fusedkv.serving.paged_blocks import (
     layout_index,
     split_cpu_kv_cache,
 )
+from fusedkv.serving.paged_native import native_paged_attention, query_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native CPU kernels are not built here")
 

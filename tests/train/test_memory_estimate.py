@@ -11,13 +11,14 @@ import pytest
 from fusedkv.cli import main
 from fusedkv.train import TrainConfig
 from fusedkv.train import memory_estimate as M
+from fusedkv.train.memory_measure import measure_peak_cpu, relative_error, single_process_estimate
 
 
 def _check(preset: str, checkpointing: bool):
     cfg = TrainConfig(preset=preset, data="builtin", progress=False)
-    measured = M.measure_peak_cpu(cfg, checkpointing=checkpointing)
-    plan = M.single_process_estimate(cfg, checkpointing=checkpointing)
-    err = M.relative_error(plan.peak, measured["peak"])
+    measured = measure_peak_cpu(cfg, checkpointing=checkpointing)
+    plan = single_process_estimate(cfg, checkpointing=checkpointing)
+    err = relative_error(plan.peak, measured["peak"])
     assert err < 0.10, f"{preset} ckpt={checkpointing}: plan {plan.peak:,.0f} B vs measured {measured['peak']:,.0f} B"
     # The parts the profiler attributes line up with the plan's components too.
     cats = measured["by_category"]
@@ -109,12 +110,12 @@ def test_uptraining_plan_matches_measured_peak_nano(nano_teacher, checkpointing,
     distillation: within 10%, and the teacher's share is really there (the plan without it is off)."""
     path, teacher_cfg, student = nano_teacher
     cfg = TrainConfig(preset="nano", data="builtin", progress=False, distill_hidden_weight=hidden)
-    measured = M.measure_peak_cpu(cfg, checkpointing, model=student, teacher=str(path))["peak"]
+    measured = measure_peak_cpu(cfg, checkpointing, model=student, teacher=str(path))["peak"]
     teacher = M.count_teacher(path, teacher_cfg, "float32", hidden=hidden > 0)
-    plan = M.single_process_estimate(cfg, checkpointing, model=student, teacher=teacher)
-    assert M.relative_error(plan.peak, measured) < 0.10, (plan.peak, measured)
-    without = M.single_process_estimate(cfg, checkpointing, model=student)
-    assert M.relative_error(without.peak, measured) > 0.15
+    plan = single_process_estimate(cfg, checkpointing, model=student, teacher=teacher)
+    assert relative_error(plan.peak, measured) < 0.10, (plan.peak, measured)
+    without = single_process_estimate(cfg, checkpointing, model=student)
+    assert relative_error(without.peak, measured) > 0.15
     assert plan.teacher_weights == 4 * teacher.params.total
 
 
