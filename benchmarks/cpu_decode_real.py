@@ -287,9 +287,10 @@ def table(result: dict) -> str:
     rows, qual = result["rows"], result["quality"]
     texts = [Path(t).stem for t in result["texts"]]
     head = ["threads", "prompt", "engine", "TTFT ms", "TPOT ms", "TTFT / llama.cpp", "TPOT / llama.cpp",
-            *[f"ppl {t}" for t in texts], "top-1 vs f32", "KL vs f32"]
+            *[f"ppl {t} (vs f32)" for t in texts], "top-1 vs f32", "KL vs f32"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     by = {(r["threads"], r["prompt"], r["name"]): r for r in rows}
+    ref = next((v for k, v in qual.items() if k.startswith("vanilla w=f32 ")), None)
     for r in rows:
         key = (r["threads"], r["prompt"])
         ps = [] if r["name"].startswith("llama.cpp") else [by[(*key, p)] for p in peers(r["name"]) if (*key, p) in by]
@@ -297,16 +298,43 @@ def table(result: dict) -> str:
         tpot = ", ".join(f"{cd.round_ratio(r, p, 'tpot'):.2f} ({p['name'].split('w=')[1].split()[0]})" for p in ps)
         qname = r["name"].removesuffix(" kv=f16") if r["name"].startswith("llama.cpp") else r["name"]
         q = qual.get(qname) or next((v for k, v in qual.items() if k.split(" kv=")[0] == qname.split(" kv=")[0]), {})
-        ppl = [f"{q['ppl'][t]:.2f}" if q else "-" for t in texts]
+        ppl = [_ppl(q, ref, t) for t in texts]
         lines.append(f"| {r['threads']} | {r['prompt']} | {r['name']} | {r['ttft_s'] * 1e3:.0f} | "
                      f"{r['tpot_s'] * 1e3:.2f} | {ttft or '-'} | {tpot or '-'} | " + " | ".join(ppl)
                      + (f" | {q['top1']:.3f} | {q['kl']:.4f} |" if q else " | - | - |"))
     return "\n".join(lines)
 
 
+def _ppl(q: dict, ref: dict | None, text: str) -> str:
+    """A row's perplexity on `text` and its change from the f32 vanilla model's."""
+    if not q:
+        return "-"
+    p = q["ppl"][text]
+    return f"{p:.2f}" + (f" ({100 * (p / ref['ppl'][text] - 1):+.1f}%)" if ref else "")
+
+
+def kivi(args) -> None:
+    """`--kivi` on the real model: cpu_decode's KIVI-4 / KIVI-2 against bf16 cache table, with the model's own
+    weights (f32) and shape; each cache's perplexity is `fusedkv compare`'s (docs/real-model.md)."""
+    import cpu_decode as cd
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fusedkv-real-"))
+    work.mkdir(parents=True, exist_ok=True)
+    plan_cks = dict(x.split("=", 1) for x in args.plan_checkpoints.split(",")) if args.plan_checkpoints else {}
+    plans = args.plans.split(",")
+    models = fusedkv_models(hf_checkpoint(args.model, work), plans, plan_cks, work)
+    for t in [int(x) for x in args.threads.split(",")]:
+        print(cd.kivi_table(plans, t, [int(c) for c in args.prompt_lens.split(",")], args.steps, args.repeats,
+                            models))
+    print(f"{args.model}; 1-minute load average at the end: {os.getloadavg()[0]:.1f}")
+
+
 def main(args) -> None:
     from fusedkv.utils import write_json_atomic
 
+    if args.kivi:
+        kivi(args)
+        return
     result = run(args)
     if args.json:
         write_json_atomic(args.json, result, default=str)

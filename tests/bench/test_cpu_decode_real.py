@@ -106,7 +106,8 @@ def test_the_table_shows_quality_and_same_bits_ratios(real):
     q = dict(ppl={"prose": 13.0}, top1=0.9, kl=0.01)
     rows = [row("vanilla w=int4 kv=f16", 0.02), row("llama.cpp w=q4_0 kv=f16", 0.04)]
     result = dict(texts=["/x/prose.txt"], rows=rows,
-                  quality={"vanilla w=int4 kv=f16": q, "llama.cpp w=q4_0": dict(q, ppl={"prose": 14.0})})
+                  quality={"vanilla w=int4 kv=f16": q, "llama.cpp w=q4_0": dict(q, ppl={"prose": 14.0}),
+                           "vanilla w=f32 kv=f16": dict(ppl={"prose": 12.5}, top1=1.0, kl=0.0)})
     lines = real.table(result).splitlines()
-    assert "| 0.50 (q4_0) | 13.00 | 0.900 | 0.0100 |" in lines[2]
-    assert lines[3].endswith("| - | - | 14.00 | 0.900 | 0.0100 |")
+    assert "| 0.50 (q4_0) | 13.00 (+4.0%) | 0.900 | 0.0100 |" in lines[2]
+    assert lines[3].endswith("| - | - | 14.00 (+12.0%) | 0.900 | 0.0100 |")
