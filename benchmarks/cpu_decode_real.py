@@ -206,6 +206,7 @@ def run(args) -> dict:
                 ours[f"{plan} w={cd.short(fmt)} kv={kv}"] = dict(model=reduced, kv_dtype=kv_dtype,
                                                                weight_bytes=weight_nbytes(reduced))
     from fusedkv.speed.llamacpp import available
+    from fusedkv.utils import write_json_atomic
 
     why = None if args.no_llama else available()
     if why:
@@ -217,12 +218,20 @@ def run(args) -> dict:
     qual = quality(ours, llama, windows, base["vanilla"], sources, work / "quality.json") if windows else {}
     print(f"quality done ({len(qual)} rows)", file=sys.stderr)
     load = {"start": os.getloadavg()}
-    rows = speed(args, cd, ours, llama, base["vanilla"].config.vocab_size, load)
+
+    def result(rows: list[dict]) -> dict:
+        return dict(model=str(args.model), plans=sources, date=time.strftime("%Y-%m-%d %H:%M"),
+                    processor=cd_processor(), texts=texts, window=args.window, windows_per_text=args.windows,
+                    quality=qual, rows=rows, repeats=args.repeats, new_tokens=args.new_tokens,
+                    load_average=load, llama_cpp=_llama_version(llama))
+
+    def cell_done(rows: list[dict]) -> None:  # the cells measured so far survive a run stopped later
+        if args.json:
+            write_json_atomic(args.json, result(rows), default=str)
+
+    rows = speed(args, cd, ours, llama, base["vanilla"].config.vocab_size, load, cell_done)
     load["end"] = os.getloadavg()
-    return dict(model=str(args.model), plans=sources, date=time.strftime("%Y-%m-%d %H:%M"),
-                processor=cd_processor(), texts=texts, window=args.window, windows_per_text=args.windows,
-                quality=qual, rows=rows, repeats=args.repeats, new_tokens=args.new_tokens,
-                load_average=load, llama_cpp=_llama_version(llama))
+    return result(rows)
 
 
 def _llama_version(llama: dict) -> str | None:
@@ -240,9 +249,10 @@ def cd_processor() -> str:
     return f"{name} ({isa})"
 
 
-def speed(args, cd, ours: dict, llama: dict[str, Path], vocab: int, load: dict) -> list[dict]:
+def speed(args, cd, ours: dict, llama: dict[str, Path], vocab: int, load: dict, cell_done) -> list[dict]:
     """cpu_decode's interleaved loop over our rows and llama.cpp runners of every GGUF file (f16 KV). The load
-    average after each cell goes into `load` (the machine is shared: speeds are read next to it)."""
+    average after each cell goes into `load` (the machine is shared: speeds are read next to it); `cell_done`
+    is called with the rows so far after each (threads, prompt) cell."""
     from fusedkv.speed.llamacpp import LlamaCppRunner, gguf_weight_nbytes
 
     threads = [int(t) for t in args.threads.split(",")]
@@ -269,6 +279,7 @@ def speed(args, cd, ours: dict, llama: dict[str, Path], vocab: int, load: dict) 
             for name, runs in samples.items():
                 out.append(cd.make_row(name, runs, ours, runners, t, 1, s, s + args.new_tokens // 2, ceiling))
             load[f"threads {t} prompt {s}"] = os.getloadavg()
+            cell_done(out)
         for runner, *_ in runners.values():
             runner.close()
     return out
