@@ -673,19 +673,22 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
 
 
 # ---- KIVI cache ---------------------------------------------------------------------------------------
-def kivi_table(plans: list[str], threads: int, contexts: list[int], steps: int, repeats: int) -> str:
+def kivi_table(plans: list[str], threads: int, contexts: list[int], steps: int, repeats: int,
+               models: dict | None = None) -> str:
     """TPOT of the native decode step over a KIVI-4 and a KIVI-2 cache (`fusedkv.kernels.cpu_kivi`: codes read
     in place) against the same step over a bf16 static cache, f32 weights, batch 1, at each context. The
     caches are filled with random post-RoPE K/V of the bench shape (no prefill: 32k tokens of it would take
     minutes); KIVI's through its own `update`, so they hold its codes, scales and 128-token residual. Each
-    repeat times `steps` steps of every row, order rotated; ratios are per repeat, then medians."""
+    repeat times `steps` steps of every row, order rotated; ratios are per repeat, then medians. `models`:
+    plan -> f32 model to use instead of the bench model (a real one, `--model`)."""
     from fusedkv.engine.native_step import NativeDecodeStep
     from fusedkv.engine.selection import set_decode_layout
     from fusedkv.quant import KIVICache
 
     torch.set_num_threads(threads)
     room = steps * (repeats + 1) + 1
-    models = build_models(BenchShape(), plans, max(contexts) + room, "cpu", torch.float32, include_hf=False)
+    models = models or build_models(BenchShape(), plans, max(contexts) + room, "cpu", torch.float32,
+                                    include_hf=False)
     lines = [f"{threads} thread(s), native decode step, f32 weights, batch 1; TPOT ms (median of {repeats} "
              f"interleaved repeats of {steps} steps) and its ratio to the bf16 cache (median of per-repeat ratios)",
              "| plan | context | bf16 cache | KIVI-4 | KIVI-4 / bf16 | KIVI-2 | KIVI-2 / bf16 |",

@@ -185,7 +185,8 @@ def export_vanilla_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.P
 def convert_to_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike, outtype: str, converter_root: Path,
                     python: str = sys.executable) -> Path:
     """Run llama.cpp's converter on a transformers checkpoint (`outtype` in GGUF_TYPES), or, for a type in
-    QUANT_TYPES, convert to f32 next to `out_file` and quantize that with llama.cpp's quantizer."""
+    QUANT_TYPES, convert to f32 next to `out_file` and quantize that with llama.cpp's quantizer. An existing
+    `out_file` is returned as it is: files are renamed into place only once complete (`_partial`)."""
     if outtype in QUANT_TYPES:
         f32 = Path(out_file).with_name(Path(out_file).stem + "-src-f32.gguf")
         if not f32.is_file():
@@ -194,13 +195,22 @@ def convert_to_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike, outt
     if outtype not in GGUF_TYPES:
         raise ValueError(f"GGUF type {outtype!r}: choose one of {', '.join((*GGUF_TYPES, *QUANT_TYPES))}")
     out = Path(out_file)
-    cmd = [python, "-c", _CONVERT_WRAPPER, str(converter_root), str(hf_dir), "--outfile", str(out),
+    if out.is_file():
+        return out  # written whole by an earlier run (see below): minutes of conversion saved
+    part = _partial(out)
+    cmd = [python, "-c", _CONVERT_WRAPPER, str(converter_root), str(hf_dir), "--outfile", str(part),
            "--outtype", outtype]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 or not out.is_file():
+    if done.returncode != 0 or not part.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"llama.cpp's converter failed ({outtype}): {' | '.join(tail)}")
-    return out
+    return part.replace(out)
+
+
+def _partial(out: Path) -> Path:
+    """Where a GGUF file is written before it is renamed to `out`: a killed conversion never leaves a
+    truncated file under the final name, so an existing `out` is always complete and is reused."""
+    return out.with_name(out.stem + ".partial.gguf")
 
 
 def quantize_gguf(src: str | os.PathLike, out_file: str | os.PathLike, qtype: str, threads: int = 1) -> Path:
@@ -214,9 +224,12 @@ def quantize_gguf(src: str | os.PathLike, out_file: str | os.PathLike, qtype: st
     params.ftype = QUANT_TYPES[qtype]
     params.nthread = threads
     out = Path(out_file)
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0 or not out.is_file():
+    if out.is_file():
+        return out
+    part = _partial(out)
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), params) != 0 or not part.is_file():
         raise RuntimeError(f"llama.cpp's quantizer failed ({src} -> {qtype})")
-    return out
+    return part.replace(out)
 
 
 def gguf_weight_nbytes(path: str | os.PathLike) -> int:
