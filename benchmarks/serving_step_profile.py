@@ -8,6 +8,9 @@ lm_head included), attention (vLLM's CPU op, or the project's native paged kerne
 layers, cache writes included), the rest of the model's forward (norms, RoPE, activations, residuals),
 logits, and the engine around the model (scheduler, input preparation, sampling, output processing).
 
+It prints the processor and the attention path each layer took (vLLM's op and its ISA, or the native kernel with
+its block layout and the loops this processor's build of it takes: `fusedkv.kernels.native.paged_loops`).
+
 Times are CPU seconds of the engine's process (timers around the parts), so that a shared machine's
 waiting for a core is not counted; a decode step is (a run of P + n tokens - a run of P + 1) / (n - 1),
 the best of --repeats; the batch's prefill (the run of P + 1 tokens) is split the same way. One thread.
@@ -77,10 +80,13 @@ def instrument(llm, timers: Timers) -> None:
 
 
 def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int,
-                   dtype: str, block_size: int) -> list[dict]:
+                   dtype: str, block_size: int) -> tuple[list[dict], list[str]]:
+    """Rows per batch size, and how each decoder layer attends (`fusedkv.serving.offline.attention_paths`)."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from fusedkv.serving.offline import attention_paths
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * getattr(
@@ -91,6 +97,7 @@ def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tok
               skip_tokenizer_init=True)
     timers = Timers()
     instrument(llm, timers)
+    paths = llm.apply_model(attention_paths)[0]
     g = torch.Generator().manual_seed(1)
     prompts = [TokensPrompt(prompt_token_ids=p)
                for p in torch.randint(2, cfg["vocab_size"], (max(batches), prompt_len), generator=g).tolist()]
@@ -125,15 +132,18 @@ def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tok
                      # the run of P + 1 tokens: the batch's prefill and its first token
                      "prefill_ms": 1e3 * prefill["step"],
                      "prefill_parts_ms": {k: 1e3 * v for k, v in split(prefill).items()}})
-    return rows
+    return rows, paths
 
 
 def inner(args) -> None:
+    from fusedkv.serving.offline import processor
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its CPU time is ours
-    out = {}
+    out = {"processor": processor(), "profile": {}, "attention": {}}
     for path in args.models:
-        out[Path(path).name] = profile_engine(path, args.batches, args.prompt_len, args.new_tokens, args.repeats,
-                                          args.dtype, args.block_size)
+        name = Path(path).name
+        out["profile"][name], out["attention"][name] = profile_engine(
+            path, args.batches, args.prompt_len, args.new_tokens, args.repeats, args.dtype, args.block_size)
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -189,7 +199,13 @@ def main() -> None:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(f"vLLM run failed:\n{proc.stderr[-4000:]}")
-        profile = json.loads(result.read_text())
+        measured = json.loads(result.read_text())
+    profile = measured["profile"]
+    print(f"Processor: {measured['processor']}; each layer's attention path (a reconstruction layer on the native "
+          "kernel: its block layout and the loops its scores / values take):")
+    for plan, paths in measured["attention"].items():
+        print(f"  {plan}: " + ", ".join(f"L{i} {p}" for i, p in enumerate(paths)))
+    print()
     print(f"## One decode step, CPU ms ({args.prompt_len}-token prompts, steps {args.prompt_len + 1}-"
           f"{args.prompt_len + args.new_tokens}, {shape['layers']} layers, hidden {shape['hidden']}, "
           f"{shape['hidden'] // 64} query / {shape['kv_heads']} key-value heads of 64, vocabulary {shape['vocab']}, "
@@ -200,8 +216,7 @@ def main() -> None:
           f"{args.repeats})\n")
     print_table(profile, "prefill", "prefill_", 1)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "load_average": load, "profile": profile},
-                                             indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"args": vars(args), "load_average": load, **measured}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

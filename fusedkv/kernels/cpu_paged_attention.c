@@ -25,7 +25,10 @@
  * sources in one pass, and the values of both sources for 64 channels at a time held in registers across
  * a block's tokens. AMX-packed bf16 caches take the same shape of loops (`scores_amx_bf16`, `values_amx_bf16`):
  * one 64-byte line is 16 tokens x 2 channels (keys) or 16 channels x 2 tokens (values), widened to two f32
- * vectors by a shift and a mask. The generic loops below (the macros) read every other case.
+ * vectors by a shift and a mask. With AVX2 (and for bf16 "vec" blocks on AVX-512 without AMX), f32 and bf16 "vec"
+ * blocks take grouped loops (`scores_group_*`, `values_group_*`): the query heads of a kv head together, the two
+ * sources fused in registers as they are read, so each element is loaded and widened once. The generic loops
+ * below (the macros) read every other case; `choose_loops` decides, `paged_loops` reports it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -197,75 +200,125 @@ static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t* p
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-/* AVX2 (processors without AVX-512, and the bf16 "vec" blocks of those without AMX): s[i] = sum_k sum_d qk[k * D + d]
- * * K_k[d * bs + i] for i < cnt over transposed key blocks ([D, bs] per block and head), 16 tokens at a time in 4
- * chains; bs a multiple of 16, so a tile never leaves its block (lanes past cnt are computed from whatever the
- * slots hold and never stored). */
-#define AVX2_SCORES_T(NAME, T, LOAD)                                                                      \
-    static inline __attribute__((always_inline)) void NAME(const T* const* bases, const int NK, const float* qk, \
-                                                           int D, int bs, int cnt, float* s) {            \
+/* The grouped AVX2 loops over "vec" blocks (keys transposed, values in rows): all the query heads of one kv head
+ * (up to GROUP_AVX2 at a time) in one pass over a block, and the two sources fused as they are read (Eq. 4-5 of
+ * the paper in the inner loop: K~ = a_0 (.) K_0 + a_1 (.) K_1, V~ = b_0 (.) V_0 + b_1 (.) V_1, a vector of 8
+ * tokens or channels at a time, in registers, never stored). Each cache element is loaded and widened once per
+ * kv head rather than once per query head and source, which is what a bf16 cache costs on AVX2 (no AVX-512's
+ * wide loads, and a widening shuffle per load). */
+#define GROUP_AVX2 4
+
+/* s[j * S + i] = sum_d q[j * D + d] * K~[d, i] for the nj <= GROUP_AVX2 heads j and tokens i < cnt, K~ the fusion
+ * of NK transposed key blocks (`bases[k]` at the block and head; NK = 2: weighted by w[k * D + d], NK = 1: the
+ * weight is on the query). 16 tokens at a time (bs a multiple of 16: a tile never leaves its block; lanes past
+ * cnt are computed from whatever the slots hold and never stored). */
+#define AVX2_SCORES_GROUP(NAME, T, LOAD)                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const T* const* bases, const int NK, const float* w, \
+                                                           const float* q, const int nj, int D, int bs, int cnt, \
+                                                           float* s, long S) {                            \
         for (int i0 = 0; i0 < cnt; i0 += 16) {                                                            \
-            __m256 a[4][2];                                                                               \
-            for (int c = 0; c < 4; c++) a[c][0] = a[c][1] = _mm256_setzero_ps();                          \
-            for (int k = 0; k < NK; k++) {                                                                \
-                const T* base = bases[k] + i0;                                                            \
-                const float* q = qk + (long)k * D;                                                        \
-                int d = 0;                                                                                \
-                for (; d + 4 <= D; d += 4)                                                                \
-                    for (int c = 0; c < 4; c++) {                                                         \
-                        const __m256 qd = _mm256_set1_ps(q[d + c]);                                       \
-                        const T* row = base + (long)(d + c) * bs;                                         \
-                        a[c][0] = _mm256_fmadd_ps(qd, LOAD(row), a[c][0]);                                \
-                        a[c][1] = _mm256_fmadd_ps(qd, LOAD(row + 8), a[c][1]);                            \
+            __m256 a[GROUP_AVX2][2];                                                                      \
+            for (int j = 0; j < GROUP_AVX2; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();                 \
+            const T* k0 = bases[0] + i0;                                                                  \
+            const T* k1 = bases[NK - 1] + i0;                                                             \
+            for (int d = 0; d < D; d++) {                                                                 \
+                __m256 x0 = LOAD(k0 + (long)d * bs), x1 = LOAD(k0 + (long)d * bs + 8);                   \
+                if (NK == 2) {                                                                            \
+                    const __m256 w0 = _mm256_set1_ps(w[d]), w1 = _mm256_set1_ps(w[D + d]);                \
+                    x0 = _mm256_fmadd_ps(w1, LOAD(k1 + (long)d * bs), _mm256_mul_ps(w0, x0));             \
+                    x1 = _mm256_fmadd_ps(w1, LOAD(k1 + (long)d * bs + 8), _mm256_mul_ps(w0, x1));         \
+                }                                                                                         \
+                for (int j = 0; j < GROUP_AVX2; j++)                                                      \
+                    if (j < nj) {                                                                         \
+                        const __m256 qd = _mm256_set1_ps(q[(long)j * D + d]);                             \
+                        a[j][0] = _mm256_fmadd_ps(qd, x0, a[j][0]);                                       \
+                        a[j][1] = _mm256_fmadd_ps(qd, x1, a[j][1]);                                       \
                     }                                                                                     \
-                for (; d < D; d++) {                                                                      \
-                    const __m256 qd = _mm256_set1_ps(q[d]);                                               \
-                    const T* row = base + (long)d * bs;                                                   \
-                    a[0][0] = _mm256_fmadd_ps(qd, LOAD(row), a[0][0]);                                    \
-                    a[0][1] = _mm256_fmadd_ps(qd, LOAD(row + 8), a[0][1]);                                \
-                }                                                                                         \
             }                                                                                             \
-            float tile[16];                                                                               \
-            for (int t = 0; t < 2; t++)                                                                   \
-                _mm256_storeu_ps(tile + 8 * t, _mm256_add_ps(_mm256_add_ps(a[0][t], a[1][t]),             \
-                                                             _mm256_add_ps(a[2][t], a[3][t])));           \
             const int n = cnt - i0 < 16 ? cnt - i0 : 16;                                                  \
-            for (int t = 0; t < n; t++) s[i0 + t] = tile[t];                                              \
-        }                                                                                                 \
-    }
-
-/* acc[v * D + d] += sum_i p[i] * V_v[i * D + d] for i < cnt: value rows [bs, D] per block and head, D a multiple
- * of 8; 32 channels of every source in registers at a time. */
-#define AVX2_VALUES(NAME, T, LOAD)                                                                        \
-    static inline __attribute__((always_inline)) void NAME(const T* const* bases, const int NV, const float* p, \
-                                                           int cnt, int D, int bs, float* acc) {          \
-        (void)bs;                                                                                         \
-        for (int d0 = 0; d0 < D; d0 += 32) {                                                              \
-            const int nz = D - d0 >= 32 ? 4 : (D - d0) / 8;                                               \
-            __m256 o[2][4];                                                                               \
-            for (int v = 0; v < NV; v++)                                                                  \
-                for (int z = 0; z < 4; z++)                                                               \
-                    o[v][z] = z < nz ? _mm256_loadu_ps(acc + (long)v * D + d0 + 8 * z) : _mm256_setzero_ps(); \
-            for (int i = 0; i < cnt; i++) {                                                               \
-                const __m256 pi = _mm256_set1_ps(p[i]);                                                   \
-                for (int v = 0; v < NV; v++) {                                                            \
-                    const T* row = bases[v] + (long)i * D + d0;                                           \
-                    for (int z = 0; z < 4; z++)                                                           \
-                        if (z < nz) o[v][z] = _mm256_fmadd_ps(pi, LOAD(row + 8 * z), o[v][z]);            \
+            for (int j = 0; j < GROUP_AVX2; j++)                                                          \
+                if (j < nj) {                                                                             \
+                    float tile[16];                                                                       \
+                    _mm256_storeu_ps(tile, a[j][0]);                                                      \
+                    _mm256_storeu_ps(tile + 8, a[j][1]);                                                  \
+                    for (int t = 0; t < n; t++) s[(long)j * S + i0 + t] = tile[t];                        \
                 }                                                                                         \
-            }                                                                                             \
-            for (int v = 0; v < NV; v++)                                                                  \
-                for (int z = 0; z < nz; z++) _mm256_storeu_ps(acc + (long)v * D + d0 + 8 * z, o[v][z]);   \
         }                                                                                                 \
     }
 
-AVX2_SCORES_T(scores_t_f32_avx2, float, load8_f32)
-AVX2_SCORES_T(scores_t_bf16_avx2, uint16_t, load8_bf16)
-AVX2_VALUES(values_f32_avx2, float, load8_f32)
-AVX2_VALUES(values_bf16_avx2, uint16_t, load8_bf16)
+/* acc[j * accs + d] += sum_i p[j * S + i] * V~[i, d] for the nj <= GROUP_AVX2 heads j and tokens i < cnt, V~ the
+ * fusion of NV value row blocks ([bs, D], `bases[v]` at the block and head; NV = 2: weighted by w[v * D + d],
+ * NV = 1: the weight is applied to the output). D a multiple of 8; 16 channels of every head in registers. */
+#define AVX2_VALUES_GROUP(NAME, T, LOAD)                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const T* const* bases, const int NV, const float* w, \
+                                                           const float* p, long S, const int nj, int cnt, int D, \
+                                                           float* acc, long accs) {                       \
+        for (int d0 = 0; d0 < D; d0 += 16) {                                                              \
+            const int nz = D - d0 >= 16 ? 2 : 1;                                                          \
+            __m256 o[GROUP_AVX2][2], w0[2], w1[2];                                                        \
+            for (int j = 0; j < GROUP_AVX2; j++)                                                          \
+                for (int z = 0; z < 2; z++)                                                               \
+                    o[j][z] = j < nj && z < nz ? _mm256_loadu_ps(acc + j * accs + d0 + 8 * z) : _mm256_setzero_ps(); \
+            for (int z = 0; z < 2; z++) {                                                                 \
+                w0[z] = NV == 2 && z < nz ? _mm256_loadu_ps(w + d0 + 8 * z) : _mm256_setzero_ps();        \
+                w1[z] = NV == 2 && z < nz ? _mm256_loadu_ps(w + D + d0 + 8 * z) : _mm256_setzero_ps();    \
+            }                                                                                             \
+            for (int i = 0; i < cnt; i++) {                                                               \
+                const T* r0 = bases[0] + (long)i * D + d0;                                                \
+                const T* r1 = bases[NV - 1] + (long)i * D + d0;                                           \
+                __m256 x[2];                                                                              \
+                for (int z = 0; z < 2; z++)                                                               \
+                    if (z < nz) {                                                                         \
+                        x[z] = LOAD(r0 + 8 * z);                                                          \
+                        if (NV == 2) x[z] = _mm256_fmadd_ps(w1[z], LOAD(r1 + 8 * z), _mm256_mul_ps(w0[z], x[z])); \
+                    }                                                                                     \
+                for (int j = 0; j < GROUP_AVX2; j++)                                                      \
+                    if (j < nj) {                                                                         \
+                        const __m256 pj = _mm256_set1_ps(p[(long)j * S + i]);                             \
+                        for (int z = 0; z < 2; z++)                                                       \
+                            if (z < nz) o[j][z] = _mm256_fmadd_ps(pj, x[z], o[j][z]);                     \
+                    }                                                                                     \
+            }                                                                                             \
+            for (int j = 0; j < GROUP_AVX2; j++)                                                          \
+                for (int z = 0; z < 2; z++)                                                               \
+                    if (j < nj && z < nz) _mm256_storeu_ps(acc + j * accs + d0 + 8 * z, o[j][z]);         \
+        }                                                                                                 \
+    }
+
+AVX2_SCORES_GROUP(scores_group_f32_avx2, float, load8_f32)
+AVX2_SCORES_GROUP(scores_group_bf16_avx2, uint16_t, load8_bf16)
+AVX2_VALUES_GROUP(values_group_f32_avx2, float, load8_f32)
+AVX2_VALUES_GROUP(values_group_bf16_avx2, uint16_t, load8_bf16)
+
+/* The block loops of the grouped functions: each block once per GROUP_AVX2 query heads (a full chunk with the
+ * count a constant after inlining). qg: [group, D] queries (scaled; with one K source also weighted); fw: [2, D]
+ * key then [2, D] value fusion weights (1 where a source has none). */
+#define GROUP_SCORES(T, FN, NK)                                                                           \
+    for (int blk = blk0; blk * bs < L; blk++) {                                                           \
+        const long off = (long)table[blk] * block_stride + g * head_stride;                               \
+        const T* b[2] = {(const T*)k_ptr[0] + off, (const T*)k_ptr[NK - 1] + off};                        \
+        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
+        for (int j0 = 0; j0 < group; j0 += GROUP_AVX2) {                                                  \
+            float* s = scores + (long)j0 * S + t0 - first;                                                \
+            if (group - j0 >= GROUP_AVX2) FN(b, NK, fw, qg + (long)j0 * D, GROUP_AVX2, D, bs, cnt, s, S); \
+            else FN(b, NK, fw, qg + (long)j0 * D, group - j0, D, bs, cnt, s, S);                          \
+        }                                                                                                 \
+    }
+#define GROUP_VALUES(T, FN, NV)                                                                           \
+    for (int blk = blk0; blk * bs < L; blk++) {                                                           \
+        const long off = (long)table[blk] * block_stride + g * head_stride;                               \
+        const T* b[2] = {(const T*)v_ptr[0] + off, (const T*)v_ptr[NV - 1] + off};                        \
+        const int t0 = blk * bs, cnt = L - t0 < bs ? L - t0 : bs;                                         \
+        for (int j0 = 0; j0 < group; j0 += GROUP_AVX2) {                                                  \
+            const float* p = scores + (long)j0 * S + t0 - first;                                          \
+            float* o = acc + (long)j0 * n_v * D;                                                          \
+            if (group - j0 >= GROUP_AVX2) FN(b, NV, fw + 2 * D, p, S, GROUP_AVX2, cnt, D, o, (long)n_v * D); \
+            else FN(b, NV, fw + 2 * D, p, S, group - j0, cnt, D, o, (long)n_v * D);                       \
+        }                                                                                                 \
+    }
 #endif
 
-/* The two loops over a sequence's blocks for the register-blocked functions (AVX-512 above, AVX2 below) (element type T), for 1 or 2
+/* The two loops over a sequence's blocks for the register-blocked AVX-512 functions (element type T), for 1 or 2
  * sources (constants after inlining). */
 #define FAST_SCORES(T, FN, NK)                                                                            \
     for (int blk = blk0; blk * bs < L; blk++) {                                                           \
@@ -366,6 +419,27 @@ static void code8_table(int kind, float* table) {
         }                                                                                                 \
     }
 
+/* The loops that read a layer's scores (which = 0) or values (which = 1): register-blocked AVX-512 over f32
+ * "vec" blocks (values also in rows) or AMX-packed bf16 blocks; the grouped AVX2 loops over f32 and bf16 "vec"
+ * blocks (values also in rows) that AVX-512's do not take; else the generic loops (the macros above: fp8 codes,
+ * odd shapes). One decision for the kernel and for its report (`paged_loops`, fusedkv.kernels.native). */
+enum { LOOPS_GENERIC = 0, LOOPS_AVX512 = 1, LOOPS_AVX512_AMX = 2, LOOPS_AVX2_GROUP = 3 };
+static int choose_loops(int kind, int layout, int D, int bs, int which) {
+    (void)D, (void)bs, (void)which;
+#ifdef PAGED_AVX512
+    if (kind == KV_F32 && D % 16 == 0 && layout != PAGED_AMX && (which || layout == PAGED_KEYS_T)) return LOOPS_AVX512;
+    if (kind == KV_BF16 && layout == PAGED_AMX && bs % 16 == 0 && D % 16 == 0) return LOOPS_AVX512_AMX;
+#endif
+#ifdef PAGED_AVX2
+    if ((kind == KV_F32 || kind == KV_BF16) && D % 8 == 0 && bs % 16 == 0 && layout != PAGED_AMX
+        && (which || layout == PAGED_KEYS_T))
+        return LOOPS_AVX2_GROUP;
+#endif
+    return LOOPS_GENERIC;
+}
+
+int paged_loops(int kind, int layout, int D, int bs, int which) { return choose_loops(kind, layout, D, bs, which); }
+
 /* q [N, H_q, D] f32 contiguous; out [N, H_q, D] f32 contiguous; `window` W > 0: row n sees only its last W keys
  * (row_len[n] - W <= t, the model's p - W < t <= p), 0: all; `softcap` c > 0: scores -> c tanh(scores / c) after
  * the scale (Gemma 2), 0: none; `layout` one of PAGED_ROWS, PAGED_KEYS_T,
@@ -409,7 +483,8 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
          * of this sequence, written) get probability 0. scores: [group, S] over keys first .. L - 1. */
         const int lo = window > 0 && L > window ? L - window : 0;
         const int blk0 = lo / bs, first = blk0 * bs, S = L - first, skip = lo - first;
-        float* scores = malloc(sizeof(float) * ((size_t)group * S + (size_t)group * (n_k + n_v) * D));
+        /* scores [group, S], qs, acc, and the grouped AVX2 loops' qg [group, D] and fw [4, D] */
+        float* scores = malloc(sizeof(float) * ((size_t)group * S + (size_t)group * (n_k + n_v + 1) * D + 4 * (size_t)D));
         if (!scores) { failed = 1; continue; }
         float* qs = scores + (size_t)group * S;        /* [group, n_k, D]: query with key weights and scale */
         float* acc = qs + (size_t)group * n_k * D;     /* [group, n_v, D] */
@@ -419,32 +494,42 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
                     const float w = k_w[k] ? k_w[k][(long)g * ka_hs + d] : 1.f;
                     qs[((long)j * n_k + k) * D + d] = q[((long)n * H_q + g * group + j) * D + d] * w * scale;
                 }
-        int done = 0;  /* the scores taken by a register-blocked loop */
+        const int score_loops = choose_loops(kind, layout, D, bs, 0), value_loops = choose_loops(kind, layout, D, bs, 1);
+#ifdef PAGED_AVX2
+        /* The grouped loops' queries (scaled; with one K source its weight on the query) and fusion weights. */
+        float* qg = acc + (size_t)group * n_v * D;    /* [group, D] */
+        float* fw = qg + (size_t)group * D;           /* [2, D] key then [2, D] value weights, 1 for none */
+        for (int k = 0; k < 2; k++)
+            for (int d = 0; d < D; d++) {
+                fw[k * D + d] = k < n_k && k_w[k] ? k_w[k][(long)g * ka_hs + d] : 1.f;
+                fw[(2 + k) * D + d] = k < n_v && v_w[k] ? v_w[k][(long)g * vb_hs + d] : 1.f;
+            }
+        for (int j = 0; j < group; j++)
+            for (int d = 0; d < D; d++)
+                qg[(long)j * D + d] = q[((long)n * H_q + g * group + j) * D + d] * scale * (n_k == 1 ? fw[d] : 1.f);
+#endif
+        switch (score_loops) {
 #ifdef PAGED_AVX512
-        const int fast = kind == KV_F32 && D % 16 == 0 && layout != PAGED_AMX;  /* values in rows */
-        const int fast_amx = kind == KV_BF16 && layout == PAGED_AMX;
-        done = 1;
-        if (fast && layout == PAGED_KEYS_T && n_k == 2) { FAST_SCORES(float, scores_t_f32, 2) }
-        else if (fast && layout == PAGED_KEYS_T) { FAST_SCORES(float, scores_t_f32, 1) }
-        else if (fast_amx && n_k == 2) { FAST_SCORES(uint16_t, scores_amx_bf16, 2) }
-        else if (fast_amx) { FAST_SCORES(uint16_t, scores_amx_bf16, 1) }
-        else done = 0;
+        case LOOPS_AVX512:
+            if (n_k == 2) { FAST_SCORES(float, scores_t_f32, 2) } else { FAST_SCORES(float, scores_t_f32, 1) }
+            break;
+        case LOOPS_AVX512_AMX:
+            if (n_k == 2) { FAST_SCORES(uint16_t, scores_amx_bf16, 2) } else { FAST_SCORES(uint16_t, scores_amx_bf16, 1) }
+            break;
 #endif
 #ifdef PAGED_AVX2
-        /* f32 and bf16 "vec" blocks (keys transposed, values in rows) without AVX-512's loops. */
-        const int fast2 = (kind == KV_F32 || kind == KV_BF16) && D % 8 == 0 && bs % 16 == 0 && layout != PAGED_AMX;
-        if (!done && fast2 && layout == PAGED_KEYS_T) {
-            done = 1;
-            if (kind == KV_F32 && n_k == 2) { FAST_SCORES(float, scores_t_f32_avx2, 2) }
-            else if (kind == KV_F32) { FAST_SCORES(float, scores_t_f32_avx2, 1) }
-            else if (n_k == 2) { FAST_SCORES(uint16_t, scores_t_bf16_avx2, 2) }
-            else { FAST_SCORES(uint16_t, scores_t_bf16_avx2, 1) }
-        }
+        case LOOPS_AVX2_GROUP:
+            if (kind == KV_F32 && n_k == 2) { GROUP_SCORES(float, scores_group_f32_avx2, 2) }
+            else if (kind == KV_F32) { GROUP_SCORES(float, scores_group_f32_avx2, 1) }
+            else if (n_k == 2) { GROUP_SCORES(uint16_t, scores_group_bf16_avx2, 2) }
+            else { GROUP_SCORES(uint16_t, scores_group_bf16_avx2, 1) }
+            break;
 #endif
-        if (done) {}
-        else if (kind == KV_F32) { SCORES(float, EL_F32) }
-        else if (kind == KV_BF16) { SCORES(uint16_t, EL_BF16) }
-        else { SCORES(uint8_t, EL_CODE8) }
+        default:
+            if (kind == KV_F32) { SCORES(float, EL_F32) }
+            else if (kind == KV_BF16) { SCORES(uint16_t, EL_BF16) }
+            else { SCORES(uint8_t, EL_CODE8) }
+        }
         for (int j = 0; j < group; j++) {  /* softmax over keys [lo, L): s[skip, S) */
             float* s = scores + (long)j * S;
             float m = -INFINITY, sum = 0.f;
@@ -461,33 +546,38 @@ int paged_attention(const float* q, int N, int H_q, int H_kv, int D, float scale
             for (int t = skip; t < S; t++) s[t] *= inv;
         }
         memset(acc, 0, sizeof(float) * (size_t)group * n_v * D);
-        done = 0;
+        /* acc[j, v]: P V_v of each source, weighted at the end, except where the grouped loops fused two sources
+         * (their weights applied in the loop, the sum in acc[j, 0]). */
+        const int fused_values = value_loops == LOOPS_AVX2_GROUP && n_v == 2;
+        switch (value_loops) {
 #ifdef PAGED_AVX512
-        done = 1;
-        if (fast && n_v == 2) { FAST_VALUES(float, values_f32, 2) }
-        else if (fast) { FAST_VALUES(float, values_f32, 1) }
-        else if (fast_amx && n_v == 2) { FAST_VALUES(uint16_t, values_amx_bf16, 2) }
-        else if (fast_amx) { FAST_VALUES(uint16_t, values_amx_bf16, 1) }
-        else done = 0;
+        case LOOPS_AVX512:
+            if (n_v == 2) { FAST_VALUES(float, values_f32, 2) } else { FAST_VALUES(float, values_f32, 1) }
+            break;
+        case LOOPS_AVX512_AMX:
+            if (n_v == 2) { FAST_VALUES(uint16_t, values_amx_bf16, 2) } else { FAST_VALUES(uint16_t, values_amx_bf16, 1) }
+            break;
 #endif
 #ifdef PAGED_AVX2
-        if (!done && fast2) {
-            done = 1;
-            if (kind == KV_F32 && n_v == 2) { FAST_VALUES(float, values_f32_avx2, 2) }
-            else if (kind == KV_F32) { FAST_VALUES(float, values_f32_avx2, 1) }
-            else if (n_v == 2) { FAST_VALUES(uint16_t, values_bf16_avx2, 2) }
-            else { FAST_VALUES(uint16_t, values_bf16_avx2, 1) }
-        }
+        case LOOPS_AVX2_GROUP:
+            if (kind == KV_F32 && n_v == 2) { GROUP_VALUES(float, values_group_f32_avx2, 2) }
+            else if (kind == KV_F32) { GROUP_VALUES(float, values_group_f32_avx2, 1) }
+            else if (n_v == 2) { GROUP_VALUES(uint16_t, values_group_bf16_avx2, 2) }
+            else { GROUP_VALUES(uint16_t, values_group_bf16_avx2, 1) }
+            break;
 #endif
-        if (done) {}
-        else if (kind == KV_F32) { VALUES(float, EL_F32) }
-        else if (kind == KV_BF16) { VALUES(uint16_t, EL_BF16) }
-        else { VALUES(uint8_t, EL_CODE8) }
+        default:
+            if (kind == KV_F32) { VALUES(float, EL_F32) }
+            else if (kind == KV_BF16) { VALUES(uint16_t, EL_BF16) }
+            else { VALUES(uint8_t, EL_CODE8) }
+        }
         for (int j = 0; j < group; j++)
             for (int d = 0; d < D; d++) {
                 float y = 0.f;
-                for (int v = 0; v < n_v; v++)
-                    y += (v_w[v] ? v_w[v][(long)g * vb_hs + d] : 1.f) * acc[((long)j * n_v + v) * D + d];
+                if (fused_values) y = acc[(long)j * n_v * D + d];
+                else
+                    for (int v = 0; v < n_v; v++)
+                        y += (v_w[v] ? v_w[v][(long)g * vb_hs + d] : 1.f) * acc[((long)j * n_v + v) * D + d];
                 o_rows[(long)j * D + d] = y;
             }
         free(scores);

@@ -45,6 +45,7 @@ SIGNATURES = {  # C function -> (argument types, result type)
     # cpu_paged_attention.c (vLLM's paged cache, fusedkv.serving.paged)
     "paged_attention": ([P, I, I, I, I, F, I, F, I, P, P, P, L, I, L, L, I, I, P, P, P, P, L, I, P, P, P, P, L, P, I],
                         I),
+    "paged_loops": ([I, I, I, I, I], I),
 }
 
 
@@ -118,3 +119,19 @@ def paged_fits(dtype: torch.dtype, k_count: int, v_count: int, layout: int | Non
     exists, and is recognised, only for blocks and heads of multiples of 16: what the kernel needs.)"""
     return (dtype in PAGED_KINDS and 1 <= k_count <= PAGED_MAX_SOURCES and 1 <= v_count <= PAGED_MAX_SOURCES
             and layout in PAGED_LAYOUTS)
+
+
+# cpu_paged_attention.c's loops (its `choose_loops`), by the code `paged_loops` returns: the generic loops; AVX-512's
+# register-blocked loops over f32 blocks or AMX-packed bf16 blocks; AVX2's loops over a kv head's query heads together
+# with the two sources fused in registers.
+PAGED_LOOPS = ("generic", "avx512", "avx512-amx", "avx2-grouped")
+
+
+def paged_loops(dtype: torch.dtype, layout: int, head_dim: int, block_size: int) -> tuple[str, str]:
+    """The loops the paged kernel, as built for this processor, takes for a layer's scores and for its values (one of
+    `PAGED_LOOPS` each), for the benchmarks' report of each layer's kernel path."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not built here")
+    return tuple(PAGED_LOOPS[lib.paged_loops(PAGED_KINDS[dtype], layout, head_dim, block_size, which)]
+                 for which in (0, 1))

@@ -173,7 +173,7 @@ def attention_paths(model) -> list[str]:
         isa = getattr(attn, "isa", "?")
         if isinstance(impl, CrossLayerAttention):
             layout = "" if impl.kernel_layout is None else f" layout {impl.kernel_layout}"
-            paths.append(f"{impl.path}{layout} ({impl.kv_cache_dtype} cache)")
+            paths.append(f"{impl.path}{layout}{native_loops(impl, attn, model)} ({impl.kv_cache_dtype} cache)")
         elif attn is None:
             paths.append(type(layer.self_attn).__name__)
         elif getattr(layer.self_attn, "layer", None) is not None and not layer.self_attn.layer.stores:
@@ -181,6 +181,20 @@ def attention_paths(model) -> list[str]:
         else:
             paths.append(f"vllm ({isa})")
     return paths
+
+
+def native_loops(impl, attn, model) -> str:
+    """", loops scores/values" for a layer on the native kernel: which of its loops this processor's build takes
+    (`fusedkv.kernels.native.paged_loops`), else ""."""
+    from ..kernels import native
+    from .paged_blocks import cache_element_dtype
+
+    cache = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
+    if impl.path != "native" or impl.kernel_layout is None or cache.dim() != 4:
+        return ""
+    dtype = cache_element_dtype(impl.kv_cache_dtype, next(model.parameters()).dtype)
+    scores, values = native.paged_loops(dtype, impl.kernel_layout, impl.head_size, cache.shape[2])
+    return f", loops {scores}/{values}"
 
 
 def mlp_kinds(model) -> list[str]:

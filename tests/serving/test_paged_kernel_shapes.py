@@ -1,7 +1,8 @@
 """The native paged kernel (`cpu_paged_attention.c`) at the shapes its register-blocked f32 loops take apart:
 head sizes that fill 64-channel chunks or leave a partial one (64, 80, 128), blocks of 32 and 64 tokens
 (two 16-lane tiles or four), sequence lengths that end mid-tile, GQA groups, 1-2 weighted K and V sources,
-transposed and plain key blocks in float32 and the AMX-packed blocks of bfloat16 caches; against the
+transposed and plain key blocks in float32, transposed bfloat16 blocks (the grouped AVX2 loops, with query-head
+groups past one chunk of 4) and the AMX-packed blocks of bfloat16 caches; against the
 materialised reference in float64. Decode rows and a prefill chunk in one batch, as vLLM sends them. Slots past
 a sequence's end hold NaN: a kernel that reads one into its softmax or its values fails. Runs in the project's
 environment (no vLLM needed)."""
@@ -45,8 +46,39 @@ def write_blocks(cache_k, cache_v, k, v, table, layout):
 @pytest.mark.parametrize("head_dim,bs,h_q,h_kv", [(64, 32, 4, 4), (80, 32, 4, 2), (128, 64, 2, 1), (64, 64, 8, 2)])
 @pytest.mark.parametrize("n_k,n_v", [(2, 2), (1, 1), (2, 1), (1, 2)])
 @pytest.mark.parametrize("dtype,layout", [(torch.float32, KEYS_TRANSPOSED), (torch.float32, ROWS),
-                                          (torch.bfloat16, AMX)], ids=["f32-transposed", "f32-rows", "bf16-amx"])
+                                          (torch.bfloat16, AMX), (torch.bfloat16, KEYS_TRANSPOSED)],
+                         ids=["f32-transposed", "f32-rows", "bf16-amx", "bf16-transposed"])
 def test_paged_kernel_equals_reference(head_dim, bs, h_q, h_kv, n_k, n_v, dtype, layout):
+    check_against_reference(head_dim, bs, h_q, h_kv, n_k, n_v, dtype, layout)
+
+
+# The grouped AVX2 loops (f32 and bf16 "vec" blocks) take a kv head's query heads 4 at a time and 16 channels at a
+# time: groups of 6 (a full and a partial chunk of heads) and 12, head sizes that end in half a chunk (40, 72).
+@pytest.mark.parametrize("head_dim,bs,h_q,h_kv", [(40, 32, 12, 2), (72, 64, 12, 1), (64, 32, 6, 1)])
+@pytest.mark.parametrize("n_k,n_v", [(2, 2), (1, 1)])
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, KEYS_TRANSPOSED), (torch.float32, ROWS),
+                                          (torch.bfloat16, KEYS_TRANSPOSED)],
+                         ids=["f32-transposed", "f32-rows", "bf16-transposed"])
+def test_paged_kernel_query_head_groups_equal_reference(head_dim, bs, h_q, h_kv, n_k, n_v, dtype, layout):
+    check_against_reference(head_dim, bs, h_q, h_kv, n_k, n_v, dtype, layout)
+
+
+def test_paged_loops_reports_the_loops_of_this_build():
+    """What the benchmarks print as each layer's kernel path: the generic loops for fp8 codes everywhere, and on a
+    processor with AVX2 (every one these kernels are built for in practice) no generic loops for f32 / bf16 "vec"
+    blocks' values."""
+    loops = native.paged_loops(torch.float8_e4m3fn, native.PAGED_KEYS_TRANSPOSED, 64, 32)
+    assert loops == ("generic", "generic")
+    from fusedkv.utils import cpu_flags
+
+    if "avx2" in cpu_flags() and "fma" in cpu_flags():
+        for dtype in (torch.float32, torch.bfloat16):
+            scores, values = native.paged_loops(dtype, native.PAGED_KEYS_TRANSPOSED, 64, 32)
+            assert scores != "generic" and values != "generic"
+        assert native.paged_loops(torch.bfloat16, native.PAGED_ROWS, 64, 32)[0] == "generic"  # keys in rows
+
+
+def check_against_reference(head_dim, bs, h_q, h_kv, n_k, n_v, dtype, layout):
     g = torch.Generator().manual_seed(head_dim + bs + 10 * n_k + n_v)
     seqs = [(1, 1), (17, 1), (bs, 1), (3 * bs + 5, 1), (2 * bs + 31, 7)]  # (length after this step, query tokens)
     max_blocks = max(-(-s // bs) for s, _ in seqs)
