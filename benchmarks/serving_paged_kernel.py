@@ -44,8 +44,8 @@ def main() -> None:
 
     from fusedkv.kernels import native
     from fusedkv.serving.offline import processor
-    from fusedkv.serving.paged import native_paged_attention, query_rows
     from fusedkv.serving.paged_blocks import split_cpu_kv_cache
+    from fusedkv.serving.paged_native import native_paged_attention, query_rows
 
     torch.set_num_threads(1)
     dtype, B, L, H, H_kv, D, bs = (getattr(torch, args.dtype), args.batch, args.context, args.heads, args.kv_heads,
