@@ -88,7 +88,7 @@ def run(args) -> None:
 
 
 def _run_pretrained(spec: dict, args) -> None:
-    from . import pretrained
+    from . import pretrained, pretrained_report
 
     name = spec.get("name", Path(args.experiment).stem)
     out = Path(args.out or f"runs/compare-{name}")
@@ -96,7 +96,7 @@ def _run_pretrained(spec: dict, args) -> None:
                               task_limit=args.task_limit)
     if not results:
         raise UsageError(f"no row of {name!r} has finished yet; run it without --finished-only")
-    print(pretrained.write_outputs(spec, results, out))
+    print(pretrained_report.write_outputs(spec, results, out))
     print(f"\nwrote {out / 'results.md'}, {out / 'results.json'} and {out / 'quality_vs_bytes.png'}")
 
 

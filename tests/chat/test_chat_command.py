@@ -16,6 +16,7 @@ import select
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +82,21 @@ def read_until(fd, pattern: str, buffer: bytearray, timeout: float = 120) -> str
     return part
 
 
+def wait_reading(pid: int, timeout: float = 30) -> None:
+    """Until process `pid` sleeps in the kernel (blocked reading its terminal, as at the prompt). Python checks
+    for a signal before it enters read(); one that lands between the prompt and the read is seen only when the
+    read returns, so a test that types Ctrl-C the instant the prompt shows must wait for the read."""
+    deadline = time.monotonic() + timeout
+    asleep = 0
+    while asleep < 3 and time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # no /proc (not Linux): nothing to wait on
+            return
+        asleep = asleep + 1 if state == "S" else 0
+        time.sleep(0.05)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and a pseudo-terminal")
 def test_an_interactive_chat_in_a_terminal(chat_ckpt):
     first = answers(chat_ckpt, "hello there")[0]
@@ -103,6 +119,7 @@ def test_an_interactive_chat_in_a_terminal(chat_ckpt):
         assert "fusedkv chat: plan fusedkv" in banner and "/reset clears the history" in banner
         os.write(fd, b"hello there\r")
         assert first in read_until(fd, ">>> ", seen)  # the answer, then a new prompt
+        wait_reading(pid)  # a Ctrl-C typed before the child blocks in read() would wait for the next key
         os.write(fd, b"\x03")  # Ctrl-C at the prompt: a fresh prompt, not the end
         assert "Ctrl-D ends" in read_until(fd, ">>> ", seen)
         os.write(fd, b"/reset\r")

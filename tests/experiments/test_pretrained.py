@@ -145,7 +145,7 @@ def test_the_shipped_smollm2_experiment_is_valid():
 
 
 def test_paired_interval_is_the_ratio_when_every_window_moves_alike():
-    from fusedkv.experiments.pretrained import paired_interval
+    from fusedkv.experiments.pretrained_report import paired_interval
 
     ref = [2.0, 3.5, 2.7, 4.1]
     assert paired_interval(ref, ref) == pytest.approx((1.0, 1.0))

@@ -39,14 +39,19 @@ def _carried(model, records):
     return fused
 
 
-def test_unrolled_iterative_weights_equal_the_carried_recurrence():
+def _recorded(seed: int, batch: int, length: int):
+    """The iterative model, random float64 K/V records of its storage layers, and what the recurrence carries."""
     model = _iterative_model()
     c = model.config
-    g = torch.Generator().manual_seed(1)
-    shape = (2, c.num_key_value_heads, 5, c.head_dim)
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, c.num_key_value_heads, length, c.head_dim)
     records = {i: (torch.randn(shape, generator=g, dtype=torch.float64),
                    torch.randn(shape, generator=g, dtype=torch.float64)) for i in c.plan.storage_layers}
-    carried = _carried(model, records)
+    return model, records, _carried(model, records)
+
+
+def test_unrolled_iterative_weights_equal_the_carried_recurrence():
+    model, records, carried = _recorded(seed=1, batch=2, length=5)
     depths = []
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -112,13 +117,7 @@ def test_unrolled_iterative_model_decodes_like_its_full_forward(path, decode_ker
 def test_frozen_fusion_as_served_equals_the_carried_recurrence():
     """What a served layer takes (`KVFusion.frozen`, put on other tensors with `on`, a tensor-parallel rank's
     heads with `kv_heads`) fuses exactly as the carried recurrence: one implementation of the fusion."""
-    model = _iterative_model()
-    c = model.config
-    g = torch.Generator().manual_seed(2)
-    shape = (1, c.num_key_value_heads, 4, c.head_dim)
-    records = {i: (torch.randn(shape, generator=g, dtype=torch.float64),
-                   torch.randn(shape, generator=g, dtype=torch.float64)) for i in c.plan.storage_layers}
-    carried = _carried(model, records)
+    model, records, carried = _recorded(seed=2, batch=1, length=4)
     heads = slice(1, 2)  # one rank's KV head of two
     for layer in model.model.layers:
         attn = layer.self_attn
