@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .config import FusedKVConfig
 from .model import FusedKVForCausalLM, FusedKVModel
-from .plan import PLAN_NAMES, KVSharingPlan, LayerKV, build_plan, custom_plan
+from .plan import PLAN_NAMES, KVSharingPlan, LayerKV, build_plan
+from .source_map import custom_plan
 
 AutoConfig.register("fusedkv", FusedKVConfig, exist_ok=True)
 AutoModel.register(FusedKVConfig, FusedKVModel, exist_ok=True)

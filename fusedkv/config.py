@@ -28,9 +28,9 @@ from .plan import (
     SLIDING,
     KVSharingPlan,
     build_plan,
-    custom_plan,
     resolve_plan_choice,
 )
+from .source_map import custom_plan
 
 
 def _admitting_ints(hint):

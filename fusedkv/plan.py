@@ -267,7 +267,7 @@ def _side_text(side: str, sources: tuple[int, ...], mode: str) -> str:
 
 
 # ---- builders ------------------------------------------------------------------------------------
-def _storage(index: int, attention_type: str) -> LayerKV:
+def storage_layer(index: int, attention_type: str) -> LayerKV:
     return LayerKV(index, attention_type, (index,), (index,))
 
 
@@ -317,7 +317,7 @@ def build_plan(
     shared = set(shared_types) if shared_types is not None else set(ATTENTION_TYPES)
 
     if name == VANILLA:
-        return KVSharingPlan(name, tuple(_storage(i, t) for i, t in enumerate(types)))
+        return KVSharingPlan(name, tuple(storage_layer(i, t) for i, t in enumerate(types)))
 
     if name == "cla":
         layers = []  # pairs (1, 2), (3, 4), ...; with an odd count the last layer keeps its own cache
@@ -325,18 +325,18 @@ def build_plan(
             if i % 2 == 1 and t in shared and types[i - 1] == t:
                 layers.append(LayerKV(i, t, (i - 1,), (i - 1,)))
             else:
-                layers.append(_storage(i, t))
+                layers.append(storage_layer(i, t))
         return KVSharingPlan(name, tuple(layers))
 
     n = split_point(num_layers)
-    layers = [_storage(i, t) for i, t in enumerate(types[:n])]
+    layers = [storage_layer(i, t) for i, t in enumerate(types[:n])]
     for i in range(n, num_layers):
         t = types[i]
         lower = [j for j in range(n) if types[j] == t]
         if not lower and t == SLIDING:  # a window layer may read full caches (its own mask applies the window)
             lower = [j for j in range(n) if types[j] == FULL]
         if t not in shared:
-            layers.append(_storage(i, t))
+            layers.append(storage_layer(i, t))
             continue
         if not lower:
             raise ValueError(
@@ -354,50 +354,3 @@ def build_plan(
         else:  # fusedkv-dense
             layers.append(LayerKV(i, t, tuple(lower), tuple(lower), SCALAR, SCALAR))
     return KVSharingPlan(name, tuple(layers))
-
-
-def custom_plan(num_layers: int, source_map: Sequence[dict], layer_types: Sequence[str] | None = None) -> KVSharingPlan:
-    """A plan from a user source map (1-based layer numbers, as in the paper).
-
-    Each entry: `{"layers": [9, 16] or 9, "k": [8] or 8, "v": [1], "k_fusion": "reuse"|"channel"|"scalar",
-    "v_fusion": ...}`. Layers not named store their own K/V. Fusion defaults to "channel" for two or more
-    sources and "reuse" for one. Examples (16 layers): the reversed plan is
-    `[{"layers": [9, 16], "k": 1, "v": 8}]`; single-source learnable scaling is
-    `[{"layers": [9, 16], "k": 8, "v": 1, "k_fusion": "channel", "v_fusion": "channel"}]`.
-    """
-    types = list(layer_types) if layer_types is not None else [FULL] * num_layers
-    targets: dict[int, LayerKV] = {}
-    for entry_no, entry in enumerate(source_map, start=1):
-        unknown = set(entry) - {"layers", "k", "v", "k_fusion", "v_fusion"}
-        if unknown or not {"layers", "k", "v"} <= set(entry):
-            raise ValueError(
-                f"kv_source_map entry {entry_no} {entry!r}: needs keys 'layers', 'k', 'v' "
-                f"(optional 'k_fusion', 'v_fusion'); unexpected: {sorted(unknown)}"
-            )
-        for i in _layer_range(entry["layers"], num_layers, entry_no):
-            k, v = _as_tuple(entry["k"]), _as_tuple(entry["v"])
-            kf = entry.get("k_fusion", CHANNEL if len(k) > 1 else REUSE)
-            vf = entry.get("v_fusion", CHANNEL if len(v) > 1 else REUSE)
-            for s in k + v:
-                if not 1 <= s <= num_layers:
-                    raise ValueError(f"kv_source_map entry {entry_no}: source layer {s} is outside 1..{num_layers}")
-            targets[i] = LayerKV(i, types[i], tuple(s - 1 for s in k), tuple(s - 1 for s in v), kf, vf)
-    layers = tuple(targets.get(i, _storage(i, t)) for i, t in enumerate(types))
-    return KVSharingPlan(CUSTOM, layers)
-
-
-def _as_tuple(x) -> tuple[int, ...]:
-    return tuple(int(v) for v in x) if isinstance(x, (list, tuple)) else (int(x),)
-
-
-def _layer_range(spec, num_layers: int, entry_no: int) -> range | tuple[int, ...]:
-    """`9` -> (8,), `[9, 16]` -> range(8, 16) (inclusive 1-based range)."""
-    if isinstance(spec, int):
-        lo = hi = spec
-    elif isinstance(spec, (list, tuple)) and len(spec) == 2:
-        lo, hi = int(spec[0]), int(spec[1])
-    else:
-        raise ValueError(f"kv_source_map entry {entry_no}: 'layers' must be N or [first, last], got {spec!r}")
-    if not 1 <= lo <= hi <= num_layers:
-        raise ValueError(f"kv_source_map entry {entry_no}: layers {spec!r} outside 1..{num_layers}")
-    return range(lo - 1, hi)

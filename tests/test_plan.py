@@ -2,7 +2,8 @@
 
 import pytest
 
-from fusedkv.plan import FULL, PLAN_NAMES, SLIDING, build_plan, custom_plan, split_point
+from fusedkv.plan import FULL, PLAN_NAMES, SLIDING, build_plan, split_point
+from fusedkv.source_map import custom_plan
 
 
 def ratios(name, layers=16):

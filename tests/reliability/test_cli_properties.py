@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from fusedkv import argtypes
 from fusedkv.config import FusedKVConfig
-from fusedkv.plan import CUSTOM, PLAN_CHOICES, build_plan, custom_plan, resolve_plan_choice
+from fusedkv.plan import CUSTOM, PLAN_CHOICES, build_plan, resolve_plan_choice
+from fusedkv.source_map import custom_plan
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
