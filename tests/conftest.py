@@ -56,7 +56,8 @@ def pytest_collection_modifyitems(config, items):
 SLOW_ONLY = {
     "tests/kernels/test_native_avx2.py", "tests/kernels/test_triton_kernel.py",
     "tests/serving/test_gpu_backend_path.py", "tests/serving/test_paged_layout.py",
-    "tests/serving/test_vllm_families.py", "tests/serving/test_vllm_moe_mla.py", "tests/serving/test_vllm_plans.py",
+    "tests/serving/test_tensor_parallel.py", "tests/serving/test_vllm_families.py",
+    "tests/serving/test_vllm_moe_mla.py", "tests/serving/test_vllm_plans.py",
     "tests/train/test_dcp_resume.py", "tests/train/test_distributed.py", "tests/train/test_multinode.py",
     "tests/uptrain/test_families_script.py",
 }
