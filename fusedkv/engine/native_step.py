@@ -11,7 +11,7 @@ post-RoPE K/V into the cache; reconstruction layers attend over their sources wi
 moved onto the query and output, paper Sec. 2.5), checked against the model's forward by the tests.
 
 It covers what the fast CPU path is for: weights f32 in the packed decode layout, bf16 / int8 in the
-block layout of `fusedkv.engine.precision` (processors with AVX-512 BF16), or int4 blocks (any); batch
+block layout of `fusedkv.engine.precision` (AVX-512 BF16 or AVX2), or int4 blocks (any); batch
 <= 16; attention over 1-2 K / V sources with per-channel weights or plain reuse (every plan of
 `fusedkv.plan` but the scalar-weighted fusedkv-dense); sliding-window layers over the static cache's
 window rings (`fusedkv.cache.StaticKVCache`); dense gated MLPs (SiLU, GELU, tanh-GELU) and sparse MoE

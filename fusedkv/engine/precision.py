@@ -9,18 +9,19 @@ the products are rounded to the weight's kind.
 
 Formats and kernels; which one runs depends on the number of input rows (`GEMV_MAX_ROWS`, measured
 by `benchmarks/cpu_decode.py --kernels`):
-  * Up to 16 rows on a processor with AVX-512 BF16, where the native kernels are built: `bfloat16` and
-    `int8` weights are stored in the block layout of `fusedkv.kernels.cpu_gemv.linear_blocks` and
-    multiplied with bf16 dot-product instructions (int8 widened to bf16 exactly, then scaled per output).
-  * Elsewhere, few rows: `bfloat16` / `float16` run ATen's vectorised reduced-precision GEMV (`F.linear`
-    on 16-bit operands, f32 accumulation; oneDNN is turned off around the bf16 call: at one row its bf16
-    route is the slower of the two); `int8` runs `torch.ops.aten._weight_int8pack_mm`, the kernel behind
-    PyTorch's / torchao's int8 weight-only CPU path, with the activation dtype it runs fastest with here
-    (`int8_activation_dtype`).
+  * Up to 16 rows wherever the native kernels are built for AVX-512 BF16 or AVX2: `bfloat16` and `int8`
+    weights are stored in the block layout of `fusedkv.kernels.cpu_gemv.linear_blocks` and multiplied with
+    bf16 dot-product instructions, or on AVX2 widened to f32 in registers (exactly) for f32 FMAs; int8 is
+    then scaled per output.
+  * Otherwise (f16 weights; bf16 / int8 without block kernels), few rows: `bfloat16` / `float16` run ATen's
+    vectorised reduced-precision GEMV (`F.linear` on 16-bit operands, f32 accumulation; oneDNN is turned off
+    around the bf16 call: at one row its bf16 route is the slower of the two); `int8` runs
+    `torch.ops.aten._weight_int8pack_mm`, the kernel behind PyTorch's / torchao's int8 weight-only CPU path,
+    with the activation dtype it runs fastest with here (`int8_activation_dtype`).
   * `int4` (any processor the native kernels build for): llama.cpp's Q4_0 format (`quantize_int4`: 32 input
     channels per f16 scale, levels -8..7, 4.5 bits per weight; the scale of least squared error) in the blocks of
     `fusedkv.kernels.cpu_gemv.linear_int4`, widened to bf16 by a table look-up where AVX-512 BF16 is
-    present, else multiplied in f32 by a vectorised loop; many rows dequantise it like int8. The LM head
+    present, to f32 on AVX2 (else a portable vectorised loop); many rows dequantise it like int8. The LM head
     stays int8 under int4 unless asked (`head_format`), as llama.cpp's Q4 files keep theirs at 6 bits.
   * int8 is symmetric per-output-channel quantisation (scale = max |w| / 127 per row of W), weight-only:
     activations are rounded to the kernel's 16-bit kind, never quantised.
@@ -30,9 +31,11 @@ by `benchmarks/cpu_decode.py --kernels`):
     dequantised product by product into buffers reused by every product (`_int4_gemm_weight`), in passes
     that keep the long axis innermost (no new allocations, no short strided loops).
 
-Which 16-bit kind a processor should use is decided once, from /proc/cpuinfo: bf16 where it has
-native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts f16 in hardware;
-bf16 there is emulated and was measured ~24x slower). `weight_format("half")` applies that rule.
+Which 16-bit kind a processor should use is decided once: for weights (`weight_format("half")`), bf16
+wherever the native block products read it (AVX-512 BF16 dot products, or AVX2 widening it to f32 exactly
+in registers) or the processor has bf16 arithmetic, else f16; for everything else (`half_dtype`, e.g. the KV
+cache), bf16 only with native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts f16
+in hardware; PyTorch's bf16 there is emulated and was measured ~24x slower).
 
 Projections that read the same input (Q|K|V of a storage layer, gate|up) share one buffer, so a
 one-row step runs one product per group, like `fusedkv.engine.packing` does for f32. The swapped
@@ -75,11 +78,17 @@ def half_dtype() -> torch.dtype:
     return torch.bfloat16 if native_bf16() else torch.float16
 
 
+def half_weight_format() -> str:
+    """The 16-bit weight format a decode step streams fastest here: bf16 where the native block products read it
+    (AVX-512 BF16 or AVX2) or the processor has bf16 arithmetic, else f16."""
+    return "bfloat16" if native_bf16() or cpu_gemv.blocks_available() else "float16"
+
+
 def weight_format(name: str) -> str:
     """Normalise a user's weight-format name ("f32", "bf16", "fp16", "half", "int8", ...)."""
     aliases = {"f32": "float32", "fp32": "float32", "float": "float32", "bf16": "bfloat16", "f16": "float16",
-               "fp16": "float16", "half": str(half_dtype()).removeprefix("torch."), "q8": "int8", "q4": "int4"}
-    fmt = aliases.get(name, name)
+               "fp16": "float16", "q8": "int8", "q4": "int4"}
+    fmt = half_weight_format() if name == "half" else aliases.get(name, name)
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {name!r}: choose one of {', '.join(WEIGHT_FORMATS)} (or half, bf16, f16)")
     return fmt
@@ -133,7 +142,7 @@ class ReducedLinear(nn.Module):
             raise ValueError("grouped projections must all have a bias or none")
         # Slices of a group stay whole blocks; a single product (an LM head of any vocabulary) is padded to them,
         # so its logits come from the block kernel in f32 rather than a 16-bit GEMV's rounded output.
-        blocks = (fmt in ("bfloat16", "int8") and cpu_gemv.bf16_blocks_available()
+        blocks = (fmt in ("bfloat16", "int8") and cpu_gemv.blocks_available()
                   and (len(linears) == 1 or all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears)))
         if fmt == "int4":
             # Every int4 product is a block product (outputs padded to whole blocks), except a slice of a group

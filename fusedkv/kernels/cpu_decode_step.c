@@ -24,7 +24,8 @@
  * model's weights and to the static cache's buffers, and checks that the model is one this step covers;
  * it does the embedding, final norm and LM head itself. Each weight is a `Product` in one of the layouts
  * the native products read: f32 in the decode layout (W^T stored [in, out]), bf16 / int8 blocks
- * (cpu_gemv.c, processors with AVX-512 BF16) or int4 blocks (any), whose input the step rounds to bf16 itself.
+ * (cpu_gemv.c, processors with AVX-512 BF16 or AVX2) or int4 blocks (any), whose input the step rounds to bf16
+ * itself.
  * RoPE tables [positions, D] come precomputed per layer (the model's own `rope_tables`, scaled RoPE and a
  * separate base for window layers included), so they match exactly.
  */

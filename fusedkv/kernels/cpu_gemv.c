@@ -9,11 +9,13 @@
  *
  * f32 weights here; widening f16 / int8 weights in this loop was measured slower than PyTorch's own
  * reduced-precision kernels (compute-bound). bf16 and int8 weights instead get the block kernels below,
- * which multiply pairs of bf16 in one instruction where the processor has AVX-512 BF16. Compiled on the
+ * which multiply pairs of bf16 in one instruction where the processor has AVX-512 BF16 and widen a block's
+ * weights in registers for f32 FMAs on AVX2. Compiled on the
  * machine that runs it (-march=native, by fusedkv/kernels/native.py), so the compiler picks AVX-512 or
  * AVX2 itself. The macro keeps the weight type a parameter for that comparison.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
@@ -74,8 +76,8 @@ DEFINE_GEMV(gemv_f32, float, from_f32)
  * block is one contiguous run of memory that its accumulators consume in order (the layout these
  * instructions read; llama.cpp repacks its weights for the same reason). `block_stride`: elements
  * between blocks. x is given in bf16 (rounded once by the caller, as PyTorch's bf16 GEMV rounds it), with
- * `in` even (the caller pads with a zero channel). Accumulation in f32. `has_bf16_blocks` is 0 where the
- * processor lacks the instructions (the caller then keeps PyTorch's kernel).
+ * `in` even (the caller pads with a zero channel). Accumulation in f32. `gemv_blocks_isa` says which
+ * build this is: 2 AVX-512 BF16, 1 AVX2 (the loops after this one), 0 neither (the caller keeps PyTorch's kernel).
  *
  * int8 weights (symmetric, one f32 scale per output) use the same blocks with int8 elements: every int8 is
  * exactly a bf16, so a block pair-row of 32 weights is widened to bf16 in registers (int8 -> int32 -> f32
@@ -85,7 +87,7 @@ DEFINE_GEMV(gemv_f32, float, from_f32)
 #include <immintrin.h>
 #define MAX_BLOCK_ROWS 4
 
-int has_bf16_blocks(void) { return 1; }
+int gemv_blocks_isa(void) { return 2; }
 
 static inline __m512bh load_bf16_pairs(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
 
@@ -143,8 +145,97 @@ int NAME(const uint16_t* x, int rows, int in, const T* wb, long block_stride, co
 
 DEFINE_BLOCKS(gemv_bf16_blocks, uint16_t, load_bf16_pairs)
 DEFINE_BLOCKS(gemv_int8_blocks, int8_t, load_int8_pairs)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no bf16 dot products): the same block layout and results, with the weights widened to f32 in registers and
+ * multiplied by f32 FMAs. A pair-row's 16 elements for 8 outputs (channel-interleaved) split into the 8 weights of
+ * each channel: bf16 by a shift and a mask (exact), int8 by sign-extending shifts and a conversion (exact). Two
+ * rows per pass, four accumulator chains per row (outputs 0-7 and 8-15, each channel of the pair apart), so one
+ * row keeps the FMA units busy; a block stays in L1/L2 between passes. */
+#include <immintrin.h>
+#define AVX2_BLOCK_ROWS 2
+
+int gemv_blocks_isa(void) { return 1; }
+
+static inline void widen_bf16_pairs(const uint16_t* w, __m256* c0, __m256* c1) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)w);
+    *c0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *c1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void widen_int8_lanes(__m128i q, __m256* c0, __m256* c1) {
+    const __m256i v = _mm256_cvtepi8_epi16(q);
+    *c0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+    *c1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+}
+
+static inline void widen_int8_pairs(const int8_t* w, __m256* c0, __m256* c1) {
+    widen_int8_lanes(_mm_loadu_si128((const __m128i*)w), c0, c1);
+}
+
+/* The inputs widened to f32 once per product (exact), so each use is one broadcast load; NULL if out of memory. */
+static float* widen_inputs(const uint16_t* x, long n) {
+    float* xf = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (xf) for (long i = 0; i < n; i++) xf[i] = bf16_to_f32(x[i]);
+    return xf;
+}
+
+/* `nr` (1 or 2) rows of one block; inlined with a constant `nr` so the accumulators stay in registers. */
+#define DEFINE_BLOCK_ROWS_AVX2(NAME, T, WIDEN)                                                             \
+static inline __attribute__((always_inline)) void NAME##_rows(const float* x, const int nr, int in,       \
+        const T* w, const float* scale, const float* bias, float* y, long ldy) {                          \
+    __m256 acc[AVX2_BLOCK_ROWS][4];                                                                        \
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();      \
+    for (int p = 0; p < in / 2; p++) {                                                                     \
+        __m256 a0, a1, b0, b1;                                                                             \
+        WIDEN(w + 32 * (long)p, &a0, &a1);                                                                 \
+        WIDEN(w + 32 * (long)p + 16, &b0, &b1);                                                            \
+        for (int r = 0; r < nr; r++) {                                                                     \
+            const __m256 x0 = _mm256_broadcast_ss(x + (long)r * in + 2 * p);                               \
+            const __m256 x1 = _mm256_broadcast_ss(x + (long)r * in + 2 * p + 1);                           \
+            acc[r][0] = _mm256_fmadd_ps(x0, a0, acc[r][0]);                                                \
+            acc[r][1] = _mm256_fmadd_ps(x1, a1, acc[r][1]);                                                \
+            acc[r][2] = _mm256_fmadd_ps(x0, b0, acc[r][2]);                                                \
+            acc[r][3] = _mm256_fmadd_ps(x1, b1, acc[r][3]);                                                \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < nr; r++) {                                                                         \
+        __m256 lo = _mm256_add_ps(acc[r][0], acc[r][1]), hi = _mm256_add_ps(acc[r][2], acc[r][3]);         \
+        if (scale) {                                                                                       \
+            lo = _mm256_mul_ps(lo, _mm256_loadu_ps(scale));                                                \
+            hi = _mm256_mul_ps(hi, _mm256_loadu_ps(scale + 8));                                            \
+        }                                                                                                  \
+        if (bias) {                                                                                        \
+            lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));                                                 \
+            hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));                                             \
+        }                                                                                                  \
+        _mm256_storeu_ps(y + (long)r * ldy, lo);                                                           \
+        _mm256_storeu_ps(y + (long)r * ldy + 8, hi);                                                       \
+    }                                                                                                      \
+}                                                                                                          \
+int NAME(const uint16_t* x, int rows, int in, const T* wb, long block_stride, const float* scale,         \
+         const float* bias, float* y, int out, int threads) {                                             \
+    if (out % 16 || in % 2) return 1;                                                                      \
+    const int blocks = out / 16;                                                                           \
+    float* xf = widen_inputs(x, (long)rows * in);                                                          \
+    if (!xf) return 2;                                                                                     \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (blocks > 1 && threads > 1)")       \
+    for (int blk = 0; blk < blocks; blk++) {                                                               \
+        const T* w = wb + (long)blk * block_stride;                                                        \
+        const float* s = scale ? scale + 16 * blk : NULL;                                                  \
+        const float* b = bias ? bias + 16 * blk : NULL;                                                    \
+        int r0 = 0;                                                                                        \
+        for (; r0 + 2 <= rows; r0 += 2)                                                                    \
+            NAME##_rows(xf + (long)r0 * in, 2, in, w, s, b, y + (long)r0 * out + 16 * blk, out);           \
+        if (r0 < rows) NAME##_rows(xf + (long)r0 * in, 1, in, w, s, b, y + (long)r0 * out + 16 * blk, out);\
+    }                                                                                                      \
+    free(xf);                                                                                              \
+    return 0;                                                                                              \
+}
+
+DEFINE_BLOCK_ROWS_AVX2(gemv_bf16_blocks, uint16_t, widen_bf16_pairs)
+DEFINE_BLOCK_ROWS_AVX2(gemv_int8_blocks, int8_t, widen_int8_pairs)
 #else
-int has_bf16_blocks(void) { return 0; }
+int gemv_blocks_isa(void) { return 0; }
 int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride, const float* scale,
                      const float* bias, float* y, int out, int threads) {
     (void)x; (void)rows; (void)in; (void)wb; (void)block_stride; (void)scale; (void)bias; (void)y; (void)out;
@@ -172,9 +263,9 @@ int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long
  * to f32 rounding (products of a bf16 and a small integer), then scaled and added. With AVX-512 BF16, 32 bytes
  * (two pair-rows) are widened to 16-bit lanes once; the low nibbles, and the lanes shifted right by 4, index a
  * 32-entry table of the levels in bf16 (vpermw reads 5 index bits: the table repeats every 16, so the bit
- * above the nibble does not matter), and the bf16 pairs are multiplied as in the bf16 kernel. Elsewhere (AVX2)
- * the portable loop below, which the compiler vectorises over the 32 bytes, computes the same sums with f32
- * multiply-adds. */
+ * above the nibble does not matter), and the bf16 pairs are multiplied as in the bf16 kernel. With AVX2, the
+ * levels come from byte look-ups and are multiplied in f32 (int4_rows_avx2); elsewhere the portable loop below,
+ * which the compiler vectorises over the 32 bytes, computes the same sums with f32 multiply-adds. */
 __attribute__((unused)) static void int4_block_portable(const uint16_t* x, int rows, int in, const uint8_t* w,
                                                         const uint16_t* sg, float* y, long ldy) {
     const int groups = in / 32;
@@ -233,6 +324,57 @@ static void int4_block_avx512(const uint16_t* x, int rows, int in, const uint8_t
 }
 #endif
 
+#ifdef AVX2_BLOCK_ROWS
+/* AVX2: 32 bytes of a group at a time. Their low and high nibbles (pairs 2c and 2c + 1) become bf16 levels by two
+ * byte look-ups (each level's high and low byte; exact) interleaved into 16-bit lanes; those split into each
+ * channel's weights in f32 as the bf16 blocks do; f32 FMAs; each group's sums scaled once. The interleave works
+ * within 128-bit lanes, so one accumulator holds outputs 0-3 and 8-11 (A) and the other 4-7 and 12-15 (B),
+ * put back in order at the end. `nr` (1 or 2) rows, inlined with a constant as the bf16 / int8 blocks. */
+static inline __attribute__((always_inline)) void int4_rows_avx2(const float* x, const int nr, int in,
+                                                                 const uint8_t* w, const uint16_t* sg, float* y,
+                                                                 long ldy, __m256i level_lo, __m256i level_hi) {
+    const __m256i low4 = _mm256_set1_epi8(15), high16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 total[AVX2_BLOCK_ROWS][2];
+    for (int r = 0; r < nr; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < in / 32; g++) {
+        __m256 acc[AVX2_BLOCK_ROWS][4];  /* A channel 0, A channel 1, B channel 0, B channel 1 */
+        for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (long)g * 256 + 32 * c));
+            const __m256i nibbles[2] = {_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)};
+            for (int h = 0; h < 2; h++) {
+                const __m256i lo = _mm256_shuffle_epi8(level_lo, nibbles[h]);
+                const __m256i hi = _mm256_shuffle_epi8(level_hi, nibbles[h]);
+                const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+                const __m256 a0 = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+                const __m256 a1 = _mm256_castsi256_ps(_mm256_and_si256(a, high16));
+                const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+                const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(b, high16));
+                for (int r = 0; r < nr; r++) {
+                    const float* xr = x + (long)r * in + 32 * g + 4 * c + 2 * h;
+                    const __m256 x0 = _mm256_broadcast_ss(xr), x1 = _mm256_broadcast_ss(xr + 1);
+                    acc[r][0] = _mm256_fmadd_ps(x0, a0, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(x1, a1, acc[r][1]);
+                    acc[r][2] = _mm256_fmadd_ps(x0, b0, acc[r][2]);
+                    acc[r][3] = _mm256_fmadd_ps(x1, b1, acc[r][3]);
+                }
+            }
+        }
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sg + (long)g * 16)));
+        const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sg + (long)g * 16 + 8)));
+        const __m256 sa = _mm256_permute2f128_ps(s0, s1, 0x20), sb = _mm256_permute2f128_ps(s0, s1, 0x31);
+        for (int r = 0; r < nr; r++) {
+            total[r][0] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), sa, total[r][0]);
+            total[r][1] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][2], acc[r][3]), sb, total[r][1]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_storeu_ps(y + (long)r * ldy, _mm256_permute2f128_ps(total[r][0], total[r][1], 0x20));
+        _mm256_storeu_ps(y + (long)r * ldy + 8, _mm256_permute2f128_ps(total[r][0], total[r][1], 0x31));
+    }
+}
+#endif
+
 int gemv_int4_blocks(const uint16_t* x, int rows, int in, const uint8_t* wb, long block_stride, const uint16_t* scale,
                      const float* bias, float* y, int out, int threads) {
     if (out % 16 || in % 32 || rows < 1) return 1;
@@ -247,6 +389,19 @@ int gemv_int4_blocks(const uint16_t* x, int rows, int in, const uint8_t* wb, lon
         table[i] = (uint16_t)(u >> 16);  /* exact: small integers have 8-bit mantissas */
     }
     const __m512i levels = _mm512_loadu_si512(table);
+#elif defined(AVX2_BLOCK_ROWS)
+    uint8_t bytes[2][32];  /* the high and low byte of each level's bf16, for both 128-bit lanes */
+    for (int i = 0; i < 32; i++) {
+        const float level = (float)(i % 16 - 8);
+        uint32_t u;
+        memcpy(&u, &level, 4);
+        bytes[0][i] = (uint8_t)(u >> 16);
+        bytes[1][i] = (uint8_t)(u >> 24);
+    }
+    const __m256i level_lo = _mm256_loadu_si256((const __m256i*)bytes[0]);
+    const __m256i level_hi = _mm256_loadu_si256((const __m256i*)bytes[1]);
+    float* xf = widen_inputs(x, (long)rows * in);
+    if (!xf) return 2;
 #endif
     _Pragma("omp parallel for num_threads(threads) schedule(static) if (blocks > 1 && threads > 1)")
     for (int blk = 0; blk < blocks; blk++) {
@@ -255,6 +410,11 @@ int gemv_int4_blocks(const uint16_t* x, int rows, int in, const uint8_t* wb, lon
         float* yb = y + 16 * (long)blk;
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
         int4_block_avx512(x, rows, in, w, sg, yb, out, levels);
+#elif defined(AVX2_BLOCK_ROWS)
+        int r0 = 0;
+        for (; r0 + 2 <= rows; r0 += 2)
+            int4_rows_avx2(xf + (long)r0 * in, 2, in, w, sg, yb + (long)r0 * out, out, level_lo, level_hi);
+        if (r0 < rows) int4_rows_avx2(xf + (long)r0 * in, 1, in, w, sg, yb + (long)r0 * out, out, level_lo, level_hi);
 #else
         int4_block_portable(x, rows, in, w, sg, yb, out);
 #endif
@@ -262,5 +422,8 @@ int gemv_int4_blocks(const uint16_t* x, int rows, int in, const uint8_t* wb, lon
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < 16; j++) yb[(long)r * out + j] += bias[16 * blk + j];
     }
+#if defined(AVX2_BLOCK_ROWS) && !(defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__))
+    free(xf);
+#endif
     return 0;
 }

@@ -6,11 +6,12 @@ rate and does not split one product across cores (`benchmarks/cpu_decode.py --ke
 `docs/cpu-decode.md`). This kernel reads W^T ([in, out] row-major: the column-major weight of
 `fusedkv.engine.packing`'s decode layout) in long sequential runs and splits the output columns across
 threads. f32 weights there; f16 keeps PyTorch's kernels (`fusedkv.engine.precision`), which were faster
-than widening it in that loop. On a processor with AVX-512 BF16, bf16 and int8 weights get
-`linear_blocks`: pairs of bf16 weights times pairs of bf16 inputs in one instruction (f32
-accumulation), over the weight stored in blocks of 16 outputs with their input channels in pairs
-(`to_blocks`: one contiguous run per block, read in order); int8 weights are widened to bf16 in
-registers, exactly, and scaled per output. Built and loaded by `fusedkv.kernels.native`.
+than widening it in that loop. bf16 and int8 weights get `linear_blocks`, over the weight stored in blocks
+of 16 outputs with their input channels in pairs (`to_blocks`: one contiguous run per block, read in order):
+with AVX-512 BF16, pairs of bf16 weights times pairs of bf16 inputs in one instruction (int8 widened to bf16
+in registers, exactly); with AVX2, each pair-row widened to f32 in registers (exactly) for f32 FMAs; f32
+accumulation either way, int8 scaled per output. int4 weights (`linear_int4`) use the same blocks with
+nibbles. `blocks_isa` says which build runs. Built and loaded by `fusedkv.kernels.native`.
 """
 
 from __future__ import annotations
@@ -57,14 +58,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-BLOCK = 16  # outputs per block of the bf16 / int8 layout (one AVX-512 register of f32 accumulators)
+BLOCK = 16  # outputs per block of the bf16 / int8 layout (one AVX-512 register of f32 accumulators, two of AVX2)
 _PAIR_UNIT = {torch.bfloat16: torch.int32, torch.int8: torch.int16}  # a pair of input channels as one element
 
 
-def bf16_blocks_available() -> bool:
-    """The block kernels run here: the native kernels are built for a processor with AVX-512 BF16."""
+def blocks_isa() -> str | None:
+    """How the block products run here: "avx512-bf16" (bf16 dot products), "avx2" (the weights widened to f32 in
+    registers, f32 FMAs), or None (native kernels not built, or built for neither)."""
     lib = native.library()
-    return lib is not None and lib.bf16_blocks
+    return None if lib is None else lib.blocks_isa
+
+
+def blocks_available() -> bool:
+    """The bf16 / int8 block kernels run here (`blocks_isa`)."""
+    return blocks_isa() is not None
 
 
 def to_blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -102,9 +109,9 @@ def linear_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int, scale
     """`F.linear(x.bfloat16(), W)` in f32 for a few rows, W given by `to_blocks` in bf16, or in int8 with
     its f32 per-output `scale` (W = scale (.) q); `blocks` may be a slice `blocks[a:b]` (with the matching
     slice of `scale`). x is rounded to bf16, as PyTorch's bf16 GEMV rounds it. None where it does not
-    apply (no AVX-512 BF16, more than `BLOCK_MAX_ROWS` rows, autograd, not f32 on CPU)."""
+    apply (no block kernels here, more than `BLOCK_MAX_ROWS` rows, autograd, not f32 on CPU)."""
     rows = _rows(x, in_features, bias, BLOCK_MAX_ROWS)
-    if not rows or blocks.shape[0] == 0 or not blocks[0].is_contiguous() or not bf16_blocks_available():
+    if not rows or blocks.shape[0] == 0 or not blocks[0].is_contiguous() or not blocks_available():
         return None
     int8 = blocks.dtype == torch.int8
     if int8 and (scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous()):
@@ -161,7 +168,7 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_
     """`x_bf16 W^T` in f32 for a few rows, W = scale (.) q from `to_int4_blocks` (all its padded outputs,
     16 per block; `packed` / `scales` may be the same slice of blocks). None where it does not apply (native
     kernels not built, more than `BLOCK_MAX_ROWS` rows, autograd, not f32 on CPU). Any processor the kernels
-    build for: AVX-512 BF16 dot products where present, else a vectorised f32 loop."""
+    build for: AVX-512 BF16 dot products where present, AVX2 byte look-ups and f32 FMAs, else a portable loop."""
     rows = _rows(x, in_features, bias, BLOCK_MAX_ROWS)
     lib = native.library() if rows and packed.shape[0] else None
     # the kernel steps through the scales block by block, groups * 16 apart

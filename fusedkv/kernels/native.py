@@ -30,13 +30,14 @@ from ..utils import cache_dir, cpu_flags
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_decode_step.c",
                                                        "cpu_paged_attention.c", "cpu_kivi_attention.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_kivi_avx2.h")]
+BLOCK_ISAS = (None, "avx2", "avx512-bf16")  # by the code gemv_blocks_isa returns
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # C function -> (argument types, result type)
     "gemv_f32": ([P, I, I, P, L, P, P, I, I], None),
     "gemv_bf16_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
     "gemv_int8_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
     "gemv_int4_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
-    "has_bf16_blocks": ([], I),
+    "gemv_blocks_isa": ([], I),
     "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
     "decode_step": ([P, P, P, L, I], I),
     # cpu_kivi_attention.c (the KIVI cache read in place, fusedkv.kernels.cpu_kivi)
@@ -89,7 +90,8 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, (argtypes, restype) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
-    lib.bf16_blocks = bool(lib.has_bf16_blocks())  # compiled for a processor with AVX-512 BF16
+    # the block products (cpu_gemv.c) as compiled here: AVX-512 BF16 dot products, AVX2 FMAs over widened weights
+    lib.blocks_isa = BLOCK_ISAS[lib.gemv_blocks_isa()]
     return lib
 
 

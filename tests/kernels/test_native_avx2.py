@@ -1,9 +1,9 @@
 """The native kernels built as for a processor with AVX2 only (no AVX-512, no AVX-512 BF16), on this machine:
 processors of this kind come with or without AVX-512, and `-march=native` picks for the one it builds on
-(int4 products take their portable loop there).
-A compiler wrapper turns `-march=native` into `-march=x86-64-v3` (AVX2 + FMA); in a fresh process with its own
-cache, the library must report no bf16 blocks, and the f32 kernels and the native decode step must still
-match the model's own forward."""
+(the bf16 / int8 / int4 block products take their AVX2 loops there).
+A compiler wrapper turns `-march=native` into `-march=x86-64-v3` (AVX2 + FMA + F16C); in a fresh process with its
+own cache, the library must report AVX2 block products, and every kernel and the native decode step must still
+match the float64 reference and the model's own forward."""
 
 import os
 import platform
@@ -15,16 +15,19 @@ import textwrap
 import pytest
 
 CHECK = textwrap.dedent("""
+    import os
     import torch
     from fusedkv.cache import StaticKVCache
     from fusedkv.generation import generate
     from fusedkv.kernels import native
     from fusedkv.engine.native_step import NativeDecodeStep
+    from fusedkv.engine.precision import quantize_int4, reduce_precision
+    from fusedkv.kernels import cpu_gemv
     from fusedkv.engine.selection import set_decode_layout
     from tests.conftest import tiny_model
 
-    lib = native.library()
-    assert lib is not None and not lib.bf16_blocks, "expected an AVX2 build without bf16 blocks"
+    lib, isa = native.library(), os.environ["EXPECTED_BLOCKS_ISA"] or None
+    assert lib is not None and lib.blocks_isa == isa, f"expected {isa} block products, got {lib and lib.blocks_isa}"
     for plan in ("vanilla", "fusedkv", "fusedkv-lite"):
         model = tiny_model(plan)
         set_decode_layout(model, "packed")
@@ -42,9 +45,17 @@ CHECK = textwrap.dedent("""
         assert err < 2e-5, (plan, float(err))
         prompt = ids[:, :5]
         assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
-    # int4 blocks run everywhere: here the portable loop, against float64 over the same integers and rounded x
-    from fusedkv.engine.precision import quantize_int4, reduce_precision
-    from fusedkv.kernels import cpu_gemv
+    # bf16 / int8 blocks widened to f32 on AVX2, against float64 over the same rounded operands; and decoding with them
+    from tests.kernels import test_cpu_gemv as gemv
+    for rows in (1, 2, 7) if isa else ():
+        for shape in ((16, 3), (48, 37), (1536, 512)):
+            gemv.test_bf16_blocks_match_the_float64_product_of_the_rounded_operands(rows, *shape)
+            gemv.test_int8_blocks_match_the_float64_product(rows, *shape)
+    for fmt in ("bfloat16", "int8"):
+        model = reduce_precision(tiny_model("fusedkv"), fmt)
+        prompt = ids[:, :5]
+        assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
+    # int4 blocks: the AVX2 loop (the portable one without AVX2), against float64 over the same integers and rounded x
     for out_f, in_f in ((16, 3), (48, 33), (96, 95)):
         q, s = quantize_int4(torch.randn(out_f, in_f))
         packed, scales = cpu_gemv.to_int4_blocks(q, s)
@@ -55,6 +66,9 @@ CHECK = textwrap.dedent("""
     model = reduce_precision(tiny_model("fusedkv"), "int4")
     prompt = ids[:, :5]
     assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
+    if isa is None:  # the portable build: the int4 loop and decoding were its parts under test
+        print("ok")
+        raise SystemExit
     # one-token attention over a long 16-bit cache: the AVX2 vector path (16-wide chunks) and the portable loops (40)
     from tests.kernels import test_cpu_attention as att
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -78,15 +92,18 @@ CHECK = textwrap.dedent("""
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64" or shutil.which("cc") is None,
                     reason="the AVX2 build is checked on x86-64 Linux with a C compiler")
 @pytest.mark.slow
-def test_avx2_build_matches_the_forward(tmp_path):
+@pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64-v2", "")])
+def test_avx2_build_matches_the_forward(tmp_path, march, isa):
+    """x86-64-v3: AVX2 + FMA + F16C, the AVX2 loops; x86-64-v2: none of them, the portable loops."""
     wrapper = tmp_path / "cc"
-    wrapper.write_text('#!/bin/bash\nargs=()\nfor a in "$@"; do [ "$a" = "-march=native" ] && a="-march=x86-64-v3"; '
+    wrapper.write_text(f'#!/bin/bash\nargs=()\nfor a in "$@"; do [ "$a" = "-march=native" ] && a="-march={march}"; '
                        f'args+=("$a"); done\nexec {shutil.which("cc")} "${{args[@]}}"\n')
     wrapper.chmod(0o755)
-    env = {**os.environ, "CC": str(wrapper), "FUSEDKV_CACHE": str(tmp_path / "cache"), "FUSEDKV_NATIVE_KERNELS": "1"}
+    env = {**os.environ, "CC": str(wrapper), "FUSEDKV_CACHE": str(tmp_path / "cache"), "FUSEDKV_NATIVE_KERNELS": "1",
+           "EXPECTED_BLOCKS_ISA": isa}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     built = list((tmp_path / "cache").rglob("*.so"))
     assert len(built) == 1  # built with the wrapper, into the test's own cache
