@@ -45,9 +45,7 @@ def register(sub) -> None:
                    help="weights and KV cache; half = bfloat16 where the processor has bf16 arithmetic, else "
                    "float16. On CPU activations stay float32 (fusedkv.engine.precision)")
     p.add_argument("--weights", default=None, choices=[*precisions, "int8", "int4"],
-                   help="weight storage instead of --dtype's (CPU, weight-only): half = the 16-bit kind the decode "
-                   "step reads fastest here (bf16 where the native block products run, else as --dtype half), "
-                   "int8 = one scale per output channel, "
+                   help="weight storage instead of --dtype's (CPU, weight-only): int8 = one scale per output channel, "
                    "int4 = one f16 scale per 32 weights (Q4_0's format, least-squares scales) with the LM head at "
                    "int8, as llama.cpp's Q4 files keep theirs at 6 bits (--head-weights int4: every product at 4 bits)")
     p.add_argument("--head-weights", default=None, choices=[*precisions, "int8", "int4"],

@@ -12,8 +12,9 @@ by `benchmarks/cpu_decode.py --kernels`):
   * Up to 16 rows wherever the native kernels are built for AVX-512 BF16 or AVX2: `bfloat16` and `int8`
     weights are stored in the block layout of `fusedkv.kernels.cpu_gemv.linear_blocks` and multiplied with
     bf16 dot-product instructions, or on AVX2 widened to f32 in registers (exactly) for f32 FMAs; int8 is
-    then scaled per output.
-  * Otherwise (f16 weights; bf16 / int8 without block kernels), few rows: `bfloat16` / `float16` run ATen's
+    then scaled per output. `float16` weights take the same blocks wherever AVX2 and F16C are (converted
+    to f32 in registers; inputs read in f32, not rounded).
+  * Otherwise (no block kernels), few rows: `bfloat16` / `float16` run ATen's
     vectorised reduced-precision GEMV (`F.linear` on 16-bit operands, f32 accumulation; oneDNN is turned off
     around the bf16 call: at one row its bf16 route is the slower of the two); `int8` runs
     `torch.ops.aten._weight_int8pack_mm`, the kernel behind PyTorch's / torchao's int8 weight-only CPU path,
@@ -31,11 +32,10 @@ by `benchmarks/cpu_decode.py --kernels`):
     dequantised product by product into buffers reused by every product (`_int4_gemm_weight`), in passes
     that keep the long axis innermost (no new allocations, no short strided loops).
 
-Which 16-bit kind a processor should use is decided once: for weights (`weight_format("half")`), bf16
-wherever the native block products read it (AVX-512 BF16 dot products, or AVX2 widening it to f32 exactly
-in registers) or the processor has bf16 arithmetic, else f16; for everything else (`half_dtype`, e.g. the KV
-cache), bf16 only with native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts f16
-in hardware; PyTorch's bf16 there is emulated and was measured ~24x slower).
+Which 16-bit kind a processor should use is decided once, from /proc/cpuinfo: bf16 where it has
+native bf16 dot products (AVX-512 BF16 / AMX), else f16 (every AVX2 x86 converts f16 in hardware;
+PyTorch's bf16 there is emulated and was measured ~24x slower; both have native block products).
+`weight_format("half")` applies that rule.
 
 Projections that read the same input (Q|K|V of a storage layer, gate|up) share one buffer, so a
 one-row step runs one product per group, like `fusedkv.engine.packing` does for f32. The swapped
@@ -78,17 +78,11 @@ def half_dtype() -> torch.dtype:
     return torch.bfloat16 if native_bf16() else torch.float16
 
 
-def half_weight_format() -> str:
-    """The 16-bit weight format a decode step streams fastest here: bf16 where the native block products read it
-    (AVX-512 BF16 or AVX2) or the processor has bf16 arithmetic, else f16."""
-    return "bfloat16" if native_bf16() or cpu_gemv.blocks_available() else "float16"
-
-
 def weight_format(name: str) -> str:
     """Normalise a user's weight-format name ("f32", "bf16", "fp16", "half", "int8", ...)."""
     aliases = {"f32": "float32", "fp32": "float32", "float": "float32", "bf16": "bfloat16", "f16": "float16",
                "fp16": "float16", "q8": "int8", "q4": "int4"}
-    fmt = half_weight_format() if name == "half" else aliases.get(name, name)
+    fmt = str(half_dtype()).removeprefix("torch.") if name == "half" else aliases.get(name, name)
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {name!r}: choose one of {', '.join(WEIGHT_FORMATS)} (or half, bf16, f16)")
     return fmt
@@ -142,7 +136,8 @@ class ReducedLinear(nn.Module):
             raise ValueError("grouped projections must all have a bias or none")
         # Slices of a group stay whole blocks; a single product (an LM head of any vocabulary) is padded to them,
         # so its logits come from the block kernel in f32 rather than a 16-bit GEMV's rounded output.
-        blocks = (fmt in ("bfloat16", "int8") and cpu_gemv.blocks_available()
+        blocks = ((fmt in ("bfloat16", "int8") and cpu_gemv.blocks_available()
+                   or fmt == "float16" and cpu_gemv.f16_blocks_available())
                   and (len(linears) == 1 or all(m.out_features % cpu_gemv.BLOCK == 0 for m in linears)))
         if fmt == "int4":
             # Every int4 product is a block product (outputs padded to whole blocks), except a slice of a group
@@ -160,8 +155,9 @@ class ReducedLinear(nn.Module):
                 return cls(cpu_gemv.to_blocks(q), scale, bias, fmt, in_features, out_features)
             return cls(q, scale.to(int8_activation_dtype()), bias, fmt)
         if blocks:
-            return cls(cpu_gemv.to_bf16_blocks(_pad_rows(weight, cpu_gemv.BLOCK)), None, bias, fmt, in_features,
-                       out_features)
+            padded = _pad_rows(weight, cpu_gemv.BLOCK)
+            layout = cpu_gemv.to_blocks(padded.half()) if fmt == "float16" else cpu_gemv.to_bf16_blocks(padded)
+            return cls(layout, None, bias, fmt, in_features, out_features)
         return cls(weight.to(_DTYPES[fmt]).contiguous(), None, bias, fmt)
 
     def slice(self, start: int, stop: int) -> ReducedLinear:
@@ -210,10 +206,11 @@ class ReducedLinear(nn.Module):
             if y is None:
                 return F.linear(x.to(torch.bfloat16).float(), self.dequantized(torch.float32))
             return y[:, :self.out_features]
-        if self.blocked:  # the native kernel rounds x to bf16 itself (outputs padded to whole blocks are cut)
+        if self.blocked:  # the native kernel rounds x to bf16 itself, f16's reads it in f32 (padded outputs are cut)
             y = cpu_gemv.linear_blocks(x.float(), self.weight, self.in_features, self.scale)
             if y is None:
-                return F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16))
+                dtype = torch.float16 if self.fmt == "float16" else torch.bfloat16
+                return F.linear(x.to(dtype), self.dequantized(dtype))
             return y[:, :self.out_features]
         x = x.to(self.kernel_dtype)
         if self.fmt == "int8":

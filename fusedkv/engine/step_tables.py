@@ -15,7 +15,8 @@ from .packing import decode_products
 from .precision import ReducedLinear
 
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-W_F32, W_BF16_BLOCKS, W_INT8_BLOCKS, W_INT4_BLOCKS = 0, 1, 2, 3  # the weight layouts of `Product` in cpu_decode_step.c
+# the weight layouts of `Product` in cpu_decode_step.c
+W_F32, W_BF16_BLOCKS, W_INT8_BLOCKS, W_INT4_BLOCKS, W_F16_BLOCKS = 0, 1, 2, 3, 4
 
 
 class _Product(ctypes.Structure):  # `Product` in cpu_decode_step.c, field for field
@@ -57,7 +58,7 @@ class _Step(ctypes.Structure):  # `Step` in cpu_decode_step.c
 
 def _product(module) -> _Product | None:
     """The native description of one product (a projection, or a packed group of them), or None when its
-    weight is in no layout the native products read: f32 in the decode layout, bf16 / int8 blocks, or int4
+    weight is in no layout the native products read: f32 in the decode layout, bf16 / f16 / int8 blocks, or int4
     blocks whose outputs are whole blocks (the step lays the outputs of one product side by side)."""
     weight, bias = module.weight, module.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -69,7 +70,7 @@ def _product(module) -> _Product | None:
             return _Product(W_INT4_BLOCKS, module.in_features, weight.shape[1] * cpu_gemv.GROUP, module.out_features,
                             weight.data_ptr(), weight.stride(0), module.scale.data_ptr(),
                             None if bias is None else bias.data_ptr())
-        fmt = W_INT8_BLOCKS if module.fmt == "int8" else W_BF16_BLOCKS
+        fmt = {"int8": W_INT8_BLOCKS, "float16": W_F16_BLOCKS}.get(module.fmt, W_BF16_BLOCKS)
         scale = module.scale.data_ptr() if fmt == W_INT8_BLOCKS else None
         return _Product(fmt, module.in_features, 2 * weight.shape[1], module.out_features, weight.data_ptr(),
                         weight.stride(0), scale, None if bias is None else bias.data_ptr())

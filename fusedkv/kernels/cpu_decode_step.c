@@ -25,7 +25,7 @@
  * it does the embedding, final norm and LM head itself. Each weight is a `Product` in one of the layouts
  * the native products read: f32 in the decode layout (W^T stored [in, out]), bf16 / int8 blocks
  * (cpu_gemv.c, processors with AVX-512 BF16 or AVX2) or int4 blocks (any), whose input the step rounds to bf16
- * itself.
+ * itself, or f16 blocks (AVX2), which read the f32 input as it is.
  * RoPE tables [positions, D] come precomputed per layer (the model's own `rope_tables`, scaled RoPE and a
  * separate base for window layers included), so they match exactly.
  */
@@ -37,7 +37,7 @@
 
 enum { MAX_ROWS = 16 };
 
-enum { W_F32 = 0, W_BF16_BLOCKS = 1, W_INT8_BLOCKS = 2, W_INT4_BLOCKS = 3 };
+enum { W_F32 = 0, W_BF16_BLOCKS = 1, W_INT8_BLOCKS = 2, W_INT4_BLOCKS = 3, W_F16_BLOCKS = 4 };
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };  /* SwiGLU; GeGLU with tanh-GELU or erf-GELU */
 
@@ -173,6 +173,8 @@ static int product(const Product* p, const float* x, int rows, float* y, uint16_
         gemv_f32(x, rows, p->in, (const float*)p->w, p->ld, p->bias, y, p->out, threads);
         return 0;
     }
+    if (p->fmt == W_F16_BLOCKS)  /* reads x in f32 */
+        return gemv_f16_blocks(x, rows, p->in, (const uint16_t*)p->w, p->ld, p->bias, y, p->out, threads);
     for (int r = 0; r < rows; r++) {
         uint16_t* row = xb + (long)r * p->in_padded;
         for (int i = 0; i < p->in; i++) row[i] = to_bf16(x[(long)r * p->in + i]);

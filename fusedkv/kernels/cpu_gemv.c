@@ -250,6 +250,68 @@ int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long
 }
 #endif
 
+/* f16 weights in the same blocks, on any processor with AVX2, FMA and F16C (AVX-512 ones included): each 8 f16
+ * of a pair-row (4 outputs x 2 channels, interleaved) become f32 in one conversion and multiply the pair's two
+ * inputs, broadcast as (x0, x1, x0, x1, ...), in f32 FMAs; neighbouring lanes (the two channels of an output)
+ * are added at the end. x is read in f32 as given, not rounded (`in` its true width, rows `in` apart; an odd
+ * last channel pairs with a zero input, as the blocks pair it with a zero weight). The format llama.cpp's F16
+ * files keep, so a 16-bit row loses what theirs does. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+int has_f16_blocks(void) { return 1; }
+
+static inline __attribute__((always_inline)) void f16_rows(const float* x, const int nr, int in, const uint16_t* w,
+                                                           const float* bias, float* y, long ldy) {
+    __m256 acc[2][4];  /* outputs 0-3, 4-7, 8-11, 12-15, each lane pair one output's two channels */
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+    const int pairs = (in + 1) / 2;
+    for (int p = 0; p < pairs; p++) {
+        __m256 wk[4];
+        for (int k = 0; k < 4; k++) wk[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 32 * (long)p + 8 * k)));
+        for (int r = 0; r < nr; r++) {
+            const float* xr = x + (long)r * in + 2 * p;
+            double pair;
+            float two[2] = {xr[0], 2 * p + 1 < in ? xr[1] : 0.0f};
+            memcpy(&pair, two, 8);
+            const __m256 xp = _mm256_castpd_ps(_mm256_set1_pd(pair));
+            for (int k = 0; k < 4; k++) acc[r][k] = _mm256_fmadd_ps(xp, wk[k], acc[r][k]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int half = 0; half < 2; half++) {
+            /* hadd: [o0 o1 o4 o5 | o2 o3 o6 o7] of this half's 8 outputs; the 64-bit swap puts them in order */
+            const __m256 sums = _mm256_hadd_ps(acc[r][2 * half], acc[r][2 * half + 1]);
+            __m256 out8 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(sums), 0xD8));
+            if (bias) out8 = _mm256_add_ps(out8, _mm256_loadu_ps(bias + 8 * half));
+            _mm256_storeu_ps(y + (long)r * ldy + 8 * half, out8);
+        }
+    }
+}
+
+int gemv_f16_blocks(const float* x, int rows, int in, const uint16_t* wb, long block_stride, const float* bias,
+                    float* y, int out, int threads) {
+    if (out % 16 || rows < 1) return 1;
+    const int blocks = out / 16;
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (blocks > 1 && threads > 1)")
+    for (int blk = 0; blk < blocks; blk++) {
+        const uint16_t* w = wb + (long)blk * block_stride;
+        const float* b = bias ? bias + 16 * blk : NULL;
+        int r0 = 0;
+        for (; r0 + 2 <= rows; r0 += 2) f16_rows(x + (long)r0 * in, 2, in, w, b, y + (long)r0 * out + 16 * blk, out);
+        if (r0 < rows) f16_rows(x + (long)r0 * in, 1, in, w, b, y + (long)r0 * out + 16 * blk, out);
+    }
+    return 0;
+}
+#else
+int has_f16_blocks(void) { return 0; }
+int gemv_f16_blocks(const float* x, int rows, int in, const uint16_t* wb, long block_stride, const float* bias,
+                    float* y, int out, int threads) {
+    (void)x; (void)rows; (void)in; (void)wb; (void)block_stride; (void)bias; (void)y; (void)out; (void)threads;
+    return 1;
+}
+#endif
+
 /* int4 weights, group-wise (llama.cpp's Q4_0 unit: 32 input channels per group, one f16 scale per output and
  * group, signed levels -8..7, no zero point): W[j, i] = scale[j, i / 32] * q[j, i]. The block layout of the
  * bf16 / int8 kernels, with each block's pair-rows grouped and stored as unsigned nibbles q + 8, two pair-rows

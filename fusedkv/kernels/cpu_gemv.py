@@ -10,8 +10,9 @@ than widening it in that loop. bf16 and int8 weights get `linear_blocks`, over t
 of 16 outputs with their input channels in pairs (`to_blocks`: one contiguous run per block, read in order):
 with AVX-512 BF16, pairs of bf16 weights times pairs of bf16 inputs in one instruction (int8 widened to bf16
 in registers, exactly); with AVX2, each pair-row widened to f32 in registers (exactly) for f32 FMAs; f32
-accumulation either way, int8 scaled per output. int4 weights (`linear_int4`) use the same blocks with
-nibbles. `blocks_isa` says which build runs. Built and loaded by `fusedkv.kernels.native`.
+accumulation either way, int8 scaled per output. f16 weights in the same blocks are converted to f32 in
+registers (F16C) wherever AVX2 is, and multiply f32 inputs as given. int4 weights (`linear_int4`) use the
+same blocks with nibbles. `blocks_isa` says which build runs. Built and loaded by `fusedkv.kernels.native`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 BLOCK = 16  # outputs per block of the bf16 / int8 layout (one AVX-512 register of f32 accumulators, two of AVX2)
-_PAIR_UNIT = {torch.bfloat16: torch.int32, torch.int8: torch.int16}  # a pair of input channels as one element
+# a pair of input channels as one element
+_PAIR_UNIT = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.int8: torch.int16}
 
 
 def blocks_isa() -> str | None:
@@ -72,6 +74,12 @@ def blocks_isa() -> str | None:
 def blocks_available() -> bool:
     """The bf16 / int8 block kernels run here (`blocks_isa`)."""
     return blocks_isa() is not None
+
+
+def f16_blocks_available() -> bool:
+    """The f16 block kernel runs here (a processor with AVX2, FMA and F16C)."""
+    lib = native.library()
+    return lib is not None and lib.f16_blocks
 
 
 def to_blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -108,10 +116,22 @@ def linear_blocks(x: torch.Tensor, blocks: torch.Tensor, in_features: int, scale
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`F.linear(x.bfloat16(), W)` in f32 for a few rows, W given by `to_blocks` in bf16, or in int8 with
     its f32 per-output `scale` (W = scale (.) q); `blocks` may be a slice `blocks[a:b]` (with the matching
-    slice of `scale`). x is rounded to bf16, as PyTorch's bf16 GEMV rounds it. None where it does not
-    apply (no block kernels here, more than `BLOCK_MAX_ROWS` rows, autograd, not f32 on CPU)."""
+    slice of `scale`). x is rounded to bf16, as PyTorch's bf16 GEMV rounds it. f16 blocks: `F.linear(x, W)`
+    with x in f32 as given. None where it does not apply (no block kernels here, more than `BLOCK_MAX_ROWS`
+    rows, autograd, not f32 on CPU)."""
     rows = _rows(x, in_features, bias, BLOCK_MAX_ROWS)
-    if not rows or blocks.shape[0] == 0 or not blocks[0].is_contiguous() or not blocks_available():
+    if not rows or blocks.shape[0] == 0 or not blocks[0].is_contiguous():
+        return None
+    if blocks.dtype == torch.float16:  # f32 inputs as they are
+        if not f16_blocks_available():
+            return None
+        x2 = x.reshape(rows, in_features).contiguous()
+        y = torch.empty(*x.shape[:-1], blocks.shape[0] * BLOCK)
+        native.library().gemv_f16_blocks(x2.data_ptr(), rows, in_features, blocks.data_ptr(), blocks.stride(0),
+                                         None if bias is None else bias.data_ptr(), y.data_ptr(), y.shape[-1],
+                                         torch.get_num_threads())
+        return y
+    if not blocks_available():
         return None
     int8 = blocks.dtype == torch.int8
     if int8 and (scale is None or scale.dtype is not torch.float32 or not scale.is_contiguous()):

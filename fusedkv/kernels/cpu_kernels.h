@@ -11,7 +11,10 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };  /* cache element kinds (fusedkv.k
 /* cpu_gemv.c */
 void gemv_f32(const float* x, int rows, int in, const float* wt, long ldw, const float* bias, float* y, int out,
               int threads);
-int has_bf16_blocks(void);
+int gemv_blocks_isa(void);
+int has_f16_blocks(void);
+int gemv_f16_blocks(const float* x, int rows, int in, const uint16_t* wb, long block_stride, const float* bias,
+                    float* y, int out, int threads);
 int gemv_bf16_blocks(const uint16_t* x, int rows, int in, const uint16_t* wb, long block_stride, const float* scale,
                      const float* bias, float* y, int out, int threads);
 int gemv_int8_blocks(const uint16_t* x, int rows, int in, const int8_t* wb, long block_stride, const float* scale,

@@ -38,6 +38,8 @@ SIGNATURES = {  # C function -> (argument types, result type)
     "gemv_int8_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
     "gemv_int4_blocks": ([P, I, I, P, L, P, P, P, I, I], I),
     "gemv_blocks_isa": ([], I),
+    "gemv_f16_blocks": ([P, I, I, P, L, P, P, I, I], I),
+    "has_f16_blocks": ([], I),
     "decode_attention": ([P, I, I, I, I, I, F, I, I, P, P, L, L, L, P, P, L, I, P, P, L, L, L, P, P, L, P, P, I], I),
     "decode_step": ([P, P, P, L, I], I),
     # cpu_kivi_attention.c (the KIVI cache read in place, fusedkv.kernels.cpu_kivi)
@@ -92,6 +94,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
     # the block products (cpu_gemv.c) as compiled here: AVX-512 BF16 dot products, AVX2 FMAs over widened weights
     lib.blocks_isa = BLOCK_ISAS[lib.gemv_blocks_isa()]
+    lib.f16_blocks = bool(lib.has_f16_blocks())  # f16 blocks: AVX2 + F16C conversions, on any such processor
     return lib
 
 

@@ -166,9 +166,11 @@ _needs_blocks = pytest.mark.skipif(not cpu_gemv.blocks_available(),
 
 @pytest.mark.parametrize("plan", ["vanilla", "fusedkv-lite", "fusedkv", "fusedkv-gqa"])
 @pytest.mark.parametrize("fmt", [pytest.param("bfloat16", marks=_needs_blocks),
-                                 pytest.param("int8", marks=_needs_blocks), "int4"])
+                                 pytest.param("int8", marks=_needs_blocks), "int4",
+                                 pytest.param("float16", marks=pytest.mark.skipif(
+                                     not cpu_gemv.f16_blocks_available(), reason="no AVX2 + F16C here"))])
 def test_step_with_reduced_weights_matches_module_decode(plan, fmt):
-    """bf16 / int8 / int4 block weights: the step runs the modules' own block kernels, so teacher-forced logits
+    """bf16 / int8 / int4 / f16 block weights: the step runs the modules' own block kernels, so teacher-forced logits
     match module-by-module decode of the same reduced model closely, for a left-padded batch. The two agree
     bit for bit until an f32 ulp of difference upstream (norms, attention) flips the bf16 rounding of one
     input element of a product (2^-8 of it), which moves the logits by up to ~1e-3 of their largest (measured:

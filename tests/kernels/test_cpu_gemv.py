@@ -168,6 +168,47 @@ def test_bf16_blocks_match_the_float64_product_of_the_rounded_operands(rows, out
         assert (part.double() - ref[:, 16:48]).abs().max() < tol
 
 
+needs_f16_blocks = pytest.mark.skipif(not cpu_gemv.f16_blocks_available(), reason="no AVX2 + F16C here")
+
+
+@needs_f16_blocks
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("out_features,in_features", [(16, 3), (48, 37), (96, 64), (1536, 512)])
+def test_f16_blocks_match_the_float64_product(rows, out_features, in_features):
+    """f16 blocks compute x . W_f16 in f32 with x as given (not rounded): against float64 over the same f16
+    weights, with a bias, an odd last channel (paired with a zero), and an output slice of blocks."""
+    g = torch.Generator().manual_seed(3 * out_features + in_features)
+    w, x, bias = (torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g),
+                  torch.randn(out_features, generator=g))
+    blocks = cpu_gemv.to_blocks(w.half())
+    assert blocks.dtype == torch.float16 and torch.equal(cpu_gemv.from_blocks(blocks, in_features), w.half())
+    ref = x.double() @ w.half().double().T
+    tol = 1e-5 * in_features**0.5
+    assert (cpu_gemv.linear_blocks(x, blocks, in_features, bias=bias).double() - ref - bias.double()).abs().max() < tol
+    if blocks.shape[0] > 2:
+        part = cpu_gemv.linear_blocks(x, blocks[1:3], in_features)
+        assert (part.double() - ref[:, 16:48]).abs().max() < tol
+
+
+@needs_f16_blocks
+def test_f16_reduced_linear_uses_the_blocks():
+    """`ReducedLinear` f16 stores blocks where the kernel runs: few rows through it (x not rounded), many rows
+    through the GEMM over the dequantised weight, a slice in place."""
+    from torch import nn
+
+    from fusedkv.engine.precision import ReducedLinear
+
+    linear = nn.Linear(40, 48, bias=True)
+    reduced = ReducedLinear.from_linears([linear], "float16")
+    assert reduced.blocked and reduced.weight.dtype == torch.float16
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        ref = x.double() @ linear.weight.half().double().T + linear.bias.double()
+        assert (reduced(x).double() - ref).abs().max() < 1e-5
+        assert (reduced(x.repeat(6, 1))[:3].double() - ref).abs().max() < 1e-2  # 18 rows: the GEMM path
+        assert (reduced.slice(16, 32)(x).double() - ref[:, 16:32]).abs().max() < 1e-5
+
+
 @needs_blocks
 def test_bf16_blocks_decline_and_reduced_linear_uses_them():
     from torch import nn

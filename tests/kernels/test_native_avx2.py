@@ -45,13 +45,15 @@ CHECK = textwrap.dedent("""
         assert err < 2e-5, (plan, float(err))
         prompt = ids[:, :5]
         assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
-    # bf16 / int8 blocks widened to f32 on AVX2, against float64 over the same rounded operands; and decoding with them
+    # bf16 / int8 / f16 blocks widened to f32 on AVX2, against float64 over the same rounded operands; decoding too
     from tests.kernels import test_cpu_gemv as gemv
     for rows in (1, 2, 7) if isa else ():
         for shape in ((16, 3), (48, 37), (1536, 512)):
             gemv.test_bf16_blocks_match_the_float64_product_of_the_rounded_operands(rows, *shape)
             gemv.test_int8_blocks_match_the_float64_product(rows, *shape)
-    for fmt in ("bfloat16", "int8"):
+            gemv.test_f16_blocks_match_the_float64_product(rows, *shape)
+    assert lib.f16_blocks == bool(isa)  # f16 blocks need AVX2 + F16C: the v3 build has them, v2 not
+    for fmt in ("bfloat16", "int8", "float16"):
         model = reduce_precision(tiny_model("fusedkv"), fmt)
         prompt = ids[:, :5]
         assert torch.equal(generate(model, prompt, 6).tokens, generate(model, prompt, 6, native_step=False).tokens)
