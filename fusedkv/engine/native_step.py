@@ -154,7 +154,7 @@ def unsupported(model, keys: dict[int, torch.Tensor], values: dict[int, torch.Te
             return f"layer {kv.index + 1}: its window differs from its sources' caches"
         if _products(layer) is None:
             return ("the weights are not f32 in the packed decode layout (fusedkv.engine.selection.set_decode_layout) "
-                    "or bf16 / int8 blocks or int4 blocks of fusedkv.engine.precision")
+                    "or bf16 / f16 / int8 / int4 blocks of fusedkv.engine.precision")
     return None
 
 

@@ -67,8 +67,7 @@ _PAIR_UNIT = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.int
 def blocks_isa() -> str | None:
     """How the block products run here: "avx512-bf16" (bf16 dot products), "avx2" (the weights widened to f32 in
     registers, f32 FMAs), or None (native kernels not built, or built for neither)."""
-    lib = native.library()
-    return None if lib is None else lib.blocks_isa
+    return getattr(native.library(), "blocks_isa", None)
 
 
 def blocks_available() -> bool:
