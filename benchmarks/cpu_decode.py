@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -58,6 +59,7 @@ from fusedkv.engine.precision import (
 from fusedkv.generation import generate
 from fusedkv.kernels import cpu_gemv, native
 from fusedkv.speed.inference import HF, BenchShape, build_models
+from fusedkv.utils import processor
 
 INT4_RULE = precision.INT4_RULE  # --int4-rule: the scale rule of every int4 model this script builds
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8", "int4": "int4"}
@@ -573,11 +575,13 @@ PREFILL_GROUPS = (  # aten op name -> part of the prefill; first match wins, the
 )
 
 
-def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], repeats: int) -> str:
+def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], repeats: int,
+                    kvs: list[torch.dtype]) -> str:
     """Where a prefill's time goes, 1 thread (`generate`'s prefill: select_runtime, then one forward over the
-    prompt asking for the last position's logits): torch.profiler's self CPU time per aten op, summed into
-    GEMM (the projections and LM head), attention (SDPA), the elementwise ops around them and copies;
-    "Python + dispatch" = the forward's wall time - the ops' self time. Median forward of `repeats`."""
+    prompt into a cache of each of `kvs`, asking for the last position's logits): torch.profiler's self CPU
+    time per aten op, summed into GEMM (the projections and LM head), attention (SDPA), the elementwise ops
+    around them and copies; "Python + dispatch" = the forward's wall time - the ops' self time. Median
+    forward of `repeats`."""
     from torch.profiler import ProfilerActivity, profile
 
     from fusedkv.engine.selection import set_decode_layout
@@ -588,17 +592,17 @@ def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], re
     names = [g for g, _ in PREFILL_GROUPS]
     lines = [f"1 thread, batch 1, wall ms of one prefill (median of {repeats}) and its parts (profiler self CPU "
              f"time, ms); load average at the start {open('/proc/loadavg').read().split()[0]}",
-             "| plan | weights | prompt | prefill ms | " + " | ".join(names) + " | other ops | Python + dispatch | "
-             "top ops |", "|---" * (len(names) + 7) + "|"]
+             "| plan | weights | cache | prompt | prefill ms | " + " | ".join(names) + " | other ops | "
+             "Python + dispatch | top ops |", "|---" * (len(names) + 8) + "|"]
     for plan in plans:
         for fmt in weights:
             model = base[plan] if fmt == "float32" else reduce_precision(_copy(base[plan]), fmt, int4_rule=INT4_RULE)
             set_decode_layout(model, 1)  # what generate's "auto" layout leaves at batch 1
-            for prompt in prompts:
+            for kv, prompt in ((k, n) for k in kvs for n in prompts):
                 ids = torch.randint(1, BenchShape().vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
 
-                def forward(model=model, ids=ids, prompt=prompt):
-                    cache = StaticKVCache(model.config, 1, prompt + 8, torch.float32)
+                def forward(model=model, ids=ids, prompt=prompt, kv=kv):
+                    cache = StaticKVCache(model.config, 1, prompt + 8, kv)
                     with torch.inference_mode(), select_runtime(model, cache=cache, batch=1):
                         model(ids, cache=cache, use_cache=True, logits_to_keep=1)
 
@@ -621,7 +625,8 @@ def prefill_profile(plans: list[str], weights: list[str], prompts: list[int], re
                     ops[e.key] = ms
                 top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:3])
                 python = profiled * 1e3 - sum(parts.values())
-                lines.append(f"| {plan} | {SHORT[fmt]} | {prompt} | {statistics.median(walls) * 1e3:.0f} | "
+                lines.append(f"| {plan} | {SHORT[fmt]} | {SHORT[str(kv).removeprefix('torch.')]} | {prompt} | "
+                             f"{statistics.median(walls) * 1e3:.0f} | "
                              + " | ".join(f"{v:.0f}" for v in parts.values()) + f" | {python:.0f} | {top} |")
                 print(lines[-1], file=sys.stderr)
     return "\n".join(lines)
@@ -674,13 +679,14 @@ def attention_table(threads: int, contexts: list[int], repeats: int) -> str:
 
 # ---- KIVI cache ---------------------------------------------------------------------------------------
 def kivi_table(plans: list[str], threads: int, contexts: list[int], steps: int, repeats: int,
-               models: dict | None = None) -> str:
+               models: dict | None = None, record: list | None = None) -> str:
     """TPOT of the native decode step over a KIVI-4 and a KIVI-2 cache (`fusedkv.kernels.cpu_kivi`: codes read
     in place) against the same step over a bf16 static cache, f32 weights, batch 1, at each context. The
     caches are filled with random post-RoPE K/V of the bench shape (no prefill: 32k tokens of it would take
     minutes); KIVI's through its own `update`, so they hold its codes, scales and 128-token residual. Each
     repeat times `steps` steps of every row, order rotated; ratios are per repeat, then medians. `models`:
-    plan -> f32 model to use instead of the bench model (a real one, `--model`)."""
+    plan -> f32 model to use instead of the bench model (a real one, `--model`); `record`: each cell's medians,
+    ratios and per-repeat seconds are appended to it (for a JSON)."""
     from fusedkv.engine.native_step import NativeDecodeStep
     from fusedkv.engine.selection import set_decode_layout
     from fusedkv.quant import KIVICache
@@ -723,6 +729,9 @@ def kivi_table(plans: list[str], threads: int, contexts: list[int], steps: int, 
                     samples[name].append(_step_tpot(*rows[name], steps))
             med = {name: statistics.median(samples[name]) * 1e3 for name in names}
             ratio = {name: statistics.median(a / b for a, b in zip(samples[name], samples["bf16"])) for name in names}
+            if record is not None:
+                record.append(dict(plan=plan, context=context, threads=threads, tpot_ms=med, ratio_to_bf16=ratio,
+                                   rounds_s=samples, load_average=os.getloadavg()))
             lines.append(f"| {plan} | {context} | {med['bf16']:.2f} | {med['KIVI-4']:.2f} | {ratio['KIVI-4']:.2f} | "
                          f"{med['KIVI-2']:.2f} | {ratio['KIVI-2']:.2f} |")
             print(lines[-1], file=sys.stderr)
@@ -908,16 +917,24 @@ def main() -> None:
         return
     if args.prefill:
         print(prefill_profile(args.plans.split(","), [weight_format(w) for w in args.weights.split(",")],
-                              [int(p) for p in args.prompt_lens.split(",")], args.repeats))
+                              [int(p) for p in args.prompt_lens.split(",")], args.repeats,
+                              [kv_dtype_for(k) for k in args.kv.split(",")]))
         return
     if args.attention:
         for t in [int(x) for x in args.threads.split(",")]:
             print(attention_table(t, [int(c) for c in args.prompt_lens.split(",")], args.repeats))
         return
     if args.kivi:
+        cells, start = [], os.getloadavg()
         for t in [int(x) for x in args.threads.split(",")]:
             print(kivi_table(args.plans.split(","), t, [int(c) for c in args.prompt_lens.split(",")], args.steps,
-                             args.repeats))
+                             args.repeats, record=cells))
+        if args.json:
+            from fusedkv.utils import write_json_atomic
+
+            write_json_atomic(args.json, dict(model="bench", processor=processor(), steps=args.steps,
+                                              repeats=args.repeats, date=time.strftime("%Y-%m-%d %H:%M"),
+                                              load_average=dict(start=start, end=os.getloadavg()), cells=cells))
         return
     if args.kernels:
         for t in [int(x) for x in args.threads.split(",")]:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from fusedkv.engine.precision import half_dtype, weight_nbytes
 from fusedkv.model import FusedKVForCausalLM
+from fusedkv.utils import processor
 
 WEIGHT_PEERS = {"f32": ["f32"], "bf16": ["f16"], "f16": ["f16"], "int8": ["q8_0"],
                 "int4": ["q4_0", "q4_1", "q4_k_m"]}
@@ -221,7 +222,7 @@ def run(args) -> dict:
 
     def result(rows: list[dict]) -> dict:
         return dict(model=str(args.model), plans=sources, date=time.strftime("%Y-%m-%d %H:%M"),
-                    processor=cd_processor(), texts=texts, window=args.window, windows_per_text=args.windows,
+                    processor=processor(), texts=texts, window=args.window, windows_per_text=args.windows,
                     quality=qual, rows=rows, repeats=args.repeats, new_tokens=args.new_tokens,
                     load_average=load, llama_cpp=_llama_version(llama))
 
@@ -240,13 +241,6 @@ def _llama_version(llama: dict) -> str | None:
     import llama_cpp
 
     return f"llama-cpp-python {llama_cpp.__version__}"
-
-
-def cd_processor() -> str:
-    flags = open("/proc/cpuinfo").read()
-    name = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
-    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
-    return f"{name} ({isa})"
 
 
 def speed(args, cd, ours: dict, llama: dict[str, Path], vocab: int, load: dict, cell_done) -> list[dict]:
@@ -340,10 +334,17 @@ def kivi(args) -> None:
             print(f"timing {longest} positions, past the model's max_position_embeddings "
                   f"({model.config.max_position_embeddings}); the caches hold random K/V", file=sys.stderr)
             model.config.max_position_embeddings = longest
+    cells, start = [], os.getloadavg()
     for t in [int(x) for x in args.threads.split(",")]:
         print(cd.kivi_table(plans, t, [int(c) for c in args.prompt_lens.split(",")], args.steps, args.repeats,
-                            models))
+                            models, record=cells))
     print(f"{args.model}; 1-minute load average at the end: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        from fusedkv.utils import write_json_atomic
+
+        write_json_atomic(args.json, dict(model=str(args.model), plans=plans, date=time.strftime("%Y-%m-%d %H:%M"),
+                                          processor=processor(), steps=args.steps, repeats=args.repeats,
+                                          load_average=dict(start=start, end=os.getloadavg()), cells=cells))
 
 
 def main(args) -> None:

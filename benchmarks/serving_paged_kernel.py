@@ -43,9 +43,9 @@ def main() -> None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from fusedkv.kernels import native
-    from fusedkv.serving.offline import processor
     from fusedkv.serving.paged_blocks import split_cpu_kv_cache
     from fusedkv.serving.paged_native import native_paged_attention, query_rows
+    from fusedkv.utils import processor
 
     torch.set_num_threads(1)
     dtype, B, L, H, H_kv, D, bs = (getattr(torch, args.dtype), args.batch, args.context, args.heads, args.kv_heads,

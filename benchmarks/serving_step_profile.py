@@ -136,7 +136,7 @@ def profile_engine(model_path: str, batches: list[int], prompt_len: int, new_tok
 
 
 def inner(args) -> None:
-    from fusedkv.serving.offline import processor
+    from fusedkv.utils import processor
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its CPU time is ours
     out = {"processor": processor(), "profile": {}, "attention": {}}

@@ -38,6 +38,8 @@ vLLM runs in its own environment (scripts/install-vllm.sh), this script in the p
     OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --workload memory-bound --skip-single-stream \
         --out docs/serving_throughput_memory_bound.json
     OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --requests 16 --prompt-len 64 --new-tokens 64
+    OMP_NUM_THREADS=1 python benchmarks/serving_throughput.py --workload memory-bound --skip-single-stream \
+        --checkpoints vanilla=V,fusedkv-lite=L,fusedkv=F   # a real model's three plans, its shape and dtype
 """
 
 from __future__ import annotations
@@ -83,6 +85,20 @@ def write_checkpoints(root: Path, args) -> dict[str, Path]:
         out[plan] = root / plan
         model.save_pretrained(out[plan])
     return out
+
+
+def given_checkpoints(spec: str, args) -> dict[str, Path]:
+    """`--checkpoints vanilla=DIR,fusedkv-lite=DIR,fusedkv=DIR`: the plans of one real model (one shape); the
+    model options (layers, heads, vocabulary, dtype unless given) are read from vanilla's config."""
+    ckpts = {plan: Path(d) for plan, d in (x.split("=", 1) for x in spec.split(","))}
+    if sorted(ckpts) != sorted(PLANS):
+        sys.exit(f"--checkpoints needs one directory for each of {', '.join(PLANS)} (got {', '.join(ckpts)})")
+    cfg = json.loads((ckpts["vanilla"] / "config.json").read_text())
+    args.layers, args.hidden, args.vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    args.heads, args.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    args.head_dim = cfg.get("head_dim") or args.hidden // args.heads
+    args.dtype = args.dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return ckpts
 
 
 def vllm_run(vllm_python: str, models: list[Path], prompts: list[list[int]], work: Path, *extra: str) -> list[dict]:
@@ -247,24 +263,30 @@ def main() -> None:
     p.add_argument("--single-prompt-len", type=int, default=32)
     p.add_argument("--single-new-tokens", type=int, default=128)
     p.add_argument("--vllm-python", default=None)
+    p.add_argument("--checkpoints", default=None, metavar="vanilla=DIR,fusedkv-lite=DIR,fusedkv=DIR",
+                   help="serve these checkpoints of one model (a real one) instead of random ones of the workload's "
+                        "shape; its shape and dtype come from vanilla's config")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     if args.rounds < 5:
         p.error("--rounds must be at least 5: a median of fewer rotated rounds is not one to report")
+    given = given_checkpoints(args.checkpoints, args) if args.checkpoints else None
     for name, value in WORKLOADS[args.workload].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if given is None:
+        args.heads, args.head_dim = args.hidden // 64, 64
     from fusedkv.serving.command import check_vllm_environment, find_vllm_python
 
     vllm_python = find_vllm_python(args.vllm_python)
     check_vllm_environment(vllm_python)
     if args.kv_cache_memory is None:  # K and V per layer per token, 8 full-length vanilla sequences
-        per_token = 2 * args.layers * args.kv_heads * 64 * torch.finfo(getattr(torch, args.dtype)).bits // 8
+        per_token = 2 * args.layers * args.kv_heads * args.head_dim * torch.finfo(getattr(torch, args.dtype)).bits // 8
         args.kv_cache_memory = 8 * (args.prompt_len + args.new_tokens) * per_token
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        ckpts = write_checkpoints(work / "ckpts", args)
+        ckpts = given or write_checkpoints(work / "ckpts", args)
         tp = throughput(vllm_python, ckpts, args, work)
         pf = prefill_skipping(vllm_python, ckpts, args, work) if args.prefill_skipping else None
         ss = None if args.skip_single_stream else single_stream(vllm_python, ckpts, args, work)
@@ -273,8 +295,9 @@ def main() -> None:
           f"Measured on a shared 2-core CPU machine (load "
           f"average {load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end): absolute figures are rough. "
           f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), KV-cache memory "
-          f"{args.kv_cache_memory / 2**20:.1f} MiB, {args.layers} layers, hidden {args.hidden}, "
-          f"{args.hidden // 64} query / {args.kv_heads} key-value heads of 64, vocabulary {args.vocab}, {args.dtype}, "
+          f"{args.kv_cache_memory / 2**20:.1f} MiB, {args.checkpoints or 'random weights'}: {args.layers} layers, "
+          f"hidden {args.hidden}, {args.heads} query / {args.kv_heads} key-value heads of {args.head_dim}, "
+          f"vocabulary {args.vocab}, {args.dtype}, "
           f"eager; every engine warmed up, {args.rounds} rounds in rotated order, ratios to vanilla's same round\n")
     print("| plan | cache blocks | max concurrency (vLLM) | requests per decode step (mean) | preemptions | "
           "generated tokens/s (median) | vs vanilla per round | median | by CPU time: per round | median |"

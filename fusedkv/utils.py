@@ -143,6 +143,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def processor() -> str:
+    """The CPU's model name and the vector extensions that decide the kernels' paths (vLLM's and fusedkv's)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in cpu_flags()]
+    return f"{name} ({', '.join(isa) or 'no AVX2'})"
+
+
 def cache_dir(*parts: str) -> Path:
     """The per-user cache directory for built artefacts: $FUSEDKV_CACHE, else $XDG_CACHE_HOME/fusedkv,
     else ~/.cache/fusedkv (not created here)."""

@@ -26,9 +26,12 @@ a short block, a long block). The implementations:
 
 The dtype rule, in one place (`Materialized.widens`): on CPU a short block over a 16-bit cache attends in
 f32, because PyTorch's CPU SDPA at one query row is 3-4x slower over bf16 K/V than converting them and
-running its f32 kernel (`benchmarks/cpu_decode.py --overhead`), and f32 is the more exact. The native
-kernel widens the cache as it reads it; the PyTorch implementations read K/V upcast once by their storage
-layer (`storage_kv`). Triton reads the cache's dtype itself. Elsewhere attention runs in the cache's dtype.
+running its f32 kernel (`benchmarks/cpu_decode.py --overhead`), and f32 is the more exact. A block of any
+length over an f16 cache does too on a processor without f16 arithmetic (no AVX-512 FP16 / AMX-FP16), where
+PyTorch's CPU SDPA emulates f16: a 2,048-token prefill's attention then takes about 3x as long as in f32
+(`benchmarks/cpu_decode.py --prefill --kv half`). The native kernel widens the cache as it reads it; the
+PyTorch implementations read K/V upcast once by their storage layer (`storage_kv`). Triton reads the cache's
+dtype itself. Elsewhere attention runs in the cache's dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..kernels.reference import factored
 from ..model.attention import SHORT_QUERY, Attention, ReferenceAttention
 from ..model.fusion import KVSources
 from ..model.mla import ExpandedAttention
+from .precision import native_f16
 
 # Query blocks up to this length take the factored / absorbed form (measured by
 # `benchmarks/attention_paths_cpu.py`; figures in docs/results.md).
@@ -78,19 +82,26 @@ def _causal_mask(t: int, s: int, device) -> torch.Tensor:
     return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
 
 
+def f32_block_dtypes(cpu: bool) -> frozenset:
+    """The 16-bit cache dtypes that blocks of every length attend over in f32 (the module docstring's rule):
+    on CPU, f16 where the processor has no f16 arithmetic."""
+    return frozenset({torch.float16}) if cpu and not native_f16() else frozenset()
+
+
 class Materialized(ReferenceAttention):
     """Fused K/V, then SDPA (causal flag or boolean mask; GQA without copies): the model's own computation,
-    with the engine's dtype rule for short CPU blocks over a 16-bit cache (`widens`)."""
+    with the engine's dtype rule for CPU blocks over a 16-bit cache (`widens`)."""
 
-    def __init__(self, scale: float, gqa: bool, f32_short: bool):
+    def __init__(self, scale: float, gqa: bool, f32_short: bool, f32_blocks: frozenset = frozenset()):
         super().__init__(scale, gqa)
         self.f32_short = f32_short  # CPU: a short block over a 16-bit cache attends in f32
+        self.f32_blocks = f32_blocks  # and a block of any length over a cache of these dtypes
 
-    def widens(self, t: int) -> bool:
-        return self.f32_short and t <= SHORT_QUERY
+    def widens(self, t: int, kv_dtype: torch.dtype) -> bool:
+        return self.f32_short and (t <= SHORT_QUERY or kv_dtype in self.f32_blocks)
 
     def storage_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        if k.dtype != q.dtype and self.widens(q.shape[2]):  # upcast once, here, not in every reader
+        if k.dtype != q.dtype and self.widens(q.shape[2], k.dtype):  # upcast once, here, not in every reader
             return k.to(q.dtype), v.to(q.dtype)
         return k, v
 
@@ -98,8 +109,9 @@ class Materialized(ReferenceAttention):
 class Factored(Materialized):
     """The factored form for query blocks up to `max_query` rows, `Materialized` above."""
 
-    def __init__(self, scale: float, gqa: bool, f32_short: bool, max_query: float = FACTORED_MAX_QUERY):
-        super().__init__(scale, gqa, f32_short)
+    def __init__(self, scale: float, gqa: bool, f32_short: bool, f32_blocks: frozenset = frozenset(),
+                 max_query: float = FACTORED_MAX_QUERY):
+        super().__init__(scale, gqa, f32_short, f32_blocks)
         self.max_query = max_query
 
     def attend(self, q, sources: KVSources, mask, causal: bool) -> torch.Tensor:

@@ -73,6 +73,11 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def native_f16() -> bool:
+    """True when the processor has f16 arithmetic (AVX-512 FP16 or AMX-FP16), not only F16C's conversions."""
+    return bool({"avx512_fp16", "amx_fp16"} & cpu_flags())
+
+
 def half_dtype() -> torch.dtype:
     """The 16-bit weight kind for this processor: bf16 with native bf16 arithmetic, else f16."""
     return torch.bfloat16 if native_bf16() else torch.float16

@@ -51,6 +51,7 @@ from .backends import (
     Materialized,
     NativeOneToken,
     TritonOneToken,
+    f32_block_dtypes,
 )
 from .native_step import MAX_ROWS as STEP_MAX_ROWS
 from .native_step import NativeDecodeStep, Unsupported
@@ -135,6 +136,7 @@ def select_runtime(model, implementation: str = "auto", cache=None, batch: int |
     cpu = device.type == "cpu"
     triton = triton_runs_on(device, dtype)
     native_ok = cpu and dtype == torch.float32 and native.available()
+    f32_blocks = f32_block_dtypes(cpu)
     if implementation == "native" and not native_ok:
         raise ValueError("the native attention implementation needs an f32 model on CPU with the native kernels "
                          "built (a C compiler; FUSEDKV_NATIVE_KERNELS not 0)")
@@ -144,8 +146,8 @@ def select_runtime(model, implementation: str = "auto", cache=None, batch: int |
     # model as it was.
     plan = model.config.plan
     implementations = [_mla_implementation(attn, implementation) if isinstance(attn, MLA) else
-                       _attention_implementation(attn, LayerFacts.of(attn, plan), implementation, cpu, triton,
-                                                 native_ok)
+                       _attention_implementation(attn, LayerFacts.of(attn, plan), implementation, cpu,
+                                                 f32_blocks, triton, native_ok)
                        for attn in attention]
     # The step reads the packed layout; where it may run, lay the weights out for it first.
     rule = product_rule(model)
@@ -207,8 +209,8 @@ def select_products(model: nn.Module) -> list[tuple]:
     return previous
 
 
-def _attention_implementation(attn: Attention, facts: LayerFacts, implementation: str, cpu: bool, triton: bool,
-                       native_ok: bool):
+def _attention_implementation(attn: Attention, facts: LayerFacts, implementation: str, cpu: bool,
+                              f32_blocks: frozenset, triton: bool, native_ok: bool):
     scale, gqa = attn.scale, attn.num_heads != attn.num_kv_heads
     if attn.softcap:  # soft-capped scores (Gemma 2): only the model's own implementation applies the cap
         if implementation not in ("auto", "materialized"):
@@ -216,23 +218,23 @@ def _attention_implementation(attn: Attention, facts: LayerFacts, implementation
                              f"(attn_logit_softcapping); only the 'materialized' implementation applies the cap")
         return None
     if implementation == "materialized":
-        return Materialized(scale, gqa, cpu)
+        return Materialized(scale, gqa, cpu, f32_blocks)
     if implementation == "factored":
-        return Factored(scale, gqa, cpu, max_query=float("inf"))
+        return Factored(scale, gqa, cpu, f32_blocks, max_query=float("inf"))
     if implementation == "triton":
         if not facts.triton_fits:
             raise ValueError(
                 f"layer {attn.layer.index + 1}: the Triton decode kernel takes at most 2 K and 2 V sources with "
                 f"per-channel (not scalar) weights and a head_dim that is a power of two in [16, 256] "
                 f"(head_dim={attn.head_dim}); use the 'factored' or 'materialized' implementation")
-        return TritonOneToken(Materialized(scale, gqa, cpu))
+        return TritonOneToken(Materialized(scale, gqa, cpu, f32_blocks))
     if implementation == "native":
         if not facts.native_fits:
             raise ValueError(f"layer {attn.layer.index + 1}: the native CPU decode kernel takes 1-2 K and 1-2 V "
                              "sources with per-channel (not scalar) weights; use the 'factored' or 'materialized' "
                              "implementation")
-        return NativeOneToken(Materialized(scale, gqa, cpu))
-    blocks = Factored(scale, gqa, cpu) if facts.weighted else Materialized(scale, gqa, cpu)
+        return NativeOneToken(Materialized(scale, gqa, cpu, f32_blocks))
+    blocks = Factored(scale, gqa, cpu, f32_blocks) if facts.weighted else Materialized(scale, gqa, cpu, f32_blocks)
     if triton and facts.triton_fits:
         return TritonOneToken(blocks)
     if native_ok and facts.native_fits:

@@ -78,15 +78,16 @@ class ReferenceAttention:
         self.scale, self.gqa = scale, gqa
         self.softcap = softcap  # Gemma 2's attention logit soft-capping, applied only here
 
-    def widens(self, t: int) -> bool:
-        """Whether a block of `t` queries over a 16-bit cache attends in f32: never here (the engine's may)."""
+    def widens(self, t: int, kv_dtype: torch.dtype) -> bool:
+        """Whether a block of `t` queries over a 16-bit cache of `kv_dtype` attends in f32: never here (the
+        engine's may)."""
         return False
 
     def storage_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return k, v
 
     def __call__(self, q, sources: KVSources, mask, causal: bool, kv_start) -> torch.Tensor:
-        if q.dtype != sources.keys[0].dtype and not self.widens(q.shape[2]):
+        if q.dtype != sources.keys[0].dtype and not self.widens(q.shape[2], sources.keys[0].dtype):
             q = q.to(sources.keys[0].dtype)  # a 16-bit KV cache under f32 activations: attend in its dtype
         return self.attend(q, sources, mask, causal)
 

@@ -26,7 +26,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
+
+from ..utils import processor
 
 
 def engine_kwargs(args, fast_prefill: bool | None = None) -> dict:
@@ -147,18 +148,6 @@ def describe(llm, model: str, prompts: list[list[int]], outputs, args) -> dict:
               "mlp": llm.apply_model(mlp_kinds)[0], "attention": llm.apply_model(attention_paths)[0],
               "processor": processor()}
     return result
-
-
-def processor() -> str:
-    """The CPU's model name and the vector extensions that decide vLLM's and the native kernel's paths."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name} ({', '.join(isa) or 'no AVX2'})"
 
 
 def attention_paths(model) -> list[str]:

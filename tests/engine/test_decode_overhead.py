@@ -1,13 +1,14 @@
 """The trimmed CPU decode step: one-token attention over a 16-bit KV cache runs in f32, over the cache
 widened as read by the native kernel or over a copy upcast once per storage layer with PyTorch's
-kernels (either equals attention over the same values stored in f32), and prefill keeps the cache's
-dtype."""
+kernels (either equals attention over the same values stored in f32); longer blocks (prefill) keep the
+cache's dtype, except an f16 cache on a processor without f16 arithmetic, which they attend over in f32."""
 
 import pytest
 import torch
 
 from fusedkv.cache import StaticKVCache
 from fusedkv.engine import select_runtime
+from fusedkv.engine.backends import f32_block_dtypes
 from fusedkv.kernels.reference import materialized_attention
 from fusedkv.model.attention import KVState
 from fusedkv.model.layers import apply_rope, rope_cos_sin
@@ -57,6 +58,33 @@ def test_one_token_attention_over_a_16bit_cache_equals_f32_attention_over_its_va
                                      [w if w is None else w.double() for w in v_w], scale=layer.scale)
         ref = torch.nn.functional.linear(ref.transpose(1, 2).reshape(2, 1, -1), layer.o_proj.weight.double())
     torch.testing.assert_close(outs[0].double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_blocks_over_an_f16_cache_attend_in_f32_without_f16_arithmetic(kv_dtype):
+    # A block longer than a decode step (a prefill): over f16 sources on a processor without f16 arithmetic
+    # it attends in f32 (PyTorch's CPU SDPA emulates f16, ~3x slower), so it equals attention over the same
+    # values held in f32; over bf16 it keeps the cache's dtype (the query rounded to bf16: not equal).
+    model = tiny_model("fusedkv")
+    select_runtime(model)
+    c = model.config
+    layer = next(lay for lay in model.model.layers if not lay.self_attn.layer.stores).self_attn
+    t = 20  # > SHORT_QUERY: the block path
+    x = torch.randn(2, t, c.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = rope_cos_sin(torch.arange(t).expand(2, t), c.head_dim, c.rope_theta, torch.float32)
+    half = _sources(model, kv_dtype, seq=t)
+    wide = {i: (k.float(), v.float()) for i, (k, v) in half.items()}
+    outs = []
+    with torch.inference_mode():
+        for sources in (half, wide):
+            kv = KVState(causal=True)
+            kv.layers.update(sources)
+            outs.append(layer(x, cos, sin, None, kv))
+    assert outs[0].dtype == torch.float32
+    if kv_dtype in f32_block_dtypes(cpu=True):
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    else:
+        assert (outs[0] - outs[1]).abs().max() > 1e-5
 
 
 @pytest.mark.parametrize("plan", ["vanilla", "fusedkv"])
