@@ -90,6 +90,9 @@ def write_checkpoints(root: Path, args) -> dict[str, Path]:
 def given_checkpoints(spec: str, args) -> dict[str, Path]:
     """`--checkpoints vanilla=DIR,fusedkv-lite=DIR,fusedkv=DIR`: the plans of one real model (one shape); the
     model options (layers, heads, vocabulary, dtype unless given) are read from vanilla's config."""
+    given = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "kv_heads", "vocab") if getattr(args, n)]
+    if given:
+        sys.exit(f"--checkpoints takes the model's shape from its config: leave out {', '.join(given)}")
     ckpts = {plan: Path(d) for plan, d in (x.split("=", 1) for x in spec.split(","))}
     if sorted(ckpts) != sorted(PLANS):
         sys.exit(f"--checkpoints needs one directory for each of {', '.join(PLANS)} (got {', '.join(ckpts)})")

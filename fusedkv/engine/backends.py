@@ -28,8 +28,8 @@ The dtype rule, in one place (`Materialized.widens`): on CPU a short block over 
 f32, because PyTorch's CPU SDPA at one query row is 3-4x slower over bf16 K/V than converting them and
 running its f32 kernel (`benchmarks/cpu_decode.py --overhead`), and f32 is the more exact. A block of any
 length over an f16 cache does too on a processor without f16 arithmetic (no AVX-512 FP16 / AMX-FP16), where
-PyTorch's CPU SDPA emulates f16: a 2,048-token prefill's attention then takes about 3x as long as in f32
-(`benchmarks/cpu_decode.py --prefill --kv half`). The native kernel widens the cache as it reads it; the
+PyTorch's CPU SDPA emulates f16 (a prefill's attention several times slower than in f32: docs/real-model.md,
+"Prefill"). The native kernel widens the cache as it reads it; the
 PyTorch implementations read K/V upcast once by their storage layer (`storage_kv`). Triton reads the cache's
 dtype itself. Elsewhere attention runs in the cache's dtype.
 """
